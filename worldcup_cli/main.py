@@ -1,0 +1,321 @@
+"""The ``worldcup`` command line: keygen, generate, decode, detect, bench.
+
+Bad input gets one line on stderr and exit code 2; ``--json`` prints one JSON
+object on stdout for scripts. Decoding and detection read the text on stdin
+and need only the tokenizer, never the model weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from worldcup_core import (
+    Payload,
+    SamplingConfig,
+    Variant,
+    WatermarkConfig,
+    WatermarkKey,
+    WorldCup,
+)
+from worldcup_core.config import MAX_PAYLOAD_BITS
+from worldcup_core.scheme import WatermarkScheme
+
+app = typer.Typer(
+    help="WorldCup multi-bit watermarking for LLM text.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+KeyFileOpt = Annotated[
+    Path, typer.Option("--key-file", help="File holding the 64-hex-character watermark key.")
+]
+KOpt = Annotated[int, typer.Option("--k", help="Groups of g-value families (bits per token).")]
+LayersOpt = Annotated[int, typer.Option("--layers", help="Tournament layers m.")]
+AlphaOpt = Annotated[float, typer.Option("--alpha", help="Watermark strength alpha.")]
+SchemeOpt = Annotated[str, typer.Option("--scheme", help="worldcup or mpac (baseline).")]
+VariantOpt = Annotated[
+    str, typer.Option("--variant", help="worldcup, no-entropy, no-subtraction, random-second.")
+]
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", help="Local HF model directory (default: embedded).")
+]
+
+
+def fail(message: str) -> NoReturn:
+    """One line, exit code 2: the contract for bad input."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _read_key(path: Path) -> WatermarkKey:
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        fail(f"key file not found: {path}")
+    except (OSError, UnicodeDecodeError):
+        fail(f"key file is unreadable or not hex text: {path}")
+    try:
+        return WatermarkKey.from_hex(text)
+    except ValueError as exc:
+        fail(f"malformed key file {path}: {exc}")
+
+
+def _scheme(key: WatermarkKey, scheme: str, k: int, layers: int, alpha: float, variant: str) -> Any:
+    try:
+        if scheme == "worldcup":
+            cfg = WatermarkConfig(groups=k, layers=layers, alpha=alpha, variant=Variant(variant))
+            return WorldCup(key, cfg)
+        if scheme == "mpac":
+            from worldcup_core.baselines.mpac import MPAC
+
+            return MPAC(key)
+    except ValueError as exc:
+        fail(str(exc))
+    fail(f"unknown scheme {scheme!r}; choose worldcup or mpac")
+
+
+def _stdin_text() -> str:
+    data = sys.stdin.buffer.read()
+    text = data.decode("utf-8", errors="replace")
+    if not text.strip():
+        fail("no text on stdin: pipe the text to decode or detect")
+    return text
+
+
+def _tokenize(text: str, model: str | None) -> list[int]:
+    from worldcup_core.models import ModelLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model)
+    except ModelLoadError as exc:
+        fail(str(exc))
+    ids: list[int] = tokenizer(text, add_special_tokens=False).input_ids
+    return ids
+
+
+def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
+    typer.echo(json.dumps(payload) if as_json else human)
+
+
+@app.command()
+def keygen(
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the key here (mode 600).")
+    ] = None,
+) -> None:
+    """Print a new random 32-byte watermark key as hex."""
+    key = WatermarkKey.generate()
+    if out is None:
+        typer.echo(key.hex())
+        return
+    if out.exists():
+        fail(f"refusing to overwrite existing key file {out}")
+    out.touch(mode=0o600)
+    out.write_text(key.hex() + "\n", encoding="ascii")
+    typer.echo(f"wrote key {key.key_id} to {out}", err=True)
+
+
+@app.command()
+def generate(
+    key_file: KeyFileOpt,
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt text.")],
+    bits: Annotated[str, typer.Option("--bits", help="Payload as a 0/1 string.")],
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")
+    ] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    min_new_tokens: Annotated[int, typer.Option("--min-new-tokens")] = 0,
+    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = 50,
+    top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+    no_repeat_ngram_size: Annotated[int, typer.Option("--no-repeat-ngram-size")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    k: KOpt = 2,
+    layers: LayersOpt = 30,
+    alpha: AlphaOpt = 1.2,
+    variant: VariantOpt = "worldcup",
+    scheme: SchemeOpt = "worldcup",
+    model: ModelOpt = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="auto, float32, bfloat16, float16")
+    ] = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate text from a prompt with the payload embedded."""
+    from worldcup_core.generation import GenerationRequest
+    from worldcup_core.generation import generate as run_generation
+    from worldcup_core.models import ModelLoadError, load_model
+
+    key = _read_key(key_file)
+    try:
+        payload = Payload.from_bits(bits)
+        sampling = SamplingConfig(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            seed=seed,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    if not prompt.strip():
+        fail("the prompt is empty")
+    wm: WatermarkScheme = _scheme(key, scheme, k, layers, alpha, variant)
+    try:
+        lm = load_model(model, device=device, dtype=dtype)
+    except ModelLoadError as exc:
+        fail(str(exc))
+    tok = lm.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            fail("this model has no chat template; drop --chat")
+        prompt_ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+            prompt_ids = prompt_ids["input_ids"]
+    else:
+        prompt_ids = tok(prompt, add_special_tokens=False).input_ids
+    start = time.perf_counter()
+    (result,) = run_generation(
+        lm.model,
+        [GenerationRequest(list(prompt_ids), sampling, wm, payload)],
+        lm.eos_token_ids,
+        lm.pad_token_id,
+    )
+    seconds = time.perf_counter() - start
+    text = tok.decode(result.token_ids, skip_special_tokens=True)
+    out = {
+        "text": text,
+        "token_ids": result.token_ids,
+        "bits": payload.bits,
+        "num_tokens": len(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "scheme": wm.version,
+        "key_id": key.key_id,
+        "model": lm.model_id,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(len(result.token_ids) / seconds, 2) if seconds else None,
+    }
+    _emit(as_json, out, text)
+
+
+@app.command()
+def decode(
+    key_file: KeyFileOpt,
+    num_bits: Annotated[int, typer.Option("--num-bits", help="Payload length in bits.")],
+    k: KOpt = 2,
+    layers: LayersOpt = 30,
+    variant: VariantOpt = "worldcup",
+    scheme: SchemeOpt = "worldcup",
+    list_size: Annotated[int, typer.Option("--list-size", help="Alternatives to list.")] = 5,
+    model: ModelOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recover the payload from text on stdin."""
+    key = _read_key(key_file)
+    if not 1 <= num_bits <= MAX_PAYLOAD_BITS:
+        fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
+    if list_size < 1:
+        fail(f"--list-size must be >= 1, got {list_size}")
+    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant)
+    ids = _tokenize(_stdin_text(), model)
+    result = wm.decode(ids, num_bits, list_size=list_size)
+    det = result.detection
+    out = {
+        "bits": result.bits,
+        "bit_confidence": [
+            {"z": round(z, 3), "p_value": p}
+            for z, p in zip(result.bit_z, result.bit_p_values, strict=True)
+        ],
+        "erasures": list(result.erasures),
+        "p_value": det.p_value,
+        "z_score": det.z_score,
+        "is_watermarked": det.is_watermarked,
+        "num_tokens": det.num_tokens,
+        "num_scored_tokens": det.num_scored_tokens,
+        "position_token_counts": list(result.position_token_counts),
+        "alternatives": [asdict(a) for a in result.alternatives],
+    }
+    human = (
+        f"bits {result.bits}  p={det.p_value:.3g}  z={det.z_score:.2f}  "
+        f"scored {det.num_scored_tokens}/{det.num_tokens} tokens"
+        + (f"  erasures {list(result.erasures)}" if result.erasures else "")
+    )
+    _emit(as_json, out, human)
+
+
+@app.command()
+def detect(
+    key_file: KeyFileOpt,
+    num_bits: Annotated[
+        int | None, typer.Option("--num-bits", help="Payload length if known (more power).")
+    ] = None,
+    k: KOpt = 2,
+    layers: LayersOpt = 30,
+    variant: VariantOpt = "worldcup",
+    scheme: SchemeOpt = "worldcup",
+    significance: Annotated[float, typer.Option("--significance")] = 0.01,
+    model: ModelOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Is the text on stdin watermarked with this key? (calibrated p-value)"""
+    key = _read_key(key_file)
+    if num_bits is not None and not 1 <= num_bits <= MAX_PAYLOAD_BITS:
+        fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
+    if not 0.0 < significance < 1.0:
+        fail(f"--significance must be in (0, 1), got {significance}")
+    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant)
+    ids = _tokenize(_stdin_text(), model)
+    det = wm.detect(ids, num_bits=num_bits, significance=significance)
+    out = {
+        "p_value": det.p_value,
+        "z_score": det.z_score,
+        "is_watermarked": det.is_watermarked,
+        "num_scored_tokens": det.num_scored_tokens,
+        "num_tokens": det.num_tokens,
+        "significance": det.significance,
+        "paper_z_score": det.paper_z_score,
+    }
+    verdict = "WATERMARKED" if det.is_watermarked else "not watermarked"
+    _emit(
+        as_json,
+        out,
+        f"{verdict}  p={det.p_value:.3g}  z={det.z_score:.2f}  "
+        f"scored {det.num_scored_tokens}/{det.num_tokens} tokens",
+    )
+
+
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer tokens and texts.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Encoding overhead and decoding throughput, measured side by side."""
+    from worldcup_cli.bench import format_bench, run_bench
+
+    def progress(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    result = run_bench(quick=quick, progress=progress)
+    _emit(as_json, result, format_bench(result))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Configuration dataclasses, validated at construction.
+
+The watermark configuration is everything a detector must agree on with the
+generator (besides the key): groups ``k``, layers ``m``, the context width
+``c`` and the variant. ``alpha`` only shapes generation. Sampling settings
+live apart because detection never needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from worldcup_core.prf import MAX_GROUPS, MAX_LAYERS
+
+
+class Variant(StrEnum):
+    """The paper's method and its ablations (Section 5.1)."""
+
+    WORLDCUP = "worldcup"  # sum q_int - alpha*tanh(H) * sum q_comp
+    NO_ENTROPY = "no-entropy"  # lambda = 1: q - q_bar
+    NO_SUBTRACTION = "no-subtraction"  # lambda = 0: q
+    RANDOM_SECOND = "random-second"  # q - lambda q', q' from independent g-values
+
+
+MAX_PAYLOAD_BITS = 64
+
+
+@dataclass(frozen=True)
+class WatermarkConfig:
+    """What generator and detector share.
+
+    >>> WatermarkConfig(groups=2, layers=30).symbols_for(16)
+    8
+    """
+
+    groups: int = 2
+    layers: int = 30
+    alpha: float = 1.2
+    context_width: int = 2
+    variant: Variant = Variant.WORLDCUP
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.groups <= MAX_GROUPS:
+            raise ValueError(f"groups (k) must be in 1..{MAX_GROUPS}, got {self.groups}")
+        if not 1 <= self.layers <= MAX_LAYERS:
+            raise ValueError(f"layers (m) must be in 1..{MAX_LAYERS}, got {self.layers}")
+        if not 0.0 <= self.alpha <= 10.0:
+            raise ValueError(f"alpha must be in [0, 10], got {self.alpha}")
+        if not 1 <= self.context_width <= 8:
+            raise ValueError(f"context_width (c) must be in 1..8, got {self.context_width}")
+        object.__setattr__(self, "variant", Variant(self.variant))
+
+    def symbols_for(self, num_bits: int) -> int:
+        """Number of message positions B = ceil(b / k)."""
+        if not 1 <= num_bits <= MAX_PAYLOAD_BITS:
+            raise ValueError(f"num_bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
+        return -(-num_bits // self.groups)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Per-request sampling; the watermark acts on the distribution these leave."""
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.95
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.temperature <= 10.0:
+            raise ValueError(f"temperature must be in (0, 10], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}"
+            )
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
