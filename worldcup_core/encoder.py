@@ -63,8 +63,12 @@ def combine_families(
     ``intended`` and ``other`` are g-values of shape (k, m, n): the family each
     group's bit selects, and the family it plays against.
     """
-    q_int = tournament_distribution(probs, intended).sum(axis=0)
-    q_other = tournament_distribution(probs, other).sum(axis=0) if lam else 0.0
+    k = intended.shape[0]
+    if lam:
+        q = tournament_distribution(probs, np.concatenate([intended, other]))
+        q_int, q_other = q[:k].sum(axis=0), q[k:].sum(axis=0)
+    else:
+        q_int, q_other = tournament_distribution(probs, intended).sum(axis=0), 0.0
     scores = np.clip(q_int - lam * q_other, 0.0, None)
     total = scores.sum()
     if not total > 0.0:

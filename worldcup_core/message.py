@@ -50,10 +50,9 @@ class Payload:
     @classmethod
     def from_hex(cls, text: str, num_bits: int | None = None) -> Payload:
         cleaned = text.strip().lower().removeprefix("0x")
-        try:
-            value = int(cleaned, 16)
-        except ValueError:
-            raise ValueError("hex payload must be hexadecimal") from None
+        if not cleaned or set(cleaned) - set("0123456789abcdef"):
+            raise ValueError("hex payload must be hexadecimal digits")
+        value = int(cleaned, 16)
         return cls.from_int(value, num_bits if num_bits is not None else 4 * len(cleaned))
 
     @classmethod

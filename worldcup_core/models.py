@@ -160,6 +160,12 @@ def load_model(
         directory, dtype=torch_dtype, local_files_only=True
     )
     model = model.to(dev)
+    if dev.type == "cpu":
+        # safetensors maps the file; copy the weights into process memory so the
+        # first requests do not stall on page faults (seen on these VMs).
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.clone()
     model.eval()
     return LoadedModel(
         model=model,

@@ -24,11 +24,13 @@ def tournament_distribution(probs: FloatArray, g: npt.NDArray[np.generic]) -> Fl
     >>> tournament_distribution(np.array([0.5, 0.5]), np.array([[1, 0]]))
     array([0.75, 0.25])
     """
-    q = np.asarray(probs, dtype=np.float64)
     gf = np.asarray(g, dtype=np.float64)
+    q = np.array(np.broadcast_to(probs, gf.shape[:-2] + gf.shape[-1:]), dtype=np.float64)
     for layer in range(gf.shape[-2]):
-        gl = gf[..., layer, :]
-        q = q * (1.0 + gl - np.sum(q * gl, axis=-1, keepdims=True))
+        # q(1 + g - E[g]) == q(1 - E[g]) + q g; method calls skip numpy's dispatch cost
+        qg = q * gf[..., layer, :]
+        q *= 1.0 - qg.sum(axis=-1, keepdims=True)
+        q += qg
     return q
 
 

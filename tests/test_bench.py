@@ -1,0 +1,32 @@
+"""The bench's decoding part on random ids: no model, no data, a few seconds."""
+
+from __future__ import annotations
+
+import json
+
+from worldcup_cli.bench import bench_decoding
+
+
+def test_bench_decoding_shape_and_rates() -> None:
+    result = bench_decoding(None, num_texts=40, scan_texts=5)
+    json.dumps(result)  # JSON-serialisable as run_bench's output must be
+    assert result["source"] == "random"
+    assert result["text_tokens"] == 256
+    assert result["num_bits"] == 16
+    assert result["torch_threads"] == 1
+    assert result["from_text"] is None  # needs a tokenizer
+    assert 0 <= result["flagged_watermarked"] <= result["distinct_texts"]
+    for key, count in (("from_ids", 40), ("scan_detect", 5)):
+        rate = result[key]
+        assert rate["texts"] == count
+        assert rate["texts_per_s"] > 0
+        assert rate["ms_per_text"] > 0
+
+
+def test_bench_decoding_given_chunks() -> None:
+    chunks = [list(range(i, i + 64)) for i in range(3)]
+    result = bench_decoding(None, num_texts=7, chunks=chunks, text_tokens=64)
+    assert result["source"] == "human"
+    assert result["distinct_texts"] == 3
+    assert result["from_ids"]["texts"] == 7
+    assert result["scan_detect"]["texts"] == 7

@@ -1,0 +1,416 @@
+"""``worldcup bench``: encoding overhead and decoding throughput, side by side.
+
+Both figures come from one process on the same model, prompts and seeds, so
+the comparison is fair: plain sampling (no scheme) against WorldCup sampling,
+and decode/detect on one CPU core. Shared machines are noisy, so generation
+runs are interleaved (plain, watermarked, then the other way round) and
+medians are reported; the time spent inside the watermark's ``reweight`` is
+also measured directly, which shows its cost even when the forward pass
+dominates and the noise swamps the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worldcup_core import Payload, SamplingConfig, WatermarkKey, WorldCup
+from worldcup_core.encoder import IntArray
+from worldcup_core.generation import GenerationRequest, generate
+from worldcup_core.models import LoadedModel, load_model
+from worldcup_core.scheme import SequenceWatermark
+from worldcup_core.tournament import FloatArray
+
+Progress = Callable[[str], None]
+
+TARGET_ENCODE_RATIO = 0.95  # watermarked tokens/s over plain tokens/s
+TARGET_DECODE_TEXTS_PER_S = 1000.0  # decode+detect of 256-token texts from ids, one core
+PAYLOAD_BITS = 16
+TEXT_TOKENS = 256
+PROMPT_TOKENS = 40
+FALLBACK_PROMPT = (
+    "The city council met on Tuesday evening to discuss the new budget, which includes "
+    "funding for schools, roads and a long-delayed plan to expand the public library."
+)
+FALLBACK_VOCAB = 49152  # SmolLM2's vocabulary, for random ids when no tokenizer is given
+BENCH_KEY = WatermarkKey(bytes(range(32)))  # fixed: runs are comparable across machines
+
+
+def default_data_dir() -> Path:
+    """``$WORLDCUP_DATA_DIR`` or ``../shared/data`` next to the checkout (as the tests use)."""
+    env = os.environ.get("WORLDCUP_DATA_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def load_human_texts(data_dir: Path) -> list[str]:
+    """CNN/DailyMail articles, then ELI5 human answers; empty if the files are absent."""
+    texts: list[str] = []
+    cnn = data_dir / "cnn_dailymail_test.jsonl"
+    if cnn.is_file():
+        with cnn.open(encoding="utf-8") as fh:
+            texts += [json.loads(line)["article"] for line in fh if line.strip()]
+    eli5 = data_dir / "eli5_longform_qa.jsonl"
+    if eli5.is_file():
+        with eli5.open(encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    texts += [a for a in json.loads(line).get("outputs", []) if a]
+    return texts
+
+
+def token_chunks(tokenizer: Any, texts: Sequence[str], length: int) -> list[list[int]]:
+    """Non-overlapping ``length``-token chunks of each text (the remainder is dropped)."""
+    chunks: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        chunks += [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)]
+    return chunks
+
+
+def _rate(count: int, seconds: float) -> dict[str, float]:
+    return {
+        "texts": count,
+        "seconds": round(seconds, 4),
+        "texts_per_s": round(count / seconds, 1),
+        "ms_per_text": round(1e3 * seconds / count, 4),
+    }
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def bench_decoding(
+    tokenizer: Any | None,
+    num_texts: int,
+    chunks: Sequence[Sequence[int]] | None = None,
+    *,
+    text_tokens: int = TEXT_TOKENS,
+    num_bits: int = PAYLOAD_BITS,
+    scan_texts: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Decode+detect throughput on one core, cycling over ``chunks``.
+
+    Without ``chunks``, random token ids stand in for text (no model or data
+    needed, which is what the unit test uses). The raw-text figure, which adds
+    tokenisation, needs ``tokenizer``; it is ``None`` otherwise. torch runs on
+    one thread here; numpy's work in decoding is small elementwise arrays, which
+    never use more than one thread.
+    """
+    if num_texts < 1:
+        raise ValueError(f"num_texts must be >= 1, got {num_texts}")
+    source = "human"
+    if not chunks:
+        source = "random"
+        vocab = len(tokenizer) if tokenizer is not None else FALLBACK_VOCAB
+        rng = np.random.default_rng(seed)
+        chunks = [rng.integers(0, vocab, size=text_tokens).tolist() for _ in range(64)]
+    ids = [[int(t) for t in c] for c in chunks]
+    scan_n = scan_texts if scan_texts is not None else num_texts
+    wc = WorldCup(BENCH_KEY)
+    with _torch_threads(1):
+        wc.decode(ids[0], num_bits=num_bits)  # warm-up: imports, scipy caches
+
+        flagged = sum(wc.decode(c, num_bits=num_bits).detection.is_watermarked for c in ids)
+
+        start = time.perf_counter()
+        for i in range(num_texts):
+            wc.decode(ids[i % len(ids)], num_bits=num_bits)
+        from_ids = _rate(num_texts, time.perf_counter() - start)
+
+        start = time.perf_counter()
+        for i in range(scan_n):
+            wc.detect(ids[i % len(ids)], num_bits=None)
+        scan = _rate(scan_n, time.perf_counter() - start)
+
+        from_text: dict[str, Any] | None = None
+        if tokenizer is not None:
+            texts = [tokenizer.decode(c) for c in ids]
+            lengths: list[int] = []
+            start = time.perf_counter()
+            for i in range(num_texts):
+                tokens = tokenizer(texts[i % len(texts)], add_special_tokens=False).input_ids
+                wc.decode(tokens, num_bits=num_bits)
+                lengths.append(len(tokens))
+            from_text = _rate(num_texts, time.perf_counter() - start)
+            from_text["mean_tokens"] = round(statistics.fmean(lengths), 1)
+    return {
+        "source": source,
+        "distinct_texts": len(ids),
+        "text_tokens": text_tokens,
+        "num_bits": num_bits,
+        "torch_threads": 1,
+        "from_ids": from_ids,
+        "scan_detect": scan,
+        "from_text": from_text,
+        "flagged_watermarked": flagged,  # false positives among the distinct texts
+    }
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+@dataclass
+class _Clock:
+    seconds: float = 0.0
+    calls: int = 0
+
+
+class _TimedSequence:
+    """A SequenceWatermark that times ``reweight`` (two perf_counter calls: ~0.1 us)."""
+
+    def __init__(self, inner: SequenceWatermark, clock: _Clock) -> None:
+        self._inner = inner
+        self._clock = clock
+        self.modifies_logits = inner.modifies_logits
+
+    def process_logits(self, logits: FloatArray) -> FloatArray:
+        return self._inner.process_logits(logits)
+
+    def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
+        start = time.perf_counter()
+        out = self._inner.reweight(candidates, probs)
+        self._clock.seconds += time.perf_counter() - start
+        self._clock.calls += 1
+        return out
+
+    def observe(self, token: int) -> None:
+        self._inner.observe(token)
+
+
+class _TimedWorldCup(WorldCup):
+    """WorldCup (default config) whose sequences report their reweight time."""
+
+    def __init__(self, key: WatermarkKey, clock: _Clock) -> None:
+        super().__init__(key)
+        self.clock = clock
+
+    def sequence(self, payload: Payload) -> SequenceWatermark:
+        return _TimedSequence(super().sequence(payload), self.clock)
+
+
+def prompts_from(tokenizer: Any, texts: Sequence[str], count: int) -> list[list[int]]:
+    """The first ``PROMPT_TOKENS`` tokens of ``count`` texts (a fixed prompt without data)."""
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids[:PROMPT_TOKENS] for t in texts]
+    prompts = [p for p in prompts if len(p) == PROMPT_TOKENS][:count]
+    if not prompts:
+        prompts = [tokenizer(FALLBACK_PROMPT, add_special_tokens=False).input_ids]
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def bench_encoding(
+    loaded: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    batch_size: int,
+    new_tokens: int,
+    repeats: int,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Median tokens/s of plain vs WorldCup sampling at one batch size, interleaved."""
+    clock = _Clock()
+    scheme = _TimedWorldCup(BENCH_KEY, clock)
+    payloads = [Payload.random(PAYLOAD_BITS, np.random.default_rng(i)) for i in range(batch_size)]
+
+    def requests(tokens: int, watermark: bool) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                prompt_ids=list(prompts[i]),
+                sampling=SamplingConfig(
+                    max_new_tokens=tokens, min_new_tokens=tokens, seed=1000 + i
+                ),
+                scheme=scheme if watermark else None,
+                payload=payloads[i] if watermark else None,
+            )
+            for i in range(batch_size)
+        ]
+
+    def run(watermark: bool) -> float:
+        start = time.perf_counter()
+        results = generate(
+            loaded.model, requests(new_tokens, watermark), loaded.eos_token_ids, loaded.pad_token_id
+        )
+        seconds = time.perf_counter() - start
+        produced = sum(len(r.token_ids) for r in results)
+        if produced != batch_size * new_tokens:  # min_new_tokens bans EOS, so never
+            raise RuntimeError(f"expected {batch_size * new_tokens} tokens, got {produced}")
+        return seconds
+
+    for watermark in (False, True):  # warm-up: allocator, kernels, first-call overhead
+        generate(loaded.model, requests(4, watermark), loaded.eos_token_ids, loaded.pad_token_id)
+    clock.seconds, clock.calls = 0.0, 0
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(repeats):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for watermark in order:
+            times[watermark].append(run(watermark))
+        if progress is not None:
+            progress(
+                f"  batch {batch_size} repeat {r + 1}/{repeats}: "
+                f"plain {times[False][-1]:.2f} s, watermarked {times[True][-1]:.2f} s"
+            )
+    tokens = batch_size * new_tokens
+    plain = statistics.median(tokens / s for s in times[False])
+    marked = statistics.median(tokens / s for s in times[True])
+    best_plain, best_marked = tokens / min(times[False]), tokens / min(times[True])
+    reweight_per_run = clock.seconds / repeats
+    plain_median_s = statistics.median(times[False])
+    return {
+        "batch_size": batch_size,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "plain_tokens_per_s": round(plain, 2),
+        "watermarked_tokens_per_s": round(marked, 2),
+        "ratio": round(marked / plain, 4),
+        # Best-of-repeats (as timeit does): stalls only ever make a run slower.
+        "ratio_best": round(best_marked / best_plain, 4),
+        "plain_seconds": [round(s, 3) for s in times[False]],
+        "watermarked_seconds": [round(s, 3) for s in times[True]],
+        "reweight_us_per_token": round(1e6 * clock.seconds / max(clock.calls, 1), 1),
+        "reweight_share_of_watermarked_time": round(clock.seconds / sum(times[True]), 4),
+        # The ratio if the reweight cost were the only difference (noise-free estimate).
+        "ratio_from_reweight_cost": round(plain_median_s / (plain_median_s + reweight_per_run), 4),
+    }
+
+
+# --------------------------------------------------------------------------- whole bench
+
+
+def run_bench(
+    quick: bool = False,
+    progress: Progress | None = None,
+    data_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Everything ``worldcup bench`` reports, as a JSON-serialisable dict."""
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
+
+    bench_start = time.perf_counter()
+    new_tokens, repeats, num_texts = (16, 3, 200) if quick else (64, 5, 2000)
+    data = data_dir or default_data_dir()
+
+    say("loading the model ...")
+    start = time.perf_counter()
+    loaded = load_model()
+    load_seconds = time.perf_counter() - start
+    texts = load_human_texts(data)
+    if not texts:
+        say(f"no human text under {data}: fixed prompt, random token ids")
+
+    encoding = []
+    prompts = prompts_from(loaded.tokenizer, texts, 8)
+    for batch_size in (1, 8):
+        say(f"encoding: batch {batch_size}, {new_tokens} tokens x {repeats} repeats ...")
+        encoding.append(
+            bench_encoding(loaded, prompts, batch_size, new_tokens, repeats, progress=progress)
+        )
+
+    say(f"decoding: {num_texts} texts of {TEXT_TOKENS} tokens on one core ...")
+    chunks = token_chunks(loaded.tokenizer, texts, TEXT_TOKENS)
+    # Scan mode tries every payload length, so it is slower; a quarter of the texts is plenty.
+    decoding = bench_decoding(loaded.tokenizer, num_texts, chunks, scan_texts=num_texts // 4)
+
+    worst_ratio = min(e["ratio"] for e in encoding)
+    decode_rate = decoding["from_ids"]["texts_per_s"]
+    return {
+        "quick": quick,
+        "environment": {
+            "model": loaded.model_id,
+            "model_load_seconds": round(load_seconds, 3),
+            "device": str(loaded.device),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "data_dir": str(data),
+        },
+        "encoding": encoding,
+        "decoding": decoding,
+        "targets": {
+            "encode_ratio": {
+                "target": TARGET_ENCODE_RATIO,
+                "measured": worst_ratio,
+                "passed": worst_ratio >= TARGET_ENCODE_RATIO,
+            },
+            "decode_texts_per_s": {
+                "target": TARGET_DECODE_TEXTS_PER_S,
+                "measured": decode_rate,
+                "passed": decode_rate >= TARGET_DECODE_TEXTS_PER_S,
+            },
+        },
+        "total_seconds": round(time.perf_counter() - bench_start, 1),
+    }
+
+
+def format_bench(result: dict[str, Any]) -> str:
+    """A compact plain-text report of :func:`run_bench`'s dict."""
+    env = result["environment"]
+    lines = [
+        f"model   {env['model']} on {env['device']}, loaded in {env['model_load_seconds']:.2f} s",
+        f"system  torch {env['torch']}, {env['torch_threads']} torch threads, "
+        f"{env['cpu_count']} CPUs, python {env['python']}",
+        "",
+        "encoding (WorldCup k=2 m=30, 16-bit payload vs plain sampling; median of repeats)",
+        f"  {'batch':>5} {'tokens':>6} {'plain tok/s':>12} {'wm tok/s':>10} {'ratio':>7} "
+        f"{'best':>7} {'reweight us/tok':>16} {'share':>7} {'est.':>7}",
+    ]
+    for e in result["encoding"]:
+        lines.append(
+            f"  {e['batch_size']:>5} {e['new_tokens']:>6} {e['plain_tokens_per_s']:>12.2f} "
+            f"{e['watermarked_tokens_per_s']:>10.2f} {e['ratio']:>7.3f} {e['ratio_best']:>7.3f} "
+            f"{e['reweight_us_per_token']:>16.1f} "
+            f"{100 * e['reweight_share_of_watermarked_time']:>6.2f}% "
+            f"{e['ratio_from_reweight_cost']:>7.3f}"
+        )
+    lines.append(
+        "  ratio: median wm/plain; best: fastest runs; est.: plain / (plain + reweight) time"
+    )
+    dec = result["decoding"]
+    lines += [
+        "",
+        f"decoding ({dec['text_tokens']}-token {dec['source']} texts, {dec['num_bits']} bits, "
+        f"one core; {dec['distinct_texts']} distinct, "
+        f"{dec['flagged_watermarked']} flagged as watermarked)",
+        f"  {'mode':<28} {'texts':>6} {'texts/s':>9} {'ms/text':>8}",
+    ]
+    modes = [
+        ("decode+detect from ids", dec["from_ids"]),
+        ("decode+detect from text", dec["from_text"]),
+        ("detect, scan (num_bits=None)", dec["scan_detect"]),
+    ]
+    for name, rate in modes:
+        if rate is not None:
+            lines.append(
+                f"  {name:<28} {rate['texts']:>6} {rate['texts_per_s']:>9.1f} "
+                f"{rate['ms_per_text']:>8.3f}"
+            )
+    lines += ["", "targets"]
+    for name, t in result["targets"].items():
+        verdict = "PASS" if t["passed"] else "FAIL"
+        lines.append(f"  {name:<20} {t['measured']:>9} (target >= {t['target']})  {verdict}")
+    lines.append(f"\ntotal {result['total_seconds']:.1f} s")
+    return "\n".join(lines)
