@@ -11,7 +11,7 @@ from transformers import LogitsProcessorList
 
 from worldcup_core import Payload, SamplingConfig, WatermarkKey, WorldCup
 from worldcup_core.baselines import MPAC
-from worldcup_core.generation import GenerationRequest, generate
+from worldcup_core.generation import ContinuousBatch, GenerationRequest, generate
 from worldcup_core.hf import WorldCupLogitsProcessor
 from worldcup_core.models import LoadedModel, load_tokenizer, tiny_random_model
 from worldcup_core.sampling import NGramBlocker, filter_logits
@@ -131,7 +131,7 @@ def test_stop_callback_and_streaming(tiny: LoadedModel) -> None:
         tiny, [req], on_token=lambda i, t: seen.append((i, t)), should_stop=lambda: len(seen) >= 5
     )
     assert res.token_ids == [t for _, t in seen] and len(seen) == 5
-    assert res.finish_reason == "length"
+    assert res.finish_reason == "cancelled"
 
 
 def test_mpac_runs_through_the_same_loop(tiny: LoadedModel) -> None:
@@ -191,3 +191,43 @@ def test_request_validation() -> None:
         GenerationRequest([1], scheme=WorldCup(WatermarkKey(bytes(32))))
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingConfig(max_new_tokens=4, min_new_tokens=5)
+
+
+def _solo(tiny: LoadedModel, req: GenerationRequest) -> list[int]:
+    return list(_run(tiny, [req])[0].token_ids)
+
+
+def test_rows_join_and_leave_between_steps(tiny: LoadedModel) -> None:
+    """A row's tokens do not depend on who else is in the batch, or when it joined."""
+    scheme = WorldCup(WatermarkKey(bytes(range(32))))
+
+    def req(text: str, n: int, seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            _prompt(tiny, text),
+            SamplingConfig(max_new_tokens=n, min_new_tokens=n, seed=seed),
+            scheme,
+            Payload("10110011"),
+        )
+
+    first, second, third = (
+        req("A long first prompt here", 30, 1),
+        req("Hi", 12, 2),
+        req("Third one", 20, 3),
+    )
+    batch = ContinuousBatch(tiny.model, tiny.eos_token_ids, tiny.pad_token_id)
+    (a,) = batch.add([first])
+    tokens: dict[int, list[int]] = {}
+    for step in range(30):
+        if step == 5:
+            (b,) = batch.add([second])
+        if step == 9:
+            (c,) = batch.add([third])
+        if step == 14:
+            batch.cancel([c])
+        events, _ = batch.step()
+        for ev in events:
+            tokens.setdefault(ev.row_id, []).append(ev.token)
+    assert len(batch) == 0
+    assert tokens[a] == _solo(tiny, first)
+    assert tokens[b] == _solo(tiny, second)
+    assert tokens[c] == _solo(tiny, third)[:5]  # cancelled after 5 steps

@@ -1,17 +1,20 @@
 """Batched generation with a KV cache; every row has its own key, payload and sampling.
 
-One forward pass per step serves the whole batch (left-padded prompts,
-explicit position ids). After the forward pass each row goes through
-bans -> temperature/top-k/top-p (:mod:`worldcup_core.sampling`) -> its scheme's
-``reweight`` -> a draw from its own seeded generator. Finished rows keep
-feeding their pad token until the batch is done; nothing they produce after
-finishing is recorded. Works on any device the model is on: only the top-k
-slice of each row (and the full row for logit-biasing baselines) comes back
-to the CPU.
+:class:`ContinuousBatch` is the engine: one forward pass per step serves every
+active row, rows join between steps (their prompts are prefilled and their KV
+cache is left-padded into the batch's) and leave when they finish or are
+cancelled. After the forward pass each row goes through bans ->
+temperature/top-k/top-p (:mod:`worldcup_core.sampling`) -> its scheme's
+``reweight`` -> a draw from its own seeded generator. :func:`generate` is the
+static special case: everything joins at once, the batch runs dry.
+
+Works on any device the model is on: only the top-k slice of each row (and
+the full row for logit-biasing baselines) comes back to the CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from worldcup_core.sampling import NGramBlocker, filter_logits
 from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
 
 TokenCallback = Callable[[int, int], None]
+FinishReason = Literal["eos", "length", "cancelled"]
 
 
 @dataclass
@@ -47,35 +51,196 @@ class GenerationRequest:
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # the response, without the closing EOS
-    finish_reason: Literal["eos", "length"]
+    finish_reason: FinishReason
     prompt_tokens: int
     seconds: float
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """One sampled token of one row; ``finish`` is set on the row's last event."""
+
+    row_id: int
+    token: int
+    finish: FinishReason | None
+
+
 @dataclass
 class _Row:
+    row_id: int
     request: GenerationRequest
     rng: np.random.Generator
     blocker: NGramBlocker
     watermark: SequenceWatermark | None
+    next_position: int
+    started: float
     tokens: list[int] = field(default_factory=list)
-    finish: Literal["eos", "length"] | None = None
 
 
-def _start_row(request: GenerationRequest) -> _Row:
-    s = request.sampling
-    wm = None
-    if request.scheme is not None and request.payload is not None:
-        wm = request.scheme.sequence(request.payload)
-    return _Row(
-        request=request,
-        rng=np.random.default_rng(s.seed),
-        blocker=NGramBlocker(s.no_repeat_ngram_size, request.prompt_ids),
-        watermark=wm,
+class ContinuousBatch:
+    """Rows join and leave between steps; one forward pass per step for all.
+
+    Not thread-safe: one owner (a generation thread) calls ``add``, ``step``
+    and ``cancel``.
+    """
+
+    def __init__(self, model: Any, eos_token_ids: Sequence[int], pad_token_id: int) -> None:
+        self.model = model
+        self.eos = list(eos_token_ids)
+        self.pad = pad_token_id
+        self.device = next(model.parameters()).device
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # (B, T): 0 over left padding
+        self._logits: torch.Tensor | None = None  # (B, V): next-token logits
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def row_ids(self) -> list[int]:
+        return [r.row_id for r in self._rows]
+
+    @torch.inference_mode()
+    def add(self, requests: Sequence[GenerationRequest]) -> list[int]:
+        """Prefill ``requests`` and merge them into the running batch."""
+        if not requests:
+            return []
+        now = time.perf_counter()
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(list(r.prompt_ids))
+            mask[i, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        rows = [self._start_row(r, now) for r in requests]
+        self._merge(out.past_key_values, mask, out.logits[:, -1, :], rows)
+        return [r.row_id for r in rows]
+
+    def _start_row(self, request: GenerationRequest, now: float) -> _Row:
+        s = request.sampling
+        wm = None
+        if request.scheme is not None and request.payload is not None:
+            wm = request.scheme.sequence(request.payload)
+        return _Row(
+            row_id=next(self._ids),
+            request=request,
+            rng=np.random.default_rng(s.seed),
+            blocker=NGramBlocker(s.no_repeat_ngram_size, request.prompt_ids),
+            watermark=wm,
+            next_position=len(request.prompt_ids),
+            started=now,
+        )
+
+    def _merge(
+        self, cache: Any, mask: torch.Tensor, logits: torch.Tensor, rows: list[_Row]
+    ) -> None:
+        if self._cache is None or self._mask is None or self._logits is None:
+            self._cache, self._mask, self._logits, self._rows = cache, mask, logits, rows
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        self._mask = torch.cat([_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)])
+        self._logits = torch.cat([self._logits, logits])
+        self._rows = self._rows + rows
+
+    def cancel(self, row_ids: Sequence[int]) -> None:
+        """Drop rows (client gone, timeout) before the next step."""
+        drop = set(row_ids)
+        self._keep([i for i, r in enumerate(self._rows) if r.row_id not in drop])
+
+    def _keep(self, index: list[int]) -> None:
+        if len(index) == len(self._rows):
+            return
+        if not index:
+            self._rows, self._cache, self._mask, self._logits = [], None, None, None
+            return
+        assert self._cache is not None and self._mask is not None and self._logits is not None
+        sel = torch.tensor(index, device=self.device)
+        self._cache.batch_select_indices(sel)
+        mask, logits = self._mask[sel], self._logits[sel]
+        live = int(mask.any(dim=0).nonzero()[0])  # drop columns that are padding everywhere
+        if live:
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, live:], layer.values[:, :, live:]
+            mask = mask[:, live:]
+        self._mask, self._logits = mask, logits
+        self._rows = [self._rows[i] for i in index]
+
+    def result(self, row_id: int, finish: FinishReason) -> GenerationResult:
+        row = next(r for r in self._rows if r.row_id == row_id)
+        return _result(row, finish)
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[StepEvent], list[GenerationResult]]:
+        """Sample one token for every row, retire finished rows, run the forward pass.
+
+        Returns the step's events and the results of rows that finished.
+        """
+        if not self._rows or self._logits is None or self._mask is None:
+            return [], []
+        tokens = _sample(self._rows, self._logits, self.eos)
+        events: list[StepEvent] = []
+        finished: list[GenerationResult] = []
+        keep: list[int] = []
+        for i, (row, tok) in enumerate(zip(self._rows, tokens, strict=True)):
+            row.tokens.append(tok)
+            row.blocker.push(tok)
+            if row.watermark is not None:
+                row.watermark.observe(tok)
+            finish: FinishReason | None = None
+            if tok in self.eos:
+                finish = "eos"
+            elif len(row.tokens) >= row.request.sampling.max_new_tokens:
+                finish = "length"
+            events.append(StepEvent(row.row_id, tok, finish))
+            if finish is None:
+                keep.append(i)
+            else:
+                finished.append(_result(row, finish))
+        self._keep(keep)
+        if self._rows:
+            assert self._mask is not None
+            feed = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
+            positions = torch.tensor([[r.next_position] for r in self._rows], device=self.device)
+            self._mask = torch.cat([self._mask, torch.ones_like(feed)], dim=1)
+            out = self.model(
+                input_ids=feed,
+                attention_mask=self._mask,
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+            self._cache, self._logits = out.past_key_values, out.logits[:, -1, :]
+            for r in self._rows:
+                r.next_position += 1
+        return events, finished
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _result(row: _Row, finish: FinishReason) -> GenerationResult:
+    return GenerationResult(
+        token_ids=row.tokens[:-1] if finish == "eos" else list(row.tokens),
+        finish_reason=finish,
+        prompt_tokens=len(row.request.prompt_ids),
+        seconds=time.perf_counter() - row.started,
     )
 
 
-@torch.inference_mode()
 def generate(
     model: Any,
     requests: Sequence[GenerationRequest],
@@ -84,79 +249,33 @@ def generate(
     on_token: TokenCallback | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[GenerationResult]:
-    """Generate all ``requests`` as one batch; ``on_token(row, token)`` streams.
+    """Generate all ``requests`` as one batch; ``on_token(index, token)`` streams.
 
     ``should_stop`` is polled once per step; when it returns True every
-    unfinished row ends with finish reason ``length``.
+    unfinished row ends with finish reason ``cancelled``.
     """
-    if not requests:
-        return []
-    start = time.perf_counter()
-    rows = [_start_row(r) for r in requests]
-    device = next(model.parameters()).device
-    width = max(len(r.prompt_ids) for r in requests)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(requests):
-        ids[i, width - len(r.prompt_ids) :] = torch.tensor(list(r.prompt_ids), dtype=torch.long)
-        mask[i, width - len(r.prompt_ids) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    eos = list(eos_token_ids)
-    max_steps = max(r.sampling.max_new_tokens for r in requests)
-    for step in range(max_steps):
-        next_tokens = _sample_step(rows, out.logits[:, -1, :], eos, step)
-        for i, row in enumerate(rows):
-            if row.finish is not None:
-                continue
-            tok = next_tokens[i]
-            row.tokens.append(tok)
-            row.blocker.push(tok)
-            if row.watermark is not None:
-                row.watermark.observe(tok)
-            if on_token is not None:
-                on_token(i, tok)
-            if tok in eos:
-                row.finish = "eos"
-            elif len(row.tokens) >= row.request.sampling.max_new_tokens:
-                row.finish = "length"
-        if should_stop is not None and should_stop():
-            for row in rows:
-                row.finish = row.finish or "length"
-        if all(row.finish is not None for row in rows):
-            break
-        feed = torch.tensor(
-            [pad_token_id if r.finish else r.tokens[-1] for r in rows], device=device
-        )[:, None]
-        mask = torch.cat([mask, torch.ones_like(feed)], dim=1)
-        positions = positions[:, -1:] + 1
-        out = model(
-            input_ids=feed,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
-    elapsed = time.perf_counter() - start
-    return [
-        GenerationResult(
-            token_ids=row.tokens[:-1] if row.finish == "eos" else list(row.tokens),
-            finish_reason=row.finish or "length",
-            prompt_tokens=len(row.request.prompt_ids),
-            seconds=elapsed,
-        )
-        for row in rows
-    ]
+    batch = ContinuousBatch(model, eos_token_ids, pad_token_id)
+    index = {row_id: i for i, row_id in enumerate(batch.add(requests))}
+    results: dict[int, GenerationResult] = {}
+    while len(batch):
+        events, finished = batch.step()
+        if on_token is not None:
+            for ev in events:
+                on_token(index[ev.row_id], ev.token)
+        for ev, res in zip([e for e in events if e.finish], finished, strict=True):
+            results[index[ev.row_id]] = res
+        if should_stop is not None and should_stop() and len(batch):
+            for row_id in batch.row_ids:
+                results[index[row_id]] = batch.result(row_id, "cancelled")
+            batch.cancel(batch.row_ids)
+    return [results[i] for i in range(len(requests))]
 
 
-def _sample_step(rows: list[_Row], logits: torch.Tensor, eos: list[int], step: int) -> list[int]:
+def _sample(rows: list[_Row], logits: torch.Tensor, eos: list[int]) -> list[int]:
     logits = logits.clone()
     for i, row in enumerate(rows):
-        if row.finish is not None:
-            continue
         banned = row.blocker.banned()
-        if step < row.request.sampling.min_new_tokens:
+        if len(row.tokens) < row.request.sampling.min_new_tokens:
             banned = banned | set(eos)
         if banned:
             logits[i, list(banned)] = -torch.inf
@@ -173,9 +292,6 @@ def _sample_step(rows: list[_Row], logits: torch.Tensor, eos: list[int], step: i
     )
     chosen: list[int] = []
     for i, row in enumerate(rows):
-        if row.finish is not None:
-            chosen.append(-1)
-            continue
         live = int(np.count_nonzero(probs[i]))
         c, p = cand[i, :live], probs[i, :live]
         if row.watermark is not None:
