@@ -31,3 +31,9 @@ def data_dir() -> Path:
             pytrace=False,
         )
     return path
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """Async tests (``@pytest.mark.anyio``) run on asyncio only; trio is not a target."""
+    return "asyncio"

@@ -313,6 +313,31 @@ def bench(
     _emit(as_json, result, format_bench(result))
 
 
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option("--host", help="Default: WORLDCUP_HOST.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Default: WORLDCUP_PORT.")] = None,
+) -> None:
+    """Run the HTTP service (settings from WORLDCUP_* variables and .env)."""
+    from pydantic import ValidationError
+
+    try:
+        from app.core.config import Settings
+        from app.server import run
+    except ImportError as exc:
+        fail(f"the service extras are not installed ({exc.name}): pip install 'worldcup[service]'")
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        fail(f"invalid settings: {reasons}")
+    if host is not None:
+        settings.host = host
+    if port is not None:
+        settings.port = port
+    run(settings)
+
+
 def main() -> None:
     app()
 

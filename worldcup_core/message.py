@@ -9,12 +9,14 @@ them from what it reports.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import MAX_PAYLOAD_BITS
+from worldcup_core.prf import WatermarkKey
 
 
 @dataclass(frozen=True)
@@ -90,3 +92,69 @@ def bits_matrix(messages: list[str], groups: int) -> npt.NDArray[np.uint8]:
     if flat.max(initial=0) > 1:
         raise ValueError("candidate messages must be strings of 0 and 1")
     return flat.reshape(len(messages), symbols, groups)
+
+
+class MessageIdCodec:
+    """A keyed permutation between registry message ids and b-bit payloads.
+
+    Sequential ids would make neighbouring payloads differ in a single bit, so a
+    couple of bit errors would point at the wrong registry entry. Instead the
+    payload is an 8-round Feistel permutation of the id over 2*ceil(b/2) bits
+    (round function: keyed BLAKE2b on the subkey ``message-id``), cycle-walked
+    into [0, 2^b): payloads look uniformly random, stay unique, and decode
+    straight back to the id.
+
+    >>> from worldcup_core.prf import WatermarkKey
+    >>> codec = MessageIdCodec(WatermarkKey(bytes(32)), 16)
+    >>> codec.message_id(codec.payload(42))
+    42
+    """
+
+    ROUNDS = 8
+
+    def __init__(self, key: WatermarkKey, num_bits: int) -> None:
+        if not 1 <= num_bits <= MAX_PAYLOAD_BITS:
+            raise ValueError(f"num_bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
+        self.num_bits = num_bits
+        self._half = (num_bits + 1) // 2
+        self._mask = (1 << self._half) - 1
+        self._hasher = hashlib.blake2b(key=key.subkey("message-id"), digest_size=8)
+
+    def __repr__(self) -> str:
+        return f"MessageIdCodec(num_bits={self.num_bits})"
+
+    @property
+    def capacity(self) -> int:
+        return 1 << self.num_bits
+
+    def _round(self, i: int, x: int) -> int:
+        h = self._hasher.copy()
+        h.update(bytes([self.num_bits, i]) + x.to_bytes(8, "little"))
+        return int.from_bytes(h.digest(), "little") & self._mask
+
+    def _permute(self, value: int, inverse: bool) -> int:
+        left, right = value >> self._half, value & self._mask
+        rounds = range(self.ROUNDS - 1, -1, -1) if inverse else range(self.ROUNDS)
+        for i in rounds:
+            if inverse:
+                left, right = right ^ self._round(i, left), left
+            else:
+                left, right = right, left ^ self._round(i, right)
+        out: int = (left << self._half) | right
+        return out
+
+    def _walk(self, value: int, inverse: bool) -> int:
+        out = self._permute(value, inverse)
+        while out >= self.capacity:  # cycle-walking keeps it a permutation of [0, 2^b)
+            out = self._permute(out, inverse)
+        return out
+
+    def payload(self, message_id: int) -> Payload:
+        if not 0 <= message_id < self.capacity:
+            raise ValueError(f"message id {message_id} does not fit in {self.num_bits} bits")
+        return Payload.from_int(self._walk(message_id, inverse=False), self.num_bits)
+
+    def message_id(self, payload: Payload) -> int:
+        if payload.num_bits != self.num_bits:
+            raise ValueError(f"expected a {self.num_bits}-bit payload, got {payload.num_bits}")
+        return self._walk(payload.to_int(), inverse=True)

@@ -1,0 +1,1 @@
+"""WorldCup watermarking service: a thin FastAPI layer over ``worldcup_core``."""

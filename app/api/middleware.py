@@ -1,0 +1,127 @@
+"""Pure-ASGI middlewares, so streaming responses pass through untouched."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.errors import envelope
+from app.core.logging import request_id_var
+from app.core.metrics import Metrics
+
+logger = logging.getLogger("worldcup.access")
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(envelope(status, message, code)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodySizeLimit:
+    """413 before the app reads a body larger than ``max_bytes``."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await _send_error(send, 413, self._message(), "request_too_large")
+                    return
+        # No (or a lying) Content-Length: read the body here, before the app, and
+        # count. An exception raised from inside the app's receive() is swallowed
+        # by FastAPI's body parsing (an oversized chunked upload got a 400), so
+        # the app gets the buffered body (at most max_bytes) replayed instead.
+        chunks: list[bytes] = []
+        seen = 0
+        more_body = True
+        while more_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                await _send_error(send, 413, self._message(), "request_too_large")
+                return
+            chunks.append(chunk)
+            more_body = message.get("more_body", False)
+        replayed = False
+
+        async def replay_receive() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later calls: disconnect detection
+
+        await self.app(scope, replay_receive, send)
+
+    def _message(self) -> str:
+        return f"request body exceeds {self.max_bytes} bytes"
+
+
+class RequestContext:
+    """Request id, access log and the latency histogram (route template labels only)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope.get("headers", [])).get(b"x-request-id", b"").decode("latin-1")
+        request_id = incoming[:64] if incoming.isprintable() and incoming else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        status = 500
+        start = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - start
+            route: Any = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.metrics.request_duration.labels(endpoint, str(status)).observe(elapsed)
+            logger.info(
+                "request",
+                extra={
+                    "fields": {
+                        "method": scope.get("method"),
+                        "endpoint": endpoint,
+                        "status": status,
+                        "ms": round(elapsed * 1000, 2),
+                    }
+                },
+            )
+            request_id_var.reset(token)

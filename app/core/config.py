@@ -1,0 +1,123 @@
+"""Service settings: one pydantic-settings class, ``WORLDCUP_`` prefix.
+
+Secrets (the master key that wraps tenant watermark keys, and the admin token)
+come from the environment or from ``*_FILE`` paths (Docker/Kubernetes
+secrets). The app refuses to start with a missing or placeholder secret unless
+``WORLDCUP_ENV=dev``, where a random per-process secret is generated instead.
+"""
+
+from __future__ import annotations
+
+import secrets
+from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Self
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDERS = {"", "changeme", "change-me", "changethis", "placeholder", "secret", "example"}
+
+
+class Role(StrEnum):
+    GENERATOR = "generator"  # loads the model: /generate, /decode, /detect
+    DETECTOR = "detector"  # tokenizer only: /decode, /detect (no GPU needed)
+
+
+class Environment(StrEnum):
+    DEV = "dev"
+    PROD = "prod"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WORLDCUP_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        hide_input_in_errors=True,  # a validation error must not print the secrets
+    )
+
+    env: Environment = Environment.PROD
+    role: Role = Role.GENERATOR
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    log_level: str = "INFO"
+    debug_log_prompts: bool = False
+
+    # model
+    model_path: str | None = None  # None: the embedded SmolLM2
+    device: str = "cpu"
+    dtype: str = "auto"
+    cache_dir: Path | None = None
+
+    # store: Redis when a URL is set, otherwise embedded SQLite
+    redis_url: str | None = None
+    redis_prefix: str = "wc"
+    sqlite_path: Path = Path("worldcup.sqlite3")
+    store_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+
+    # secrets
+    master_key: SecretStr | None = None  # 64 hex chars (AES-256)
+    master_key_file: Path | None = None
+    admin_token: SecretStr | None = None
+    admin_token_file: Path | None = None
+
+    # watermark defaults (per key version, frozen at creation)
+    groups: Annotated[int, Field(ge=1, le=8)] = 2
+    layers: Annotated[int, Field(ge=1, le=64)] = 30
+    alpha: Annotated[float, Field(ge=0, le=10)] = 1.2
+    default_num_bits: Annotated[int, Field(ge=1, le=64)] = 32
+    significance: Annotated[float, Field(gt=0, lt=1)] = 0.01
+
+    # serving limits
+    max_batch_size: Annotated[int, Field(ge=1, le=256)] = 8
+    max_queue: Annotated[int, Field(ge=1)] = 64
+    max_new_tokens_limit: Annotated[int, Field(ge=1)] = 1024
+    max_prompt_tokens: Annotated[int, Field(ge=1)] = 1536
+    request_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
+    max_text_chars: Annotated[int, Field(ge=1)] = 100_000
+    idempotency_ttl_s: Annotated[int, Field(ge=1)] = 86_400
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+
+    @model_validator(mode="after")
+    def _load_secrets(self) -> Self:
+        self.master_key = self._secret("master_key", self.master_key, self.master_key_file)
+        self.admin_token = self._secret("admin_token", self.admin_token, self.admin_token_file)
+        try:
+            key = bytes.fromhex(self.master_key.get_secret_value())
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise ValueError("WORLDCUP_MASTER_KEY must be 64 hex characters (32 bytes)")
+        return self
+
+    def _secret(self, name: str, value: SecretStr | None, path: Path | None) -> SecretStr:
+        if path is not None:
+            try:
+                value = SecretStr(path.read_text(encoding="utf-8").strip())
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot read WORLDCUP_{name.upper()}_FILE: {exc.strerror}"
+                ) from None
+        raw = value.get_secret_value().strip() if value is not None else ""
+        if raw.lower() in PLACEHOLDERS or raw.lower().startswith("changeme"):
+            if self.env is not Environment.DEV:
+                raise ValueError(
+                    f"WORLDCUP_{name.upper()} is missing or a placeholder; set a real secret "
+                    f"(or WORLDCUP_{name.upper()}_FILE), or WORLDCUP_ENV=dev for a throwaway one"
+                )
+            raw = secrets.token_hex(32)
+        return SecretStr(raw)
+
+    @property
+    def master_key_bytes(self) -> bytes:
+        assert self.master_key is not None
+        return bytes.fromhex(self.master_key.get_secret_value())
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,69 @@
+"""Prometheus metrics. Labels are bounded: route templates, status codes, reasons.
+
+Never a tenant, user or key label: those would leak who uses the service and
+blow up cardinality.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """One registry per app instance, so tests can build apps side by side."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_duration = Histogram(
+            "worldcup_request_duration_seconds",
+            "HTTP request latency by route template and status code.",
+            ["endpoint", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "worldcup_generate_time_to_first_token_seconds",
+            "From accepting a generate request to its first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "worldcup_generate_inter_token_latency_seconds",
+            "Time between consecutive tokens of one sequence.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "worldcup_generate_queue_time_seconds",
+            "Time a generate request waited before joining the batch.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "worldcup_generated_tokens", "Tokens generated.", registry=r
+        )
+        self.rejections = Counter(
+            "worldcup_request_rejections",
+            "Requests refused before work started, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.detections = Counter(
+            "worldcup_detections", "Detect/decode verdicts.", ["result"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "worldcup_queue_depth", "Generate requests waiting for a batch slot.", registry=r
+        )
+        self.active_sequences = Gauge(
+            "worldcup_active_sequences", "Sequences in the running batch.", registry=r
+        )
+        self.batch_size = Histogram(
+            "worldcup_generate_batch_size",
+            "Rows per forward pass.",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )

@@ -1,0 +1,128 @@
+"""The FastAPI application: ``create_app(settings)`` and the lifespan that loads things once.
+
+The lifespan loads the model (or, in the detector role, only its tokenizer),
+connects the store, warms the model with a one-token generation and starts
+the batching thread. On shutdown it flips readiness to 503, lets in-flight
+generations drain up to ``drain_timeout_s`` and closes the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app.api.deps import Runtime
+from app.api.errors import install_error_handlers
+from app.api.middleware import BodySizeLimit, RequestContext
+from app.api.routes import admin, detection, generate, health
+from app.core.config import Role, Settings, get_settings
+from app.core.logging import configure_logging
+from app.core.metrics import Metrics
+from app.core.security import KeyWrapper
+from app.services.batcher import Batcher
+from app.services.tenants import TenantService
+from app.stores.base import StoreUnavailable
+from app.stores.factory import make_store
+from worldcup_core import SamplingConfig, WatermarkConfig, __version__
+from worldcup_core.generation import GenerationRequest
+from worldcup_core.generation import generate as run_generation
+from worldcup_core.models import load_model, load_tokenizer
+
+logger = logging.getLogger("worldcup.app")
+
+
+def _load(settings: Settings, metrics: Metrics) -> tuple[object, str, Batcher | None]:
+    """Blocking model work, run in a thread at startup."""
+    if settings.role is Role.DETECTOR:
+        return load_tokenizer(settings.model_path, settings.cache_dir), _model_id(settings), None
+    lm = load_model(settings.model_path, settings.device, settings.dtype, settings.cache_dir)
+    warmup = GenerationRequest(
+        lm.tokenizer("Hello", add_special_tokens=False).input_ids or [lm.pad_token_id],
+        SamplingConfig(max_new_tokens=1, seed=0),
+    )
+    run_generation(lm.model, [warmup], lm.eos_token_ids, lm.pad_token_id)
+    batcher = Batcher(
+        lm.model,
+        lm.eos_token_ids,
+        lm.pad_token_id,
+        metrics,
+        max_batch=settings.max_batch_size,
+        max_queue=settings.max_queue,
+    )
+    return lm.tokenizer, lm.model_id, batcher
+
+
+def _model_id(settings: Settings) -> str:
+    from worldcup_core.models import EMBEDDED_MODEL_ID
+
+    return settings.model_path or EMBEDDED_MODEL_ID
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        configure_logging(settings.log_level)
+        store = make_store(settings)
+        try:
+            await store.ping()
+        except StoreUnavailable as exc:
+            logger.warning("store not reachable at startup: %s", exc)
+        tokenizer, model_id, batcher = await asyncio.to_thread(_load, settings, metrics)
+        defaults = WatermarkConfig(
+            groups=settings.groups, layers=settings.layers, alpha=settings.alpha
+        )
+        runtime = Runtime(
+            settings=settings,
+            metrics=metrics,
+            store=store,
+            tenants=TenantService(store, KeyWrapper(settings.master_key_bytes), defaults),
+            tokenizer=tokenizer,
+            model_id=model_id,
+            batcher=batcher,
+        )
+        app.state.runtime = runtime
+        if batcher is not None:
+            batcher.start()
+        runtime.warm = True
+        logger.info("ready", extra={"fields": {"role": settings.role.value, "model": model_id}})
+        try:
+            yield
+        finally:
+            runtime.draining = True
+            if batcher is not None:
+                drained = await batcher.drain(settings.drain_timeout_s)
+                if not drained:
+                    logger.warning("drain timeout: cancelling unfinished generations")
+                batcher.stop()
+            await store.close()
+
+    app = FastAPI(
+        title="WorldCup watermarking service",
+        version=__version__,
+        description=(
+            "Multi-bit watermarking for LLM text. `/generate` embeds a payload, `/decode` "
+            "recovers it (and the registry entry it came from), `/detect` tests for the "
+            "watermark with a calibrated p-value. Tenants authenticate with "
+            "`Authorization: Bearer <api key>`; admin endpoints take the admin token."
+        ),
+        lifespan=lifespan,
+    )
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    for module in (generate, detection, admin, health):
+        app.include_router(module.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext, metrics=metrics)
+    return app
+
+
+def app_factory() -> FastAPI:
+    """Entry point for ``uvicorn --factory app.main:app_factory``."""
+    return create_app()

@@ -1,0 +1,200 @@
+"""Continuous batching: concurrent /generate requests share one forward pass per step.
+
+A single generation thread owns a :class:`worldcup_core.generation.ContinuousBatch`.
+Between steps it admits waiting jobs (up to ``max_batch``) and drops cancelled
+ones (client gone, timeout); after each step it hands every job its token on
+the job's event loop. The waiting queue is bounded: a full queue is refused
+at once (the API answers 429 with Retry-After) instead of growing without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.metrics import Metrics
+from worldcup_core.generation import (
+    ContinuousBatch,
+    GenerationRequest,
+    GenerationResult,
+    StepEvent,
+)
+
+logger = logging.getLogger("worldcup.batcher")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity."""
+
+
+class BatcherStopped(Exception):
+    """The batcher is shutting down and takes no new work."""
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[StepEvent | GenerationResult | BaseException] = field(
+        default_factory=asyncio.Queue
+    )
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    def _push(self, item: StepEvent | GenerationResult | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the request's event loop is gone (shutdown)
+            pass
+
+
+class Batcher:
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        metrics: Metrics,
+        max_batch: int,
+        max_queue: int,
+    ) -> None:
+        self._batch = ContinuousBatch(model, eos_token_ids, pad_token_id)
+        self._metrics = metrics
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self._pending: collections.deque[GenerationJob] = collections.deque()
+        self._active: dict[int, GenerationJob] = {}
+        self._cond = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending) + len(self._active)
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="worldcup-generation", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Refuse new work, cancel what is left (after ``drain``) and join the thread."""
+        with self._cond:
+            self._running = False
+            for job in [*self._pending, *self._active.values()]:
+                job.cancelled = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, request: GenerationRequest) -> GenerationJob:
+        job = GenerationJob(request=request, loop=asyncio.get_running_loop())
+        with self._cond:
+            if not self._running:
+                raise BatcherStopped()
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull()
+            self._pending.append(job)
+            self._metrics.queue_depth.set(len(self._pending))
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: GenerationJob) -> None:
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no job is waiting or running; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.in_flight
+
+    def _admit(self) -> None:
+        with self._cond:
+            while self._running and not self._pending and not self._active:
+                self._cond.wait(timeout=0.5)
+            admit: list[GenerationJob] = []
+            dropped = [job for job in self._pending if job.cancelled]
+            self._pending = collections.deque(job for job in self._pending if not job.cancelled)
+            while self._pending and len(self._active) + len(admit) < self.max_batch:
+                admit.append(self._pending.popleft())
+            cancelled = [row for row, job in self._active.items() if job.cancelled]
+            self._metrics.queue_depth.set(len(self._pending))
+        for job in dropped:
+            job.done = True
+            job._push(BatcherStopped())
+        if cancelled:
+            self._batch.cancel(cancelled)
+            for row in cancelled:
+                job = self._active.pop(row)
+                job.done = True
+                job._push(BatcherStopped())
+        if admit:
+            now = time.perf_counter()
+            try:
+                rows = self._batch.add([job.request for job in admit])
+            except Exception as exc:  # a bad prompt must not take the batch down
+                logger.exception("prefill failed")
+                for job in admit:
+                    job._push(exc)
+                return
+            for row, job in zip(rows, admit, strict=True):
+                job.admitted_at = now
+                self._metrics.queue_time.observe(now - job.enqueued_at)
+                self._active[row] = job
+
+    def _step(self) -> None:
+        if not self._active:
+            return
+        self._metrics.active_sequences.set(len(self._active))
+        self._metrics.batch_size.observe(len(self._active))
+        try:
+            events, finished = self._batch.step()
+        except Exception as exc:
+            logger.exception("generation step failed")
+            self._batch.cancel(list(self._active))
+            for job in self._active.values():
+                job._push(exc)
+            self._active.clear()
+            return
+        now = time.perf_counter()
+        results = iter(finished)
+        for ev in events:
+            job = self._active[ev.row_id]
+            if job.first_token_at is None:
+                job.first_token_at = now
+                self._metrics.ttft.observe(now - job.enqueued_at)
+            else:
+                assert job.last_token_at is not None
+                self._metrics.inter_token.observe(now - job.last_token_at)
+            job.last_token_at = now
+            job._push(ev)
+            if ev.finish is not None:
+                job._push(next(results))
+                job.done = True
+                del self._active[ev.row_id]
+        self._metrics.generated_tokens.inc(len(events))
+        self._metrics.active_sequences.set(len(self._active))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._running and not self._active and not self._pending:
+                    return
+            self._admit()
+            self._step()

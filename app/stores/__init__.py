@@ -1,0 +1,1 @@
+"""Tenants, watermark keys, message registries and idempotency records."""

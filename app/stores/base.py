@@ -1,0 +1,118 @@
+"""The store contract. Redis (deployment) and SQLite (embedded default) both meet it.
+
+Every method may raise :class:`StoreUnavailable` when the backend cannot be
+reached in time; the API turns that into a fast 503 instead of hanging.
+Tenant isolation is structural: every key-version, registry and idempotency
+method takes the ``tenant_id`` that authentication produced, and backends
+namespace by it (Redis keys ``{prefix}:{tenant}:...``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class StoreError(Exception):
+    """Base class for store failures."""
+
+
+class StoreUnavailable(StoreError):
+    """The backend is unreachable or timed out."""
+
+
+class Conflict(StoreError):
+    """A uniqueness rule was violated (e.g. tenant name taken)."""
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    tenant_id: str
+    name: str
+    api_key_hash: str  # hex SHA-256 of the API key; the key itself is never stored
+    created_at: float
+    scopes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """One version of a tenant's watermark key, encrypted at rest (AES-256-GCM)."""
+
+    tenant_id: str
+    version: int  # 1, 2, ...; the highest is active for /generate
+    wrapped_key: bytes  # nonce || ciphertext || tag; AAD binds tenant_id and version
+    created_at: float
+    groups: int
+    layers: int
+    alpha: float
+    context_width: int = 2
+
+    def __repr__(self) -> str:
+        return f"KeyRecord(tenant_id={self.tenant_id!r}, version={self.version})"
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    tenant_id: str
+    message_id: int  # allocated atomically per tenant, from 1
+    key_version: int
+    num_bits: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    issued_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    body_hash: str
+    status_code: int
+    response: dict[str, Any]
+
+
+class Store(Protocol):
+    async def ping(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    # tenants
+    async def create_tenant(self, tenant: TenantRecord, key: KeyRecord) -> None:
+        """Atomically create the tenant and its key version 1; Conflict if the name exists."""
+
+    async def get_tenant(self, tenant_id: str) -> TenantRecord | None: ...
+
+    async def tenant_by_api_key_hash(self, api_key_hash: str) -> TenantRecord | None: ...
+
+    async def list_tenants(self) -> list[TenantRecord]: ...
+
+    # watermark keys
+    async def add_key_version(self, key: KeyRecord) -> None:
+        """Store a new version; Conflict unless it is exactly latest + 1."""
+
+    async def key_versions(self, tenant_id: str) -> list[KeyRecord]:
+        """All versions, oldest first (old ones stay usable for decode/detect)."""
+
+    async def replace_wrapped_keys(self, keys: list[KeyRecord]) -> None:
+        """Overwrite wrapped_key of existing versions (master-key rotation)."""
+
+    # registry
+    async def allocate_message(
+        self,
+        tenant_id: str,
+        key_version: int,
+        num_bits: int,
+        metadata: dict[str, Any],
+        issued_at: float,
+    ) -> RegistryEntry:
+        """Atomically take the next message id and persist the entry before returning."""
+
+    async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None: ...
+
+    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
+        """Ids issued under this key version and payload length (registry ML decoding)."""
+
+    # idempotency
+    async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None: ...
+
+    async def idempotency_put(
+        self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
+    ) -> bool:
+        """Store if absent; False if a record already exists."""

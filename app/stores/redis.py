@@ -1,0 +1,411 @@
+"""Redis store: the deployment backend, shared by every API replica.
+
+Layout (``p`` = prefix, ``t`` = tenant id)::
+
+    p:tenants                 set   tenant ids
+    p:tenant-names            hash  name -> tenant id (uniqueness)
+    p:apikey:{sha256}         str   tenant id (authentication lookup)
+    p:t:tenant                hash  TenantRecord fields
+    p:t:keys                  hash  version -> KeyRecord JSON (wrapped key in base64)
+    p:t:msgseq                str   last allocated message id (INCR)
+    p:t:msgs                  hash  message id -> RegistryEntry JSON
+    p:t:msgidx:{kv}:{bits}    zset  message ids issued under (key version, payload bits)
+    p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
+
+Every write that must be atomic is one Lua script (or WATCH/MULTI), so
+concurrent API replicas can never hand out the same message id or create two
+tenants with one name. All scripts declare the keys they touch.
+
+Failure policy: fail fast. Each store call has a hard deadline of ``timeout_s``
+(pool wait + connect + command), redis-py's own retries are disabled, and any
+connection-level error becomes :class:`StoreUnavailable` whose message never
+contains the URL or its password. Broken pooled connections are re-opened on
+their next use, so the store recovers by itself when Redis comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
+
+from app.stores.base import (
+    Conflict,
+    IdempotencyRecord,
+    KeyRecord,
+    RegistryEntry,
+    StoreUnavailable,
+    TenantRecord,
+)
+
+__all__ = ["RedisStore"]
+
+# Errors that mean "the backend is not usable right now" (as opposed to a bug).
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    RedisConnectionError,  # includes AuthenticationError, BusyLoadingError, pool exhaustion
+    RedisTimeoutError,
+    ReadOnlyError,  # failover in progress: we are talking to a replica
+    OSError,
+    TimeoutError,  # our own per-call deadline (asyncio.timeout)
+)
+
+# KEYS: names, tenants, apikey, tenant hash, keys hash
+# ARGV: name, tenant_id, api_key_hash, created_at, scopes_json, key_version, key_json
+_CREATE_TENANT = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 'name' end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 'apikey' end
+if redis.call('EXISTS', KEYS[4]) == 1 or redis.call('EXISTS', KEYS[5]) == 1 then
+  return 'id'
+end
+redis.call('HSET', KEYS[4], 'tenant_id', ARGV[2], 'name', ARGV[1],
+           'api_key_hash', ARGV[3], 'created_at', ARGV[4], 'scopes', ARGV[5])
+redis.call('HSET', KEYS[5], ARGV[6], ARGV[7])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[3], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[2])
+return 'ok'
+"""
+
+# KEYS: tenant hash, keys hash. ARGV: version, key_json.
+# Versions are contiguous from 1, so HLEN is the latest version.
+# Returns {1, latest} on success, {0, latest} on a version mismatch, {-1, 0} if no tenant.
+_ADD_KEY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
+local latest = redis.call('HLEN', KEYS[2])
+if tonumber(ARGV[1]) ~= latest + 1 then return {0, latest} end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return {1, latest}
+"""
+
+# KEYS: msgseq, msgs hash, index zset. ARGV: entry JSON without the id.
+# INCR + write + index in one script: no two callers can get the same id, and an
+# id is never visible without its entry.
+_ALLOCATE = """
+local id = redis.call('INCR', KEYS[1])
+redis.call('HSET', KEYS[2], id, ARGV[1])
+redis.call('ZADD', KEYS[3], id, id)
+return id
+"""
+
+
+def _check_tenant_id(tenant_id: str) -> str:
+    """Tenant ids are path segments of Redis keys; a ':' could alias another namespace."""
+    if not tenant_id or ":" in tenant_id or any(c.isspace() for c in tenant_id):
+        raise ValueError("invalid tenant id")
+    return tenant_id
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _key_to_json(key: KeyRecord) -> str:
+    return _dumps(
+        {
+            "version": key.version,
+            "wrapped_key": base64.b64encode(key.wrapped_key).decode("ascii"),
+            "created_at": key.created_at,
+            "groups": key.groups,
+            "layers": key.layers,
+            "alpha": key.alpha,
+            "context_width": key.context_width,
+        }
+    )
+
+
+def _key_from_json(tenant_id: str, raw: str) -> KeyRecord:
+    d = json.loads(raw)
+    return KeyRecord(
+        tenant_id=tenant_id,
+        version=int(d["version"]),
+        wrapped_key=base64.b64decode(d["wrapped_key"]),
+        created_at=float(d["created_at"]),
+        groups=int(d["groups"]),
+        layers=int(d["layers"]),
+        alpha=float(d["alpha"]),
+        context_width=int(d["context_width"]),
+    )
+
+
+def _tenant_from_hash(h: dict[str, str]) -> TenantRecord | None:
+    if not h:
+        return None
+    return TenantRecord(
+        tenant_id=h["tenant_id"],
+        name=h["name"],
+        api_key_hash=h["api_key_hash"],
+        created_at=float(h["created_at"]),
+        scopes=tuple(json.loads(h.get("scopes", "[]"))),
+    )
+
+
+class RedisStore:
+    """:class:`~app.stores.base.Store` on Redis (redis-py asyncio, bounded blocking pool)."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "wc",
+        timeout_s: float = 2.0,
+        max_connections: int = 64,
+    ) -> None:
+        if not prefix or ":" in prefix:
+            raise ValueError("prefix must be non-empty and contain no ':'")
+        parts = urlsplit(url)
+        # Kept only to scrub it from error messages; never logged or shown.
+        self._password = parts.password or ""
+        self._where = f"{parts.hostname or 'localhost'}:{parts.port or 6379}{parts.path or ''}"
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self._pool: BlockingConnectionPool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,  # waiting for a free pooled connection
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # fail fast; the caller answers 503
+            # Off: with maintenance notifications on, redis-py skips its check for dead
+            # pooled sockets (so the first calls after an outage fail again) and may
+            # relax timeouts to many seconds during server maintenance.
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
+            decode_responses=True,
+        )
+        self._redis: Redis = Redis.from_pool(self._pool)
+        self._create_tenant = self._redis.register_script(_CREATE_TENANT)
+        self._add_key = self._redis.register_script(_ADD_KEY)
+        self._allocate = self._redis.register_script(_ALLOCATE)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._where!r}, prefix={self._prefix!r})"
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _t(self, tenant_id: str, *parts: object) -> str:
+        return ":".join([self._prefix, _check_tenant_id(tenant_id), *map(str, parts)])
+
+    def _g(self, *parts: object) -> str:
+        return ":".join([self._prefix, *map(str, parts)])
+
+    def _reason(self, exc: BaseException) -> str:
+        text = str(exc) or type(exc).__name__
+        if self._password:
+            text = text.replace(self._password, "***")
+        return f"{type(exc).__name__}: {text}"[:200]
+
+    @contextlib.asynccontextmanager
+    async def _guard(self) -> AsyncIterator[None]:
+        """Bound the whole call by ``timeout_s`` and map outages to StoreUnavailable."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                yield
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def ping(self) -> None:
+        async with self._guard():
+            await self._redis.ping()
+
+    async def close(self) -> None:
+        # Closing the client closes the pool too (it was created with from_pool).
+        with contextlib.suppress(*_UNAVAILABLE):
+            await self._redis.aclose()
+
+    # -- tenants --------------------------------------------------------------
+
+    async def create_tenant(self, tenant: TenantRecord, key: KeyRecord) -> None:
+        if key.tenant_id != tenant.tenant_id or key.version != 1:
+            raise ValueError("the first key must be version 1 of the same tenant")
+        tid = tenant.tenant_id
+        keys = [
+            self._g("tenant-names"),
+            self._g("tenants"),
+            self._g("apikey", tenant.api_key_hash),
+            self._t(tid, "tenant"),
+            self._t(tid, "keys"),
+        ]
+        args: list[str | int] = [
+            tenant.name,
+            tid,
+            tenant.api_key_hash,
+            repr(float(tenant.created_at)),
+            _dumps(list(tenant.scopes)),
+            key.version,
+            _key_to_json(key),
+        ]
+        async with self._guard():
+            result = await self._create_tenant(keys=keys, args=args)
+        if result == "name":
+            raise Conflict(f"tenant name {tenant.name!r} already exists")
+        if result == "apikey":
+            raise Conflict("api key hash already in use")
+        if result == "id":
+            raise Conflict(f"tenant id {tid!r} already exists")
+
+    async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
+        key = self._t(tenant_id, "tenant")
+        async with self._guard():
+            h = cast("dict[str, str]", await self._redis.hgetall(key))
+        return _tenant_from_hash(h)
+
+    async def tenant_by_api_key_hash(self, api_key_hash: str) -> TenantRecord | None:
+        async with self._guard():
+            tid = cast("str | None", await self._redis.get(self._g("apikey", api_key_hash)))
+            if tid is None:
+                return None
+            h = cast("dict[str, str]", await self._redis.hgetall(self._t(tid, "tenant")))
+        return _tenant_from_hash(h)
+
+    async def list_tenants(self) -> list[TenantRecord]:
+        async with self._guard():
+            ids = cast("set[str]", await self._redis.smembers(self._g("tenants")))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for tid in sorted(ids):
+                    pipe.hgetall(self._t(tid, "tenant"))
+                hashes: list[dict[str, str]] = await pipe.execute()
+        tenants = [t for h in hashes if (t := _tenant_from_hash(h)) is not None]
+        return sorted(tenants, key=lambda t: (t.created_at, t.tenant_id))
+
+    # -- watermark keys -------------------------------------------------------
+
+    async def add_key_version(self, key: KeyRecord) -> None:
+        keys = [self._t(key.tenant_id, "tenant"), self._t(key.tenant_id, "keys")]
+        async with self._guard():
+            status, latest = await self._add_key(keys=keys, args=[key.version, _key_to_json(key)])
+        if int(status) == -1:
+            raise Conflict(f"unknown tenant {key.tenant_id!r}")
+        if int(status) == 0:
+            raise Conflict(f"key version must be {int(latest) + 1}, got {key.version}")
+
+    async def key_versions(self, tenant_id: str) -> list[KeyRecord]:
+        key = self._t(tenant_id, "keys")
+        async with self._guard():
+            h = cast("dict[str, str]", await self._redis.hgetall(key))
+        return sorted(
+            (_key_from_json(tenant_id, raw) for raw in h.values()), key=lambda k: k.version
+        )
+
+    async def replace_wrapped_keys(self, keys: list[KeyRecord]) -> None:
+        """All-or-nothing (WATCH/MULTI); Conflict if a version does not exist."""
+        if not keys:
+            return
+        hashes = sorted({self._t(k.tenant_id, "keys") for k in keys})
+        async with self._guard(), self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(*hashes)
+                    updates: list[tuple[str, int, str]] = []
+                    for k in keys:
+                        hkey = self._t(k.tenant_id, "keys")
+                        raw = cast("str | None", await pipe.hget(hkey, str(k.version)))
+                        if raw is None:
+                            raise Conflict(f"no key version {k.version} for {k.tenant_id!r}")
+                        d = json.loads(raw)
+                        d["wrapped_key"] = base64.b64encode(k.wrapped_key).decode("ascii")
+                        updates.append((hkey, k.version, _dumps(d)))
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    for hkey, version, raw in updates:
+                        pipe.hset(hkey, str(version), raw)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue  # a concurrent writer touched the keys: re-read and retry
+
+    # -- registry -------------------------------------------------------------
+
+    async def allocate_message(
+        self,
+        tenant_id: str,
+        key_version: int,
+        num_bits: int,
+        metadata: dict[str, Any],
+        issued_at: float,
+    ) -> RegistryEntry:
+        """One Lua script; the reply comes after Redis applied (and, per its AOF policy,
+        persisted) the write, so a returned id is always backed by an entry."""
+        payload = _dumps(
+            {
+                "key_version": key_version,
+                "num_bits": num_bits,
+                "metadata": metadata,
+                "issued_at": issued_at,
+            }
+        )
+        keys = [
+            self._t(tenant_id, "msgseq"),
+            self._t(tenant_id, "msgs"),
+            self._t(tenant_id, "msgidx", key_version, num_bits),
+        ]
+        async with self._guard():
+            message_id = int(await self._allocate(keys=keys, args=[payload]))
+        return RegistryEntry(
+            tenant_id=tenant_id,
+            message_id=message_id,
+            key_version=key_version,
+            num_bits=num_bits,
+            metadata=json.loads(_dumps(metadata)),  # same shape a later read returns
+            issued_at=issued_at,
+        )
+
+    async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
+        key = self._t(tenant_id, "msgs")
+        async with self._guard():
+            raw = cast("str | None", await self._redis.hget(key, str(int(message_id))))
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return RegistryEntry(
+            tenant_id=tenant_id,
+            message_id=int(message_id),
+            key_version=int(d["key_version"]),
+            num_bits=int(d["num_bits"]),
+            metadata=d["metadata"],
+            issued_at=float(d["issued_at"]),
+        )
+
+    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
+        key = self._t(tenant_id, "msgidx", int(key_version), int(num_bits))
+        async with self._guard():
+            ids = cast("list[str]", await self._redis.zrange(key, 0, -1))
+        return [int(i) for i in ids]
+
+    # -- idempotency ----------------------------------------------------------
+
+    async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None:
+        rkey = self._t(tenant_id, "idem", key)
+        async with self._guard():
+            raw = cast("str | None", await self._redis.get(rkey))
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return IdempotencyRecord(
+            body_hash=d["body_hash"], status_code=int(d["status_code"]), response=d["response"]
+        )
+
+    async def idempotency_put(
+        self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
+    ) -> bool:
+        rkey = self._t(tenant_id, "idem", key)
+        raw = _dumps(
+            {
+                "body_hash": record.body_hash,
+                "status_code": record.status_code,
+                "response": record.response,
+            }
+        )
+        async with self._guard():
+            ok = await self._redis.set(rkey, raw, nx=True, ex=max(1, int(ttl_s)))
+        return bool(ok)

@@ -1,0 +1,419 @@
+"""SQLite store: the embedded default for single-node deployments and tests.
+
+One connection guarded by a lock and driven from worker threads
+(``asyncio.to_thread``) so the event loop never blocks on disk I/O. WAL mode
+with ``synchronous=FULL`` makes every committed write durable before the call
+returns; writes run in ``BEGIN IMMEDIATE`` transactions, which also serialise
+several processes sharing one file (message ids stay unique across workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from app.stores.base import (
+    Conflict,
+    IdempotencyRecord,
+    KeyRecord,
+    RegistryEntry,
+    StoreUnavailable,
+    TenantRecord,
+)
+
+__all__ = ["SQLiteStore"]
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    tenant_id    TEXT PRIMARY KEY,
+    name         TEXT NOT NULL UNIQUE,
+    api_key_hash TEXT NOT NULL UNIQUE,
+    created_at   REAL NOT NULL,
+    scopes       TEXT NOT NULL DEFAULT '[]'
+);
+CREATE TABLE IF NOT EXISTS keys (
+    tenant_id     TEXT NOT NULL REFERENCES tenants(tenant_id),
+    version       INTEGER NOT NULL,
+    wrapped_key   BLOB NOT NULL,
+    created_at    REAL NOT NULL,
+    groups        INTEGER NOT NULL,
+    layers        INTEGER NOT NULL,
+    alpha         REAL NOT NULL,
+    context_width INTEGER NOT NULL,
+    PRIMARY KEY (tenant_id, version)
+);
+CREATE TABLE IF NOT EXISTS messages (
+    tenant_id   TEXT NOT NULL,
+    message_id  INTEGER NOT NULL,
+    key_version INTEGER NOT NULL,
+    num_bits    INTEGER NOT NULL,
+    metadata    TEXT NOT NULL,
+    issued_at   REAL NOT NULL,
+    PRIMARY KEY (tenant_id, message_id)
+);
+CREATE INDEX IF NOT EXISTS messages_by_key
+    ON messages (tenant_id, key_version, num_bits, message_id);
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant_id   TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    body_hash   TEXT NOT NULL,
+    status_code INTEGER NOT NULL,
+    response    TEXT NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (tenant_id, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at);
+"""
+
+
+def _check_tenant_id(tenant_id: str) -> str:
+    """Same rule as the Redis store, so both backends accept the same ids."""
+    if not tenant_id or ":" in tenant_id or any(c.isspace() for c in tenant_id):
+        raise ValueError("invalid tenant id")
+    return tenant_id
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE takes the write lock up front: read-then-write is atomic."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:  # also after a failed COMMIT: never leave it open
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _tenant(row: sqlite3.Row | None) -> TenantRecord | None:
+    if row is None:
+        return None
+    return TenantRecord(
+        tenant_id=row["tenant_id"],
+        name=row["name"],
+        api_key_hash=row["api_key_hash"],
+        created_at=row["created_at"],
+        scopes=tuple(json.loads(row["scopes"])),
+    )
+
+
+def _key(row: sqlite3.Row) -> KeyRecord:
+    return KeyRecord(
+        tenant_id=row["tenant_id"],
+        version=row["version"],
+        wrapped_key=bytes(row["wrapped_key"]),
+        created_at=row["created_at"],
+        groups=row["groups"],
+        layers=row["layers"],
+        alpha=row["alpha"],
+        context_width=row["context_width"],
+    )
+
+
+class SQLiteStore:
+    """:class:`~app.stores.base.Store` on a local SQLite file (or ``":memory:"``)."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._path = str(path)
+        self._timeout_s = timeout_s
+        self._clock = clock  # injectable so tests can expire idempotency records
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({self._path!r})"
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self._path,
+            timeout=self._timeout_s,  # busy wait for another process's write lock
+            isolation_level=None,  # autocommit; transactions are explicit
+            check_same_thread=False,  # used from worker threads, one at a time (lock)
+        )
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.executescript(_SCHEMA)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _locked(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if not self._lock.acquire(timeout=self._timeout_s):
+            raise StoreUnavailable("sqlite unavailable: store busy")
+        try:
+            if self._closed:
+                raise StoreUnavailable("sqlite unavailable: store closed")
+            if self._conn is None:
+                self._conn = self._open()
+            return fn(self._conn)
+        except sqlite3.OperationalError as exc:  # locked, disk I/O, cannot open, read-only
+            raise StoreUnavailable(f"sqlite unavailable: {exc}") from None
+        finally:
+            self._lock.release()
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.to_thread(self._locked, fn)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def ping(self) -> None:
+        await self._run(lambda c: c.execute("SELECT 1").fetchone())
+
+    async def close(self) -> None:
+        def _close() -> None:
+            with self._lock:
+                self._closed = True
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+
+        await asyncio.to_thread(_close)
+
+    # -- tenants --------------------------------------------------------------
+
+    async def create_tenant(self, tenant: TenantRecord, key: KeyRecord) -> None:
+        if key.tenant_id != tenant.tenant_id or key.version != 1:
+            raise ValueError("the first key must be version 1 of the same tenant")
+        _check_tenant_id(tenant.tenant_id)
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                if c.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant.name,)).fetchone():
+                    raise Conflict(f"tenant name {tenant.name!r} already exists")
+                try:
+                    c.execute(
+                        "INSERT INTO tenants VALUES (?, ?, ?, ?, ?)",
+                        (
+                            tenant.tenant_id,
+                            tenant.name,
+                            tenant.api_key_hash,
+                            tenant.created_at,
+                            _dumps(list(tenant.scopes)),
+                        ),
+                    )
+                except sqlite3.IntegrityError:
+                    raise Conflict("tenant id or api key hash already exists") from None
+                self._insert_key(c, key)
+
+        await self._run(op)
+
+    @staticmethod
+    def _insert_key(c: sqlite3.Connection, key: KeyRecord) -> None:
+        c.execute(
+            "INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key.tenant_id,
+                key.version,
+                key.wrapped_key,
+                key.created_at,
+                key.groups,
+                key.layers,
+                key.alpha,
+                key.context_width,
+            ),
+        )
+
+    async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
+        _check_tenant_id(tenant_id)
+        return await self._run(
+            lambda c: _tenant(
+                c.execute("SELECT * FROM tenants WHERE tenant_id = ?", (tenant_id,)).fetchone()
+            )
+        )
+
+    async def tenant_by_api_key_hash(self, api_key_hash: str) -> TenantRecord | None:
+        return await self._run(
+            lambda c: _tenant(
+                c.execute(
+                    "SELECT * FROM tenants WHERE api_key_hash = ?", (api_key_hash,)
+                ).fetchone()
+            )
+        )
+
+    async def list_tenants(self) -> list[TenantRecord]:
+        rows = await self._run(
+            lambda c: c.execute("SELECT * FROM tenants ORDER BY created_at, tenant_id").fetchall()
+        )
+        return [t for r in rows if (t := _tenant(r)) is not None]
+
+    # -- watermark keys -------------------------------------------------------
+
+    async def add_key_version(self, key: KeyRecord) -> None:
+        _check_tenant_id(key.tenant_id)
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                if not c.execute(
+                    "SELECT 1 FROM tenants WHERE tenant_id = ?", (key.tenant_id,)
+                ).fetchone():
+                    raise Conflict(f"unknown tenant {key.tenant_id!r}")
+                (latest,) = c.execute(
+                    "SELECT COALESCE(MAX(version), 0) FROM keys WHERE tenant_id = ?",
+                    (key.tenant_id,),
+                ).fetchone()
+                if key.version != latest + 1:
+                    raise Conflict(f"key version must be {latest + 1}, got {key.version}")
+                self._insert_key(c, key)
+
+        await self._run(op)
+
+    async def key_versions(self, tenant_id: str) -> list[KeyRecord]:
+        _check_tenant_id(tenant_id)
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT * FROM keys WHERE tenant_id = ? ORDER BY version", (tenant_id,)
+            ).fetchall()
+        )
+        return [_key(r) for r in rows]
+
+    async def replace_wrapped_keys(self, keys: list[KeyRecord]) -> None:
+        """All-or-nothing; Conflict if a version does not exist."""
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                for k in keys:
+                    cur = c.execute(
+                        "UPDATE keys SET wrapped_key = ? WHERE tenant_id = ? AND version = ?",
+                        (k.wrapped_key, k.tenant_id, k.version),
+                    )
+                    if cur.rowcount != 1:
+                        raise Conflict(f"no key version {k.version} for {k.tenant_id!r}")
+
+        await self._run(op)
+
+    # -- registry -------------------------------------------------------------
+
+    async def allocate_message(
+        self,
+        tenant_id: str,
+        key_version: int,
+        num_bits: int,
+        metadata: dict[str, Any],
+        issued_at: float,
+    ) -> RegistryEntry:
+        """Next id = max + 1 inside BEGIN IMMEDIATE; committed (fsynced) before returning."""
+        _check_tenant_id(tenant_id)
+        meta = _dumps(metadata)
+
+        def op(c: sqlite3.Connection) -> int:
+            with _transaction(c):
+                (next_id,) = c.execute(
+                    "SELECT COALESCE(MAX(message_id), 0) + 1 FROM messages WHERE tenant_id = ?",
+                    (tenant_id,),
+                ).fetchone()
+                c.execute(
+                    "INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?)",
+                    (tenant_id, next_id, key_version, num_bits, meta, issued_at),
+                )
+            return int(next_id)
+
+        message_id = await self._run(op)
+        return RegistryEntry(
+            tenant_id=tenant_id,
+            message_id=message_id,
+            key_version=key_version,
+            num_bits=num_bits,
+            metadata=json.loads(meta),  # same shape a later read returns
+            issued_at=issued_at,
+        )
+
+    async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
+        _check_tenant_id(tenant_id)
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT * FROM messages WHERE tenant_id = ? AND message_id = ?",
+                (tenant_id, int(message_id)),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        return RegistryEntry(
+            tenant_id=row["tenant_id"],
+            message_id=row["message_id"],
+            key_version=row["key_version"],
+            num_bits=row["num_bits"],
+            metadata=json.loads(row["metadata"]),
+            issued_at=row["issued_at"],
+        )
+
+    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
+        _check_tenant_id(tenant_id)
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT message_id FROM messages"
+                " WHERE tenant_id = ? AND key_version = ? AND num_bits = ? ORDER BY message_id",
+                (tenant_id, int(key_version), int(num_bits)),
+            ).fetchall()
+        )
+        return [int(r[0]) for r in rows]
+
+    # -- idempotency ----------------------------------------------------------
+
+    async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None:
+        _check_tenant_id(tenant_id)
+        now = self._clock()
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT * FROM idempotency WHERE tenant_id = ? AND key = ? AND expires_at > ?",
+                (tenant_id, key, now),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        return IdempotencyRecord(
+            body_hash=row["body_hash"],
+            status_code=row["status_code"],
+            response=json.loads(row["response"]),
+        )
+
+    async def idempotency_put(
+        self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
+    ) -> bool:
+        _check_tenant_id(tenant_id)
+        now = self._clock()
+        response = _dumps(record.response)
+
+        def op(c: sqlite3.Connection) -> bool:
+            with _transaction(c):
+                # Expired rows count as absent; sweeping them here also bounds table growth.
+                c.execute("DELETE FROM idempotency WHERE expires_at <= ?", (now,))
+                cur = c.execute(
+                    "INSERT OR IGNORE INTO idempotency VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        tenant_id,
+                        key,
+                        record.body_hash,
+                        record.status_code,
+                        response,
+                        now + max(1, int(ttl_s)),
+                    ),
+                )
+                return cur.rowcount == 1
+
+        return await self._run(op)

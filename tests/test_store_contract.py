@@ -1,0 +1,617 @@
+"""One contract suite for every store backend (SQLite and Redis).
+
+Redis tests use a real server (``WORLDCUP_TEST_REDIS_URL``, default
+``redis://127.0.0.1:6379/15``) with a unique key prefix per test, removed
+afterwards. An unreachable Redis fails the run when ``CI`` is set and is only
+skipped on a developer machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from pydantic import SecretStr
+from redis.asyncio import Redis
+
+from app.core.config import Settings
+from app.stores.base import (
+    Conflict,
+    IdempotencyRecord,
+    KeyRecord,
+    RegistryEntry,
+    Store,
+    StoreUnavailable,
+    TenantRecord,
+)
+from app.stores.factory import make_store
+from app.stores.redis import RedisStore
+from app.stores.sqlite import SQLiteStore
+
+pytestmark = pytest.mark.anyio
+
+REDIS_URL = os.environ.get("WORLDCUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+_REDIS_WHERE = urlsplit(REDIS_URL)._replace(netloc=urlsplit(REDIS_URL).netloc.rpartition("@")[2])
+
+
+class FakeClock:
+    """Lets SQLite idempotency records expire without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def redis_unreachable(exc: BaseException) -> None:
+    msg = f"Redis test server at {_REDIS_WHERE.geturl()} is unreachable ({exc})"
+    if os.environ.get("CI"):
+        pytest.fail(f"{msg}; CI must run the Redis store tests", pytrace=False)
+    pytest.skip(f"{msg}; start redis-server or set WORLDCUP_TEST_REDIS_URL")
+
+
+@contextlib.asynccontextmanager
+async def redis_namespace() -> AsyncIterator[str]:
+    """A fresh key prefix on the test server; every key under it is deleted afterwards."""
+    prefix = f"wctest-{uuid.uuid4().hex}"
+    probe = RedisStore(REDIS_URL, prefix=prefix, timeout_s=2.0)
+    try:
+        await probe.ping()
+    except StoreUnavailable as exc:
+        await probe.close()
+        redis_unreachable(exc)
+    await probe.close()
+    try:
+        yield prefix
+    finally:
+        client: Redis = Redis.from_url(REDIS_URL)
+        try:
+            doomed = [k async for k in client.scan_iter(match=f"{prefix}:*", count=1000)]
+            for i in range(0, len(doomed), 500):
+                await client.delete(*doomed[i : i + 500])
+        finally:
+            await client.aclose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+async def store(
+    request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
+) -> AsyncIterator[Store]:
+    if request.param == "sqlite":
+        s: Store = SQLiteStore(tmp_path / "store.sqlite3", clock=clock)
+        try:
+            yield s
+        finally:
+            await s.close()
+        return
+    async with redis_namespace() as prefix:
+        s = RedisStore(REDIS_URL, prefix=prefix)
+        try:
+            yield s
+        finally:
+            await s.close()
+
+
+async def advance(store: Store, clock: FakeClock, seconds: float) -> None:
+    """Let time pass: a fake clock for SQLite, real time for Redis's server-side TTL."""
+    if isinstance(store, SQLiteStore):
+        clock.now += seconds
+    else:
+        await asyncio.sleep(seconds)
+
+
+def tenant_records(name: str, *, scopes: tuple[str, ...] = ()) -> tuple[TenantRecord, KeyRecord]:
+    tid = f"t_{uuid.uuid4().hex[:16]}"
+    tenant = TenantRecord(
+        tenant_id=tid,
+        name=name,
+        api_key_hash=uuid.uuid4().hex * 2,
+        created_at=time.time(),
+        scopes=scopes,
+    )
+    return tenant, key_record(tid, 1)
+
+
+def key_record(tid: str, version: int, blob: bytes | None = None) -> KeyRecord:
+    return KeyRecord(
+        tenant_id=tid,
+        version=version,
+        wrapped_key=blob if blob is not None else os.urandom(60),
+        created_at=1_700_000_000.123456 + version,
+        groups=2,
+        layers=30,
+        alpha=1.2,
+        context_width=2,
+    )
+
+
+# -- tenants ------------------------------------------------------------------
+
+
+async def test_ping(store: Store) -> None:
+    await store.ping()
+
+
+async def test_create_get_and_lookup_tenant(store: Store) -> None:
+    tenant, key = tenant_records("acme", scopes=("generate", "detect"))
+    await store.create_tenant(tenant, key)
+
+    assert await store.get_tenant(tenant.tenant_id) == tenant
+    assert await store.tenant_by_api_key_hash(tenant.api_key_hash) == tenant
+    assert await store.tenant_by_api_key_hash("0" * 64) is None
+    assert await store.get_tenant("t_missing") is None
+    assert await store.list_tenants() == [tenant]
+    assert await store.key_versions(tenant.tenant_id) == [key]
+
+
+async def test_list_tenants_in_creation_order(store: Store) -> None:
+    made = []
+    for i in range(3):
+        tenant, key = tenant_records(f"tenant-{i}")
+        await store.create_tenant(tenant, key)
+        made.append(tenant)
+    assert await store.list_tenants() == made
+
+
+async def test_duplicate_name_is_conflict_and_writes_nothing(store: Store) -> None:
+    first, key = tenant_records("acme")
+    await store.create_tenant(first, key)
+    second, key2 = tenant_records("acme")
+    with pytest.raises(Conflict):
+        await store.create_tenant(second, key2)
+    assert await store.get_tenant(second.tenant_id) is None
+    assert await store.tenant_by_api_key_hash(second.api_key_hash) is None
+    assert await store.key_versions(second.tenant_id) == []
+    assert await store.list_tenants() == [first]
+
+
+async def test_duplicate_api_key_hash_or_id_is_conflict(store: Store) -> None:
+    first, key = tenant_records("acme")
+    await store.create_tenant(first, key)
+    other, other_key = tenant_records("other")
+    same_hash = TenantRecord(
+        tenant_id=other.tenant_id,
+        name="other",
+        api_key_hash=first.api_key_hash,
+        created_at=other.created_at,
+    )
+    with pytest.raises(Conflict):
+        await store.create_tenant(same_hash, other_key)
+    same_id = TenantRecord(
+        tenant_id=first.tenant_id, name="third", api_key_hash="f" * 64, created_at=1.0
+    )
+    with pytest.raises(Conflict):
+        await store.create_tenant(same_id, key_record(first.tenant_id, 1))
+    assert await store.list_tenants() == [first]
+
+
+async def test_tenant_ids_with_separator_are_rejected(store: Store) -> None:
+    with pytest.raises(ValueError):
+        await store.get_tenant("a:b")
+    with pytest.raises(ValueError):
+        await store.allocate_message("a:idem:x", 1, 32, {}, 0.0)
+
+
+# -- keys ---------------------------------------------------------------------
+
+
+async def test_key_versions_are_ordered_and_contiguous(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    v2 = key_record(tid, 2, blob=bytes(range(256)))  # every byte value survives the round trip
+    await store.add_key_version(v2)
+    with pytest.raises(Conflict):
+        await store.add_key_version(key_record(tid, 2))  # already exists
+    with pytest.raises(Conflict):
+        await store.add_key_version(key_record(tid, 4))  # gap
+    v3 = key_record(tid, 3)
+    await store.add_key_version(v3)
+
+    versions = await store.key_versions(tid)
+    assert [k.version for k in versions] == [1, 2, 3]
+    assert versions == [key, v2, v3]
+    assert versions[1].wrapped_key == bytes(range(256))
+
+
+async def test_add_key_for_unknown_tenant_is_conflict(store: Store) -> None:
+    with pytest.raises(Conflict):
+        await store.add_key_version(key_record("t_nobody", 1))
+    assert await store.key_versions("t_nobody") == []
+
+
+async def test_replace_wrapped_keys(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    await store.add_key_version(key_record(tid, 2))
+    before = await store.key_versions(tid)
+
+    new = [KeyRecord(**{**k.__dict__, "wrapped_key": b"new-" + bytes([k.version])}) for k in before]
+    await store.replace_wrapped_keys(new)
+    after = await store.key_versions(tid)
+    assert [k.wrapped_key for k in after] == [b"new-\x01", b"new-\x02"]
+    # only the blob changes
+    for old, cur in zip(before, after, strict=True):
+        assert (old.version, old.created_at, old.groups, old.layers, old.alpha) == (
+            cur.version,
+            cur.created_at,
+            cur.groups,
+            cur.layers,
+            cur.alpha,
+        )
+
+    # all-or-nothing: an unknown version aborts the whole batch
+    with pytest.raises(Conflict):
+        await store.replace_wrapped_keys(
+            [key_record(tid, 1, blob=b"partial"), key_record(tid, 9, blob=b"nope")]
+        )
+    assert [k.wrapped_key for k in await store.key_versions(tid)] == [b"new-\x01", b"new-\x02"]
+    await store.replace_wrapped_keys([])
+
+
+# -- registry -----------------------------------------------------------------
+
+
+async def test_allocate_message_ids_and_persistence(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    meta = {"user": "u-1", "nested": {"a": [1, 2.5, None, True]}, "text": "héllo ✓"}
+
+    entries = [
+        await store.allocate_message(tid, 1, 32, meta, 1_712_345_678.123456 + i) for i in range(3)
+    ]
+    assert [e.message_id for e in entries] == [1, 2, 3]
+    for e in entries:
+        stored = await store.registry_entry(tid, e.message_id)
+        assert stored == e
+        assert stored is not None and stored.metadata == meta
+    assert entries[2].issued_at == 1_712_345_678.123456 + 2
+    assert entries[0] == RegistryEntry(tid, 1, 1, 32, meta, 1_712_345_678.123456)
+    assert await store.registry_entry(tid, 4) is None
+    assert await store.registry_entry(tid, 0) is None
+
+
+async def test_message_ids_filter_by_key_version_and_bits(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    plan = [(1, 32), (1, 16), (2, 32), (1, 32), (2, 32), (1, 16), (1, 32)]
+    for kv, bits in plan:
+        await store.allocate_message(tid, kv, bits, {}, 0.0)
+    assert await store.message_ids(tid, 1, 32) == [1, 4, 7]
+    assert await store.message_ids(tid, 1, 16) == [2, 6]
+    assert await store.message_ids(tid, 2, 32) == [3, 5]
+    assert await store.message_ids(tid, 2, 16) == []
+    assert await store.message_ids(tid, 3, 32) == []
+
+
+async def test_tenant_isolation(store: Store) -> None:
+    a, ka = tenant_records("alpha")
+    b, kb = tenant_records("beta")
+    await store.create_tenant(a, ka)
+    await store.create_tenant(b, kb)
+    await store.add_key_version(key_record(a.tenant_id, 2))
+
+    for _ in range(3):
+        await store.allocate_message(a.tenant_id, 1, 32, {"owner": "a"}, 1.0)
+    # B cannot see A's registry with A's ids ...
+    for mid in (1, 2, 3):
+        assert await store.registry_entry(b.tenant_id, mid) is None
+    assert await store.message_ids(b.tenant_id, 1, 32) == []
+    # ... and B's ids are its own sequence
+    eb = await store.allocate_message(b.tenant_id, 1, 32, {"owner": "b"}, 2.0)
+    assert eb.message_id == 1
+    ea = await store.registry_entry(a.tenant_id, 1)
+    assert ea is not None and ea.metadata == {"owner": "a"}
+    assert await store.message_ids(a.tenant_id, 1, 32) == [1, 2, 3]
+
+    # keys
+    assert [k.version for k in await store.key_versions(b.tenant_id)] == [1]
+    assert (await store.key_versions(b.tenant_id))[0].wrapped_key == kb.wrapped_key
+    assert await store.tenant_by_api_key_hash(b.api_key_hash) == b
+
+    # idempotency: same client key, separate namespaces
+    rec_a = IdempotencyRecord("hash-a", 200, {"who": "a"})
+    rec_b = IdempotencyRecord("hash-b", 201, {"who": "b"})
+    assert await store.idempotency_put(a.tenant_id, "req-1", rec_a, 60) is True
+    assert await store.idempotency_get(b.tenant_id, "req-1") is None
+    assert await store.idempotency_put(b.tenant_id, "req-1", rec_b, 60) is True
+    assert await store.idempotency_get(a.tenant_id, "req-1") == rec_a
+    assert await store.idempotency_get(b.tenant_id, "req-1") == rec_b
+
+
+# -- idempotency --------------------------------------------------------------
+
+
+async def test_idempotency_put_if_absent_and_ttl(store: Store, clock: FakeClock) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    first = IdempotencyRecord("body-1", 200, {"message_id": 7, "text": "…"})
+    second = IdempotencyRecord("body-2", 500, {})
+
+    assert await store.idempotency_get(tid, "k") is None
+    assert await store.idempotency_put(tid, "k", first, 1) is True
+    assert await store.idempotency_put(tid, "k", second, 1) is False
+    assert await store.idempotency_get(tid, "k") == first
+    assert await store.idempotency_put(tid, "long", first, 3600) is True
+
+    await advance(store, clock, 1.2)
+    assert await store.idempotency_get(tid, "k") is None  # expired == absent
+    assert await store.idempotency_put(tid, "k", second, 1) is True
+    assert await store.idempotency_get(tid, "k") == second
+    assert await store.idempotency_get(tid, "long") == first
+
+
+# -- concurrency --------------------------------------------------------------
+
+
+async def test_concurrent_allocation_gives_distinct_ids(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    entries = await asyncio.gather(
+        *(store.allocate_message(tid, 1, 32, {"i": i}, float(i)) for i in range(200))
+    )
+    assert sorted(e.message_id for e in entries) == list(range(1, 201))
+    assert await store.message_ids(tid, 1, 32) == list(range(1, 201))
+    for e in entries[::37]:
+        assert await store.registry_entry(tid, e.message_id) == e
+
+
+async def test_concurrent_create_same_name_only_one_wins(store: Store) -> None:
+    attempts = [tenant_records("race") for _ in range(20)]
+    results = await asyncio.gather(
+        *(store.create_tenant(t, k) for t, k in attempts), return_exceptions=True
+    )
+    assert sum(r is None for r in results) == 1
+    assert all(isinstance(r, Conflict) for r in results if r is not None)
+    assert len(await store.list_tenants()) == 1
+
+
+async def test_concurrent_key_versions_only_one_wins(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    results = await asyncio.gather(
+        *(store.add_key_version(key_record(tenant.tenant_id, 2)) for _ in range(10)),
+        return_exceptions=True,
+    )
+    assert sum(r is None for r in results) == 1
+    assert [k.version for k in await store.key_versions(tenant.tenant_id)] == [1, 2]
+
+
+# -- Redis specifics ----------------------------------------------------------
+
+
+async def test_redis_two_clients_allocate_distinct_ids() -> None:
+    async with redis_namespace() as prefix:
+        s1 = RedisStore(REDIS_URL, prefix=prefix)
+        s2 = RedisStore(REDIS_URL, prefix=prefix)
+        try:
+            tenant, key = tenant_records("acme")
+            await s1.create_tenant(tenant, key)
+            tid = tenant.tenant_id
+            entries = await asyncio.gather(
+                *(
+                    (s1 if i % 2 else s2).allocate_message(tid, 1, 32, {"i": i}, 0.0)
+                    for i in range(200)
+                )
+            )
+            assert sorted(e.message_id for e in entries) == list(range(1, 201))
+            assert await s2.message_ids(tid, 1, 32) == list(range(1, 201))
+            assert await s1.get_tenant(tid) == await s2.get_tenant(tid) == tenant
+        finally:
+            await s1.close()
+            await s2.close()
+
+
+async def test_redis_unreachable_fails_fast_without_leaking_password(
+    free_tcp_port: int,
+) -> None:
+    secret = "s3cr3t-Pa55word"
+    store = RedisStore(f"redis://user:{secret}@127.0.0.1:{free_tcp_port}/0", timeout_s=2.0)
+    try:
+        for call in (store.ping, lambda: store.allocate_message("t_x", 1, 32, {}, 0.0)):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable) as info:
+                await call()
+            assert time.monotonic() - started < 3.0
+            assert str(info.value).startswith("redis unavailable:")
+            assert secret not in str(info.value)
+            assert info.value.__cause__ is None and info.value.__suppress_context__
+        assert secret not in repr(store)
+    finally:
+        await store.close()
+
+
+async def test_redis_unresponsive_server_times_out() -> None:
+    """A server that accepts but never answers must not hang the caller."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def blackhole(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.append(w)
+
+    server = await asyncio.start_server(blackhole, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.ping()
+        assert time.monotonic() - started < 1.5
+    finally:
+        await store.close()
+        for w in accepted:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+class TcpProxy:
+    """Forwards a local port to Redis; stopping it simulates an outage without
+    touching the shared server."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in list(self._writers):
+            w.close()
+        await self._server.wait_closed()
+        await asyncio.sleep(0.05)  # let the pump tasks observe the close
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            self._writers.discard(writer)
+            return
+        self._writers.add(up_w)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
+        self._writers.discard(writer)
+        self._writers.discard(up_w)
+
+
+async def test_redis_recovers_after_outage_without_restart() -> None:
+    parts = urlsplit(REDIS_URL)
+    async with redis_namespace() as prefix:
+        proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 6379)
+        await proxy.start()
+        store = RedisStore(
+            f"redis://127.0.0.1:{proxy.port}{parts.path}", prefix=prefix, timeout_s=1.0
+        )
+        try:
+            tenant, key = tenant_records("acme")
+            await store.create_tenant(tenant, key)
+            tid = tenant.tenant_id
+            # several pooled connections, all of which will go stale
+            await asyncio.gather(*(store.allocate_message(tid, 1, 32, {}, 0.0) for _ in range(8)))
+
+            await proxy.stop()
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await store.allocate_message(tid, 1, 32, {}, 0.0)
+                assert time.monotonic() - started < 1.5
+            with pytest.raises(StoreUnavailable):
+                await store.ping()
+
+            await proxy.start()  # same port: Redis is "back"
+            await store.ping()
+            entries = await asyncio.gather(
+                *(store.allocate_message(tid, 1, 32, {}, 0.0) for _ in range(8))
+            )
+            assert sorted(e.message_id for e in entries) == list(range(9, 17))
+        finally:
+            await store.close()
+            await proxy.stop()
+
+
+# -- SQLite specifics ---------------------------------------------------------
+
+
+async def test_sqlite_in_memory() -> None:
+    store = SQLiteStore(":memory:")
+    try:
+        tenant, key = tenant_records("acme")
+        await store.create_tenant(tenant, key)
+        entries = await asyncio.gather(
+            *(store.allocate_message(tenant.tenant_id, 1, 8, {}, 0.0) for _ in range(50))
+        )
+        assert sorted(e.message_id for e in entries) == list(range(1, 51))
+    finally:
+        await store.close()
+
+
+async def test_sqlite_survives_reopen_and_shares_file(tmp_path: Path) -> None:
+    path = tmp_path / "shared.sqlite3"
+    s1, s2 = SQLiteStore(path), SQLiteStore(path)  # like two worker processes
+    try:
+        tenant, key = tenant_records("acme")
+        await s1.create_tenant(tenant, key)
+        tid = tenant.tenant_id
+        entries = await asyncio.gather(
+            *((s1 if i % 2 else s2).allocate_message(tid, 1, 32, {}, 0.0) for i in range(60))
+        )
+        assert sorted(e.message_id for e in entries) == list(range(1, 61))
+    finally:
+        await s1.close()
+        await s2.close()
+    reopened = SQLiteStore(path)
+    try:
+        assert await reopened.get_tenant(tid) == tenant
+        assert await reopened.message_ids(tid, 1, 32) == list(range(1, 61))
+    finally:
+        await reopened.close()
+
+
+async def test_sqlite_closed_store_is_unavailable(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "x.sqlite3")
+    await store.ping()
+    await store.close()
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+
+
+async def test_sqlite_unopenable_path_is_unavailable(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "missing-dir" / "x.sqlite3")
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+    await store.close()
+
+
+# -- factory ------------------------------------------------------------------
+
+
+def test_make_store_picks_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no stray .env file
+    monkeypatch.delenv("WORLDCUP_REDIS_URL", raising=False)
+    master, admin = SecretStr("ab" * 32), SecretStr("a-real-admin-token")
+    settings = Settings(master_key=master, admin_token=admin, sqlite_path=tmp_path / "f.sqlite3")
+    assert isinstance(make_store(settings), SQLiteStore)
+    settings = Settings(
+        master_key=master,
+        admin_token=admin,
+        redis_url="redis://127.0.0.1:6379/15",
+        redis_prefix="wcf",
+    )
+    store = make_store(settings)
+    assert isinstance(store, RedisStore)
+    asyncio.run(store.close())
