@@ -1,11 +1,15 @@
-.PHONY: setup run test lint typecheck pytest bench
+.PHONY: setup run demo test lint typecheck pytest bench
 VENV := .venv/bin
 
 setup:
 	bash scripts/setup.sh
 
-## The main job on the embedded defaults (fresh machine: this is all you need).
+## The service on the embedded defaults (fresh machine: this is all you need).
 run: setup
+	bash scripts/serve.sh
+
+## The CLI round trip: keygen, generate, decode, detect.
+demo: setup
 	bash scripts/demo.sh
 
 ## Every test, plus lint and types (what CI runs).

@@ -82,7 +82,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings=settings,
             metrics=metrics,
             store=store,
-            tenants=TenantService(store, KeyWrapper(settings.master_key_bytes), defaults),
+            tenants=TenantService(
+                store, KeyWrapper(settings.master_key_bytes), defaults, settings.cache_ttl_s
+            ),
             tokenizer=tokenizer,
             model_id=model_id,
             batcher=batcher,

@@ -4,6 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# WordNet for the eval harness's synonym attack (tests fail without it): Debian's
+# wordnet-base, read by nltk. Checked on every run; installed only when missing.
+if [ ! -f /usr/share/wordnet/data.noun ] && [ -z "${WORLDCUP_WORDNET_DIR:-}" ]; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends wordnet-base
+fi
 stamp=.venv/.setup-$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -37,3 +37,15 @@ def data_dir() -> Path:
 def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio only; trio is not a target."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Llama over the real tokenizer, saved as an HF directory."""
+    from worldcup_core.models import load_tokenizer, tiny_random_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    lm = tiny_random_model(load_tokenizer())
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return path

@@ -15,23 +15,14 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from servers import SERVICE_METRICS
 
 from app.core.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "worldcup.json"
-METRICS = [
-    "worldcup_request_duration_seconds",
-    "worldcup_generate_time_to_first_token_seconds",
-    "worldcup_generate_inter_token_latency_seconds",
-    "worldcup_generate_queue_time_seconds",
-    "worldcup_generated_tokens_total",
-    "worldcup_request_rejections_total",
-    "worldcup_detections_total",
-    "worldcup_queue_depth",
-    "worldcup_active_sequences",
-]
+METRICS = list(SERVICE_METRICS)
 HISTOGRAMS = METRICS[:4]
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +13,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import uvicorn
+from servers import LiveServer, free_port
 
 from app.core.config import Settings
-from app.main import create_app
 
 pytestmark = pytest.mark.model
 
@@ -39,46 +35,12 @@ def _redis_or_fail() -> redis.Redis:
     return client
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LiveServer:
-    """The real app under uvicorn in a thread, on a loopback port."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.app = create_app(settings)
-        self.port = settings.port
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 180
-        while not self.server.started:
-            assert self.thread.is_alive(), "server thread died during startup"
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveServer]:
     client = _redis_or_fail()
     prefix = f"wctest-e2e-{uuid.uuid4().hex[:8]}"
     settings = Settings(
-        port=_free_port(),
+        port=free_port(),
         redis_url=REDIS_URL,
         redis_prefix=prefix,
         master_key="5e" * 32,

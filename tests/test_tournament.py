@@ -325,3 +325,19 @@ def test_docstring_examples(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_rounding_never_makes_mass_negative() -> None:
+    """Regression: E_q[g] rounded to 1 + 2^-52 gave g = 0 tokens negative mass.
+
+    Here the three g = 1 tokens sum to 1.0000000000000002 in floating point;
+    the fourth (g = 0) token then got -2e-36, and after clipping it was the
+    only positive score, so combine_families put all the mass on it.
+    """
+    probs = np.array([0.29846844738462247, 0.042444653575122594, 0.6590868990402551, 1e-20])
+    g = np.array([[[1, 1, 1, 0]]], dtype=np.uint8)
+    q = tournament_distribution(probs, g[0])
+    assert (q >= 0).all()
+    out = combine_families(probs, g, g, 2.0)  # every score clipped: the fallback
+    assert (out >= 0).all() and out[3] < 1e-12
+    np.testing.assert_allclose(out[:3], probs[:3] / probs[:3].sum(), rtol=1e-12)

@@ -338,6 +338,122 @@ def serve(
     run(settings)
 
 
+@app.command("bench-service")
+def bench_service(
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
+    detect_seconds: Annotated[
+        float, typer.Option("--detect-seconds", help="Length of the /detect load.")
+    ] = 10.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """The HTTP service end to end: cold start, generation and detection throughput."""
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from worldcup_cli.service_bench import format_service_bench, run_service_bench
+    except ImportError as exc:
+        fail(f"the service extras are not installed ({exc.name}): pip install 'worldcup[service]'")
+    if detect_seconds <= 0:
+        fail(f"--detect-seconds must be positive, got {detect_seconds}")
+
+    def progress(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    result = run_service_bench(device=device, detect_seconds=detect_seconds, progress=progress)
+    _emit(as_json, result, format_service_bench(result))
+
+
+@app.command("eval")
+def eval_(
+    config: Annotated[
+        Path | None, typer.Option("--config", help="TOML, JSON or YAML file with the settings.")
+    ] = None,
+    smoke: Annotated[
+        bool, typer.Option("--smoke", help="Tiny preset for CI: 4 prompts, short lengths.")
+    ] = False,
+    prompts: Annotated[int | None, typer.Option("--prompts", help="Prompts per cell.")] = None,
+    bits: Annotated[str | None, typer.Option("--bits", help="Payload lengths, e.g. 16,32.")] = None,
+    lengths: Annotated[
+        str | None, typer.Option("--lengths", help="Max new tokens, e.g. 128,256.")
+    ] = None,
+    schemes: Annotated[
+        str | None,
+        typer.Option("--schemes", help="unwatermarked,worldcup-k1,worldcup-k2,mpac"),
+    ] = None,
+    ablations: Annotated[
+        str | None,
+        typer.Option("--ablations", help="no-entropy,no-subtraction,random-second or none."),
+    ] = None,
+    ablation_bits: Annotated[str | None, typer.Option("--ablation-bits")] = None,
+    ablation_lengths: Annotated[str | None, typer.Option("--ablation-lengths")] = None,
+    attacks: Annotated[
+        str | None,
+        typer.Option("--attacks", help="deletion,synonym,copy-paste,paraphrase or none."),
+    ] = None,
+    attack_bits: Annotated[
+        str | None, typer.Option("--attack-bits", help="Default: every --bits.")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    out: Annotated[str | None, typer.Option("--out", help="Output folder (docs/results).")] = None,
+    cache_dir: Annotated[
+        str | None, typer.Option("--cache-dir", help="Default: <out>/cache.")
+    ] = None,
+    data_dir: Annotated[str | None, typer.Option("--data-dir")] = None,
+    model: ModelOpt = None,
+    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, ...")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    scorer_model: Annotated[
+        str | None, typer.Option("--scorer-model", help="Local HF dir for a second PPL scorer.")
+    ] = None,
+    report_only: Annotated[
+        bool,
+        typer.Option("--report-only", help="Generate nothing; report what is cached (PARTIAL)."),
+    ] = False,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bars.")] = False,
+) -> None:
+    """Evaluate the schemes as in the paper's Section 4: resumable, cached, deterministic."""
+    try:
+        from worldcup_eval import build_config, run_eval
+    except ImportError as exc:
+        fail(f"the eval extras are not installed ({exc.name}): pip install 'worldcup[eval]'")
+    flags = {
+        "prompts": prompts,
+        "bits": bits,
+        "lengths": lengths,
+        "schemes": schemes,
+        "ablations": ablations,
+        "ablation_bits": ablation_bits,
+        "ablation_lengths": ablation_lengths,
+        "attacks": attacks,
+        "attack_bits": attack_bits,
+        "batch_size": batch_size,
+        "seed": seed,
+        "out": out,
+        "cache_dir": cache_dir,
+        "data_dir": data_dir,
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "scorer_model": scorer_model,
+    }
+    try:
+        cfg = build_config(smoke=smoke, config_file=config, overrides=flags)
+    except (ValueError, TypeError, OSError) as exc:
+        fail(str(exc))
+    from worldcup_core.models import ModelLoadError
+    from worldcup_eval.attacks import WordNetMissing
+
+    try:
+        results = run_eval(cfg, report_only=report_only, progress=not no_progress)
+    except (ModelLoadError, WordNetMissing, FileNotFoundError) as exc:
+        fail(str(exc))
+    status = "complete" if results["complete"] else f"PARTIAL ({len(results['missing'])} missing)"
+    typer.echo(f"{cfg.out_dir / 'report.md'} ({status})")
+
+
 def main() -> None:
     app()
 

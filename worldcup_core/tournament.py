@@ -29,7 +29,9 @@ def tournament_distribution(probs: FloatArray, g: npt.NDArray[np.generic]) -> Fl
     for layer in range(gf.shape[-2]):
         # q(1 + g - E[g]) == q(1 - E[g]) + q g; method calls skip numpy's dispatch cost
         qg = q * gf[..., layer, :]
-        q *= 1.0 - qg.sum(axis=-1, keepdims=True)
+        # E_q[g] <= 1 exactly; rounding can give 1 + 2^-52, which would make the
+        # g = 0 tokens' mass negative (and crash a sampler), so clamp at 0.
+        q *= np.maximum(1.0 - qg.sum(axis=-1, keepdims=True), 0.0)
         q += qg
     return q
 

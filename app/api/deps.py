@@ -11,7 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from app.api.errors import APIError
 from app.core.config import Role, Settings
 from app.core.metrics import Metrics  # noqa: F401  (Runtime field type)
-from app.core.security import hash_api_key, tokens_equal, verify_api_key
+from app.core.security import tokens_equal
 from app.services.batcher import Batcher
 from app.services.tenants import TenantService
 from app.stores.base import Store, TenantRecord
@@ -51,9 +51,8 @@ async def get_current_tenant(runtime: RuntimeDep, credentials: Credentials) -> T
     """The tenant comes only from the API key, never from the request body."""
     if credentials is None:
         raise _unauthorized("missing Authorization: Bearer <api key>")
-    api_key = credentials.credentials
-    tenant = await runtime.store.tenant_by_api_key_hash(hash_api_key(api_key))
-    if tenant is None or not verify_api_key(api_key, tenant.api_key_hash):
+    tenant = await runtime.tenants.tenant_for_api_key(credentials.credentials)
+    if tenant is None:
         raise _unauthorized("invalid API key")
     return tenant
 

@@ -81,6 +81,7 @@ class Settings(BaseSettings):
     max_text_chars: Annotated[int, Field(ge=1)] = 100_000
     idempotency_ttl_s: Annotated[int, Field(ge=1)] = 86_400
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    cache_ttl_s: Annotated[float, Field(ge=0)] = 5.0  # tenant and key-version lookups
 
     @model_validator(mode="after")
     def _load_secrets(self) -> Self:

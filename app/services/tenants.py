@@ -16,7 +16,7 @@ from typing import Any
 
 from scipy import special
 
-from app.core.security import KeyWrapper, hash_api_key, new_api_key
+from app.core.security import KeyWrapper, hash_api_key, new_api_key, verify_api_key
 from app.stores.base import KeyRecord, RegistryEntry, Store, TenantRecord
 from worldcup_core import (
     DecodeResult,
@@ -65,11 +65,39 @@ class DetectOutcome:
 
 
 class TenantService:
-    def __init__(self, store: Store, wrapper: KeyWrapper, defaults: WatermarkConfig) -> None:
+    def __init__(
+        self,
+        store: Store,
+        wrapper: KeyWrapper,
+        defaults: WatermarkConfig,
+        cache_ttl_s: float = 5.0,
+    ) -> None:
         self.store = store
         self.wrapper = wrapper
         self.defaults = defaults
+        self.cache_ttl_s = cache_ttl_s
         self._schemes: dict[tuple[str, int], WorldCup] = {}
+        # Hot-path lookups, cached briefly: every /detect needs both, and a store
+        # round trip costs as much as the detection itself. A rotation done on
+        # another replica is seen within cache_ttl_s.
+        self._records: dict[str, tuple[float, list[KeyRecord]]] = {}
+        self._api_keys: dict[str, tuple[float, TenantRecord]] = {}
+
+    async def tenant_for_api_key(self, api_key: str) -> TenantRecord | None:
+        digest = hash_api_key(api_key)
+        now = time.monotonic()
+        hit = self._api_keys.get(digest)
+        if hit is not None and now - hit[0] < self.cache_ttl_s:
+            tenant: TenantRecord | None = hit[1]
+        else:
+            tenant = await self.store.tenant_by_api_key_hash(digest)
+            if tenant is not None:
+                if len(self._api_keys) > 10_000:
+                    self._api_keys.clear()
+                self._api_keys[digest] = (now, tenant)
+        if tenant is None or not verify_api_key(api_key, tenant.api_key_hash):
+            return None
+        return tenant
 
     # admin ------------------------------------------------------------------
     async def create_tenant(self, name: str, scopes: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -87,6 +115,7 @@ class TenantService:
             raise UnknownTenant(tenant_id)
         version = versions[-1].version + 1
         await self.store.add_key_version(self._new_key(tenant_id, version, time.time()))
+        self._records.pop(tenant_id, None)
         return version
 
     def _new_key(self, tenant_id: str, version: int, now: float) -> KeyRecord:
@@ -105,7 +134,14 @@ class TenantService:
 
     # keys -------------------------------------------------------------------
     async def versions(self, tenant_id: str) -> list[KeyVersion]:
-        records = await self.store.key_versions(tenant_id)
+        now = time.monotonic()
+        hit = self._records.get(tenant_id)
+        if hit is not None and now - hit[0] < self.cache_ttl_s:
+            records = hit[1]
+        else:
+            records = await self.store.key_versions(tenant_id)
+            if records:
+                self._records[tenant_id] = (now, records)
         if not records:
             raise UnknownTenant(tenant_id)
         return [KeyVersion(r.version, self._scheme(r)) for r in records]

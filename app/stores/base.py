@@ -9,8 +9,23 @@ namespace by it (Redis keys ``{prefix}:{tenant}:...``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+def check_tenant_id(tenant_id: str) -> str:
+    """Tenant ids are path segments of Redis keys; a ':' could alias another namespace.
+
+    Both backends apply the same rule, so they accept the same ids.
+    """
+    if not tenant_id or ":" in tenant_id or any(c.isspace() for c in tenant_id):
+        raise ValueError("invalid tenant id")
+    return tenant_id
+
+
+def compact_json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 class StoreError(Exception):

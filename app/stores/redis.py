@@ -48,6 +48,8 @@ from app.stores.base import (
     RegistryEntry,
     StoreUnavailable,
     TenantRecord,
+    check_tenant_id,
+    compact_json,
 )
 
 __all__ = ["RedisStore"]
@@ -100,19 +102,8 @@ return id
 """
 
 
-def _check_tenant_id(tenant_id: str) -> str:
-    """Tenant ids are path segments of Redis keys; a ':' could alias another namespace."""
-    if not tenant_id or ":" in tenant_id or any(c.isspace() for c in tenant_id):
-        raise ValueError("invalid tenant id")
-    return tenant_id
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
 def _key_to_json(key: KeyRecord) -> str:
-    return _dumps(
+    return compact_json(
         {
             "version": key.version,
             "wrapped_key": base64.b64encode(key.wrapped_key).decode("ascii"),
@@ -193,7 +184,7 @@ class RedisStore:
     # -- plumbing -------------------------------------------------------------
 
     def _t(self, tenant_id: str, *parts: object) -> str:
-        return ":".join([self._prefix, _check_tenant_id(tenant_id), *map(str, parts)])
+        return ":".join([self._prefix, check_tenant_id(tenant_id), *map(str, parts)])
 
     def _g(self, *parts: object) -> str:
         return ":".join([self._prefix, *map(str, parts)])
@@ -242,7 +233,7 @@ class RedisStore:
             tid,
             tenant.api_key_hash,
             repr(float(tenant.created_at)),
-            _dumps(list(tenant.scopes)),
+            compact_json(list(tenant.scopes)),
             key.version,
             _key_to_json(key),
         ]
@@ -315,7 +306,7 @@ class RedisStore:
                             raise Conflict(f"no key version {k.version} for {k.tenant_id!r}")
                         d = json.loads(raw)
                         d["wrapped_key"] = base64.b64encode(k.wrapped_key).decode("ascii")
-                        updates.append((hkey, k.version, _dumps(d)))
+                        updates.append((hkey, k.version, compact_json(d)))
                     pipe.multi()  # type: ignore[no-untyped-call]
                     for hkey, version, raw in updates:
                         pipe.hset(hkey, str(version), raw)
@@ -336,7 +327,7 @@ class RedisStore:
     ) -> RegistryEntry:
         """One Lua script; the reply comes after Redis applied (and, per its AOF policy,
         persisted) the write, so a returned id is always backed by an entry."""
-        payload = _dumps(
+        payload = compact_json(
             {
                 "key_version": key_version,
                 "num_bits": num_bits,
@@ -356,7 +347,7 @@ class RedisStore:
             message_id=message_id,
             key_version=key_version,
             num_bits=num_bits,
-            metadata=json.loads(_dumps(metadata)),  # same shape a later read returns
+            metadata=json.loads(compact_json(metadata)),  # same shape a later read returns
             issued_at=issued_at,
         )
 
@@ -399,7 +390,7 @@ class RedisStore:
         self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
     ) -> bool:
         rkey = self._t(tenant_id, "idem", key)
-        raw = _dumps(
+        raw = compact_json(
             {
                 "body_hash": record.body_hash,
                 "status_code": record.status_code,

@@ -26,6 +26,8 @@ from app.stores.base import (
     RegistryEntry,
     StoreUnavailable,
     TenantRecord,
+    check_tenant_id,
+    compact_json,
 )
 
 __all__ = ["SQLiteStore"]
@@ -73,17 +75,6 @@ CREATE TABLE IF NOT EXISTS idempotency (
 );
 CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at);
 """
-
-
-def _check_tenant_id(tenant_id: str) -> str:
-    """Same rule as the Redis store, so both backends accept the same ids."""
-    if not tenant_id or ":" in tenant_id or any(c.isspace() for c in tenant_id):
-        raise ValueError("invalid tenant id")
-    return tenant_id
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 @contextlib.contextmanager
@@ -200,7 +191,7 @@ class SQLiteStore:
     async def create_tenant(self, tenant: TenantRecord, key: KeyRecord) -> None:
         if key.tenant_id != tenant.tenant_id or key.version != 1:
             raise ValueError("the first key must be version 1 of the same tenant")
-        _check_tenant_id(tenant.tenant_id)
+        check_tenant_id(tenant.tenant_id)
 
         def op(c: sqlite3.Connection) -> None:
             with _transaction(c):
@@ -214,7 +205,7 @@ class SQLiteStore:
                             tenant.name,
                             tenant.api_key_hash,
                             tenant.created_at,
-                            _dumps(list(tenant.scopes)),
+                            compact_json(list(tenant.scopes)),
                         ),
                     )
                 except sqlite3.IntegrityError:
@@ -240,7 +231,7 @@ class SQLiteStore:
         )
 
     async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
-        _check_tenant_id(tenant_id)
+        check_tenant_id(tenant_id)
         return await self._run(
             lambda c: _tenant(
                 c.execute("SELECT * FROM tenants WHERE tenant_id = ?", (tenant_id,)).fetchone()
@@ -265,7 +256,7 @@ class SQLiteStore:
     # -- watermark keys -------------------------------------------------------
 
     async def add_key_version(self, key: KeyRecord) -> None:
-        _check_tenant_id(key.tenant_id)
+        check_tenant_id(key.tenant_id)
 
         def op(c: sqlite3.Connection) -> None:
             with _transaction(c):
@@ -284,7 +275,7 @@ class SQLiteStore:
         await self._run(op)
 
     async def key_versions(self, tenant_id: str) -> list[KeyRecord]:
-        _check_tenant_id(tenant_id)
+        check_tenant_id(tenant_id)
         rows = await self._run(
             lambda c: c.execute(
                 "SELECT * FROM keys WHERE tenant_id = ? ORDER BY version", (tenant_id,)
@@ -318,8 +309,8 @@ class SQLiteStore:
         issued_at: float,
     ) -> RegistryEntry:
         """Next id = max + 1 inside BEGIN IMMEDIATE; committed (fsynced) before returning."""
-        _check_tenant_id(tenant_id)
-        meta = _dumps(metadata)
+        check_tenant_id(tenant_id)
+        meta = compact_json(metadata)
 
         def op(c: sqlite3.Connection) -> int:
             with _transaction(c):
@@ -344,7 +335,7 @@ class SQLiteStore:
         )
 
     async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
-        _check_tenant_id(tenant_id)
+        check_tenant_id(tenant_id)
         row = await self._run(
             lambda c: c.execute(
                 "SELECT * FROM messages WHERE tenant_id = ? AND message_id = ?",
@@ -363,7 +354,7 @@ class SQLiteStore:
         )
 
     async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
-        _check_tenant_id(tenant_id)
+        check_tenant_id(tenant_id)
         rows = await self._run(
             lambda c: c.execute(
                 "SELECT message_id FROM messages"
@@ -376,7 +367,7 @@ class SQLiteStore:
     # -- idempotency ----------------------------------------------------------
 
     async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None:
-        _check_tenant_id(tenant_id)
+        check_tenant_id(tenant_id)
         now = self._clock()
         row = await self._run(
             lambda c: c.execute(
@@ -395,9 +386,9 @@ class SQLiteStore:
     async def idempotency_put(
         self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
     ) -> bool:
-        _check_tenant_id(tenant_id)
+        check_tenant_id(tenant_id)
         now = self._clock()
-        response = _dumps(record.response)
+        response = compact_json(record.response)
 
         def op(c: sqlite3.Connection) -> bool:
             with _transaction(c):

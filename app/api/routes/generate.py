@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -23,6 +24,7 @@ from worldcup_core import Payload, SamplingConfig
 from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
 
 router = APIRouter(tags=["watermark"])
+logger = logging.getLogger("worldcup.generate")
 
 IdempotencyKey = Annotated[
     str | None,
@@ -137,6 +139,8 @@ async def generate(
                 )
             return _replay(stored, body.stream)
     prompt_ids = _prompt_ids(runtime, body)
+    if settings.debug_log_prompts:  # off by default: prompts are user data
+        logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
     key = await runtime.tenants.version(tenant.tenant_id, None)
     message_id = None
     if body.metadata is not None:
