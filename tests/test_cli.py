@@ -112,3 +112,28 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
 
     human = runner.invoke(app, ["detect", "--key-file", str(key_file)], input=text)
     assert human.exit_code == 0 and human.stdout.startswith("WATERMARKED")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["decode", "--key-file", "k", "--num-bits", "abc"], "--num-bits"),
+        (["detect"], "--key-file"),
+        (["nosuch"], "No such command"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_2(args: list[str], needle: str) -> None:
+    """Through the real console entry point, not CliRunner: what a shell user sees."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "worldcup_cli.main", *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err and needle in err, err

@@ -455,7 +455,18 @@ def eval_(
 
 
 def main() -> None:
-    app()
+    """Console entry point: usage errors become the same one-line form as ours (exit 2)."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # bad option values, missing options, unknown commands
+        message = exc.format_message()
+        if not message:  # bare `worldcup`: the help was printed
+            sys.exit(0)
+        typer.echo(f"error: {message}", err=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
