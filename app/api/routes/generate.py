@@ -71,6 +71,13 @@ def _prompt_ids(runtime: Runtime, body: GenerateRequest) -> list[int]:
     return ids
 
 
+def _queue_full(runtime: Runtime) -> APIError:
+    runtime.metrics.rejections.labels("queue_full").inc()
+    return APIError(
+        429, "the generation queue is full; retry shortly", "queue_full", {"Retry-After": "1"}
+    )
+
+
 def _body_hash(body: GenerateRequest) -> str:
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -138,6 +145,8 @@ async def generate(
                     409, "Idempotency-Key was used with a different body", "idempotency_conflict"
                 )
             return _replay(stored, body.stream)
+    if batcher.queue_depth >= batcher.max_queue:  # refuse before allocating a message id
+        raise _queue_full(runtime)
     prompt_ids = _prompt_ids(runtime, body)
     if settings.debug_log_prompts:  # off by default: prompts are user data
         logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
@@ -167,10 +176,7 @@ async def generate(
     try:
         job = batcher.submit(GenerationRequest(prompt_ids, sampling, key.scheme, payload))
     except QueueFull:
-        runtime.metrics.rejections.labels("queue_full").inc()
-        raise APIError(
-            429, "the generation queue is full; retry shortly", "queue_full", {"Retry-After": "1"}
-        ) from None
+        raise _queue_full(runtime) from None
     except BatcherStopped:
         raise APIError(503, "the server is shutting down", "draining") from None
     context = _Context(runtime, tenant.tenant_id, key, payload, message_id, prompt_ids, job)
