@@ -275,6 +275,6 @@ def test_pyproject_packages_what_the_images_run() -> None:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert "service" in project["project"]["optional-dependencies"]  # pip install ".[service]"
-    assert project["project"]["scripts"]["worldcup"] == "worldcup_cli.main:app"
+    assert project["project"]["scripts"]["worldcup"] == "worldcup_cli.main:main"
     include = project["tool"]["setuptools"]["packages"]["find"]["include"]
     assert "app*" in include  # the images run app.main from site-packages
