@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,17 +19,22 @@ from app.core.config import Settings
 ADMIN = "shutdown-admin-token-1a2b3c"
 
 
-def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -> None:
-    settings = Settings(
+def _settings(model_dir: Path, tmp_path: Path, **overrides: Any) -> Settings:
+    """A loopback server on the tiny model and a private SQLite file; nothing from env."""
+    return Settings(
         _env_file=None,  # type: ignore[call-arg]
         port=free_port(),
-        model_path=str(tiny_model_dir),
+        model_path=str(model_dir),
         sqlite_path=tmp_path / "db.sqlite3",
         redis_url=None,
         master_key="7c" * 32,
         admin_token=ADMIN,
-        drain_timeout_s=20,
+        **overrides,
     )
+
+
+def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -> None:
+    settings = _settings(tiny_model_dir, tmp_path, drain_timeout_s=20)
     server = LiveServer(settings).__enter__()
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
@@ -79,15 +85,7 @@ def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -
 
 
 def test_client_disconnect_stops_its_sequence(tiny_model_dir: Path, tmp_path: Path) -> None:
-    settings = Settings(
-        _env_file=None,  # type: ignore[call-arg]
-        port=free_port(),
-        model_path=str(tiny_model_dir),
-        sqlite_path=tmp_path / "db.sqlite3",
-        redis_url=None,
-        master_key="7d" * 32,
-        admin_token=ADMIN,
-    )
+    settings = _settings(tiny_model_dir, tmp_path)
     with LiveServer(settings) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         r = http.post(
             "/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
