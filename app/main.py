@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from app.api.deps import Runtime
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext
-from app.api.routes import admin, detection, generate, health
+from app.api.routes import admin, detection, generate, health, provenance
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
@@ -83,12 +83,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
             store=store,
             tenants=TenantService(
-                store, KeyWrapper(settings.master_key_bytes), defaults, settings.cache_ttl_s
+                store,
+                KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
+                defaults,
+                settings.cache_ttl_s,
             ),
             tokenizer=tokenizer,
             model_id=model_id,
             batcher=batcher,
         )
+        runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
         app.state.runtime = runtime
         if batcher is not None:
             batcher.start()
@@ -118,9 +122,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (generate, detection, admin, health):
+    for module in (generate, detection, provenance, admin, health):
         app.include_router(module.router)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        max_batch_bytes=settings.max_batch_body_bytes,
+    )
     app.add_middleware(RequestContext, metrics=metrics)
     return app
 

@@ -30,3 +30,13 @@ def test_bench_decoding_given_chunks() -> None:
     assert result["distinct_texts"] == 3
     assert result["from_ids"]["texts"] == 7
     assert result["scan_detect"]["texts"] == 7
+
+
+def test_bench_provenance_small() -> None:
+    from worldcup_cli.bench import bench_provenance, format_provenance_bench
+
+    result = bench_provenance(num_keys=20, text_tokens=64, texts=1)
+    json.dumps(result)
+    assert result["identical_p_values"] is True  # the bank and the loop agree exactly
+    assert result["search_ms_per_1000_keys"] > 0 and result["speedup_vs_loop"] > 0
+    assert "ms/1000 keys" in format_provenance_bench(result)

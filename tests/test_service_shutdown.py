@@ -66,12 +66,21 @@ def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -
             runtime = server.app.state.runtime
             assert runtime.draining  # readiness flips before anything else
 
-            async def ready_status() -> int:
+            async def during_drain() -> tuple[int, httpx.Response]:
                 transport = httpx.ASGITransport(app=server.app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
-                    return (await c.get("/ready")).status_code
+                    ready = (await c.get("/ready")).status_code
+                    fresh = await c.post(
+                        "/generate", json={**body, "stream": False}, headers=auth
+                    )
+                    return ready, fresh
 
-            assert asyncio.run(ready_status()) == 503
+            ready, fresh = asyncio.run(during_drain())
+            assert ready == 503
+            # a new generation is refused while the old one finishes
+            assert fresh.status_code == 503, fresh.text
+            assert fresh.json()["error"]["code"] == "draining"
+            assert fresh.headers["Retry-After"] == "5"
             reader.join(timeout=60)
         assert not reader.is_alive()
         assert lines[-1] == "data: [DONE]"

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 
 from app.core.config import Settings
 from app.stores.base import (
+    AuditRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
@@ -615,3 +616,101 @@ def test_make_store_picks_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     store = make_store(settings)
     assert isinstance(store, RedisStore)
     asyncio.run(store.close())
+
+
+# -- issue 4: scopes, key listing, bit lengths, audit log, rate limits ----------
+
+
+async def test_set_scopes(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    updated = await store.set_scopes(tenant.tenant_id, ("provenance",))
+    assert updated is not None and updated.scopes == ("provenance",)
+    assert (await store.get_tenant(tenant.tenant_id)).scopes == ("provenance",)  # type: ignore[union-attr]
+    looked_up = await store.tenant_by_api_key_hash(tenant.api_key_hash)
+    assert looked_up is not None and looked_up.scopes == ("provenance",)
+    assert (await store.set_scopes(tenant.tenant_id, ())).scopes == ()  # type: ignore[union-attr]
+    assert await store.set_scopes("t_nobody", ("provenance",)) is None
+    assert await store.get_tenant("t_nobody") is None  # nothing was created
+
+
+async def test_all_key_versions(store: Store) -> None:
+    made = []
+    for name in ("a", "b"):
+        tenant, key = tenant_records(name)
+        await store.create_tenant(tenant, key)
+        await store.add_key_version(key_record(tenant.tenant_id, 2))
+        made.append(tenant.tenant_id)
+    keys = await store.all_key_versions()
+    assert sorted((k.tenant_id, k.version) for k in keys) == sorted(
+        (t, v) for t in made for v in (1, 2)
+    )
+    for tid in made:  # each tenant's versions in order, records equal to key_versions()
+        assert [k for k in keys if k.tenant_id == tid] == await store.key_versions(tid)
+
+
+async def test_registry_bit_lengths(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    assert await store.registry_bit_lengths(tid, 1) == []
+    for kv, bits in [(1, 32), (1, 16), (2, 48), (1, 32)]:
+        await store.allocate_message(tid, kv, bits, {}, 0.0)
+    assert await store.registry_bit_lengths(tid, 1) == [16, 32]
+    assert await store.registry_bit_lengths(tid, 2) == [48]
+    assert await store.registry_bit_lengths(tid, 3) == []
+
+
+async def test_audit_log_is_newest_first(store: Store) -> None:
+    records = [
+        AuditRecord(
+            at=1_700_000_000.0 + i,
+            actor="admin" if i % 2 else "tenant:t_x",
+            action="provenance",
+            request_id=f"r{i}",
+            outcome={"found": bool(i % 2), "p_value": 10.0**-i, "tenant_id": None},
+        )
+        for i in range(5)
+    ]
+    for r in records:
+        await store.append_audit(r)
+    log = await store.audit_log(3)
+    assert [r.request_id for r in log] == ["r4", "r3", "r2"]
+    assert log[0].outcome == records[4].outcome and log[0].actor == "tenant:t_x"
+    assert log[0].at == records[4].at and all(r.id for r in log)
+    assert len({r.id for r in log}) == 3
+    assert [r.request_id for r in await store.audit_log(100)][-1] == "r0"
+
+
+async def test_token_bucket(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    other, other_key = tenant_records("other")
+    await store.create_tenant(tenant, key)
+    await store.create_tenant(other, other_key)
+    tid = tenant.tenant_id
+    # burst 5 at a slow refill: five requests pass, the sixth waits ~1/rate seconds
+    decisions = [await store.take_tokens(tid, 0.5, 5, 1) for _ in range(6)]
+    assert [d.allowed for d in decisions] == [True] * 5 + [False]
+    assert 1.0 < decisions[-1].retry_after_s <= 2.0 + 1e-6
+    assert decisions[4].remaining == pytest.approx(0.0, abs=0.01)
+    # another tenant has its own bucket
+    assert (await store.take_tokens(other.tenant_id, 0.5, 5, 1)).allowed
+    # a cost above what is left is refused without taking anything
+    assert not (await store.take_tokens(tid, 0.5, 5, 3)).allowed
+    # refill: at 20 tokens/s a 0.3 s pause buys back a few tokens
+    fast, _ = tenant_records("fast")
+    await store.create_tenant(fast, _)
+    for _i in range(3):
+        assert (await store.take_tokens(fast.tenant_id, 20, 3, 1)).allowed
+    assert not (await store.take_tokens(fast.tenant_id, 20, 3, 1)).allowed
+    await asyncio.sleep(0.3)
+    assert (await store.take_tokens(fast.tenant_id, 20, 3, 2)).allowed
+
+
+async def test_concurrent_token_takers_never_overdraw(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    results = await asyncio.gather(
+        *(store.take_tokens(tenant.tenant_id, 0.01, 10, 1) for _ in range(40))
+    )
+    assert sum(r.allowed for r in results) == 10

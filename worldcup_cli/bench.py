@@ -414,3 +414,61 @@ def format_bench(result: dict[str, Any]) -> str:
         lines.append(f"  {name:<20} {t['measured']:>9} (target >= {t['target']})  {verdict}")
     lines.append(f"\ntotal {result['total_seconds']:.1f} s")
     return "\n".join(lines)
+
+
+def bench_provenance(
+    num_keys: int = 1000, text_tokens: int = TEXT_TOKENS, texts: int = 3, seed: int = 0
+) -> dict[str, Any]:
+    """A provenance search over ``num_keys`` keys, against the naive loop of one
+    ``detect`` per key, measured side by side on the same texts (ratios, not
+    absolute targets: this machine is noisy). Payload length unknown, as in
+    ``POST /provenance``."""
+    from worldcup_core import WatermarkKey, WorldCup
+    from worldcup_core.provenance import KeyBank
+
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    schemes = [WorldCup(WatermarkKey(rng.bytes(32))) for _ in range(num_keys)]
+    bank = KeyBank(schemes)
+    build = time.perf_counter() - start
+    samples = [rng.integers(0, 49152, text_tokens).tolist() for _ in range(texts)]
+    bank_s, loop_s, agree = [], [], True
+    with _torch_threads(1):
+        for ids in samples:
+            t0 = time.perf_counter()
+            log10_p, _, _ = bank.log10_p_values(ids)
+            t1 = time.perf_counter()
+            naive = [s.detect(ids).log10_p_value for s in schemes]
+            t2 = time.perf_counter()
+            bank_s.append(t1 - t0)
+            loop_s.append(t2 - t1)
+            agree &= bool(np.allclose(log10_p, naive, rtol=1e-12, atol=1e-12))
+    bank_med, loop_med = float(np.median(bank_s)), float(np.median(loop_s))
+    per_1000 = 1000.0 / num_keys
+    return {
+        "keys": num_keys,
+        "text_tokens": text_tokens,
+        "texts": texts,
+        "bank_build_ms_per_1000_keys": round(1000 * build * per_1000, 2),
+        "search_ms_per_1000_keys": round(1000 * bank_med * per_1000, 2),
+        "naive_loop_ms_per_1000_keys": round(1000 * loop_med * per_1000, 2),
+        "speedup_vs_loop": round(loop_med / bank_med, 3),
+        "identical_p_values": agree,
+    }
+
+
+def format_provenance_bench(result: dict[str, Any]) -> str:
+    rows = [
+        ("bank build (keys prepared)", result["bank_build_ms_per_1000_keys"]),
+        ("vectorised search", result["search_ms_per_1000_keys"]),
+        ("naive loop of detect()", result["naive_loop_ms_per_1000_keys"]),
+    ]
+    return "\n".join(
+        [
+            f"provenance search: {result['keys']} keys, {result['text_tokens']}-token texts, "
+            f"payload length unknown, one core, median of {result['texts']} texts",
+            *(f"  {name:<28} {value:>10.1f} ms/1000 keys" for name, value in rows),
+            f"  {'speed-up':<28} {result['speedup_vs_loop']:>10.2f}x",
+            f"  {'identical p-values':<28} {result['identical_p_values']}",
+        ]
+    )

@@ -313,6 +313,21 @@ def bench(
     _emit(as_json, result, format_bench(result))
 
 
+@app.command("bench-provenance")
+def bench_provenance(
+    keys: Annotated[int, typer.Option(min=1, max=100_000, help="Keys in the bank.")] = 1000,
+    tokens: Annotated[int, typer.Option(min=8, max=4096, help="Tokens per text.")] = 256,
+    texts: Annotated[int, typer.Option(min=1, max=100, help="Texts to time (median).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Time a provenance search over many keys against a naive per-key loop."""
+    from worldcup_cli.bench import bench_provenance as run
+    from worldcup_cli.bench import format_provenance_bench
+
+    result = run(keys, tokens, texts)
+    _emit(as_json, result, format_provenance_bench(result))
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option("--host", help="Default: WORLDCUP_HOST.")] = None,

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from scipy import special
 
 from worldcup_core.config import MAX_PAYLOAD_BITS, WatermarkConfig
-from worldcup_core.prf import PRF
+from worldcup_core.prf import PRF, splitmix64, uniforms_from_u64
 from worldcup_core.scoring import TokenEvidence, fisher_log_sf, randomized_log_pvalues
 
 DEFAULT_SIGNIFICANCE = 0.01
@@ -54,34 +54,72 @@ def grouping_log_pvalues(
     prf: PRF, evidence: TokenEvidence, symbol_counts: list[int]
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """(log p, paper z) for each grouping into B positions, in one vectorised pass."""
-    k = evidence.groups
-    num = len(symbol_counts)
-    sizes = np.array(symbol_counts, dtype=np.int64) * k
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    total = int(sizes.sum())
-    pos = evidence.position_u64[None, :] % np.array(symbol_counts, dtype=np.uint64)[:, None]
-    cell = offsets[:, None, None] + pos.astype(np.int64)[:, :, None] * k + np.arange(k)
-    weights = np.broadcast_to(evidence.ones, cell.shape)
-    ones = np.bincount(cell.ravel(), weights=weights.ravel(), minlength=total).astype(np.int64)
-    trials = np.bincount(cell.ravel(), minlength=total).astype(np.int64)
-    trials *= evidence.trials_per_token
-    grouping = np.repeat(np.arange(num), sizes)
-    uniforms = np.concatenate(
-        [
-            prf.tiebreak_uniforms(evidence.text_digest + b.to_bytes(2, "little"), b * k)
-            for b in symbol_counts
-        ]
+    seeds = np.array(
+        [[prf.tiebreak_seed(tiebreak_data(evidence.text_digest, b)) for b in symbol_counts]],
+        dtype=np.uint64,
     )
+    log_p, paper_z = stacked_grouping_log_pvalues(
+        seeds,
+        evidence.position_u64[None, :],
+        evidence.ones[None, :, :],
+        evidence.trials_per_token,
+        symbol_counts,
+    )
+    return log_p[0], paper_z[0]
+
+
+def tiebreak_data(text_digest: bytes, num_symbols: int) -> bytes:
+    """What seeds the tie-break uniforms of one text under one grouping."""
+    return text_digest + num_symbols.to_bytes(2, "little")
+
+
+def stacked_grouping_log_pvalues(
+    seeds: npt.NDArray[np.uint64],
+    position_u64: npt.NDArray[np.uint64],
+    ones: npt.NDArray[np.int64],
+    trials_per_token: int,
+    symbol_counts: list[int],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """The grouping statistics for K keys over one text at once (provenance search).
+
+    ``seeds`` (K, G) are the keys' tie-break seeds per grouping, ``position_u64``
+    (K, n) and ``ones`` (K, n, k) their evidence on the same n scored tokens.
+    Returns (log p, paper z), each (K, G). With K = 1 this *is* the detector's
+    statistic, so single-key detection and provenance cannot disagree.
+    """
+    num_keys = int(position_u64.shape[0])
+    k = int(ones.shape[2])
+    num = len(symbol_counts)
+    counts = np.array(symbol_counts, dtype=np.int64)
+    sizes = counts * k
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    per_key = int(sizes.sum())
+    pos = (position_u64[:, None, :] % counts.astype(np.uint64)[None, :, None]).astype(np.int64)
+    cell = (
+        (np.arange(num_keys, dtype=np.int64) * per_key)[:, None, None, None]
+        + offsets[None, :, None, None]
+        + pos[:, :, :, None] * k
+        + np.arange(k)
+    )
+    weights = np.broadcast_to(ones[:, None, :, :], cell.shape)
+    total = num_keys * per_key
+    ones_c = np.bincount(cell.ravel(), weights=weights.ravel(), minlength=total).astype(np.int64)
+    trials = np.bincount(cell.ravel(), minlength=total).astype(np.int64) * trials_per_token
+    grouping = np.repeat(np.arange(num), sizes)  # (per_key,)
+    counters = np.concatenate([np.arange(size, dtype=np.int64) for size in sizes])
+    uniforms = uniforms_from_u64(splitmix64(seeds[:, grouping], counters[None, :])).ravel()
+    gid = ((np.arange(num_keys) * num)[:, None] + grouping[None, :]).ravel()
     used = trials > 0
-    ones_u, trials_u, gid = ones[used], trials[used], grouping[used]
+    ones_u, trials_u, gid_u = ones_c[used], trials[used], gid[used]
     log_p = randomized_log_pvalues(ones_u, trials_u, uniforms[used])
-    fisher = np.bincount(gid, weights=-2.0 * log_p, minlength=num).astype(np.float64)
-    cells = np.bincount(gid, minlength=num)
+    slots = num_keys * num
+    fisher = np.bincount(gid_u, weights=-2.0 * log_p, minlength=slots).astype(np.float64)
+    cells = np.bincount(gid_u, minlength=slots)
     log_sf = fisher_log_sf(fisher, cells)
-    deviation = np.bincount(gid, weights=np.abs(2 * ones_u - trials_u), minlength=num)
-    scale = np.sqrt(np.bincount(gid, weights=trials_u, minlength=num))
-    paper_z = np.divide(deviation, scale, out=np.zeros(num), where=scale > 0)
-    return log_sf, paper_z
+    deviation = np.bincount(gid_u, weights=np.abs(2 * ones_u - trials_u), minlength=slots)
+    scale = np.sqrt(np.bincount(gid_u, weights=trials_u, minlength=slots))
+    paper_z = np.divide(deviation, scale, out=np.zeros(slots), where=scale > 0)
+    return log_sf.reshape(num_keys, num), paper_z.reshape(num_keys, num)
 
 
 def detect(

@@ -114,6 +114,40 @@ def pack_context(context: Context) -> bytes:
     return struct.pack(f"<{len(context)}I", *context)
 
 
+@dataclass(frozen=True)
+class ScoredItems:
+    """The key-independent half of a scan: which tokens are scored, and their bytes.
+
+    Only the first occurrence of each context is scored. Computed once per
+    text, it serves every key a provenance search tries.
+    """
+
+    indices: tuple[int, ...]  # positions in the response of the scored tokens
+    contexts: tuple[bytes, ...]  # packed context of each scored token
+    tokens: tuple[bytes, ...]  # the scored token, packed as uint32
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], width: int) -> ScoredItems:
+        n = len(token_ids)
+        packed = struct.pack(f"<{n + width}I", *([SENTINEL] * width), *token_ids)
+        seen: set[bytes] = set()
+        indices: list[int] = []
+        contexts: list[bytes] = []
+        tokens: list[bytes] = []
+        for t in range(n):
+            ctx = packed[4 * t : 4 * (t + width)]
+            if ctx in seen:
+                continue
+            seen.add(ctx)
+            indices.append(t)
+            contexts.append(ctx)
+            tokens.append(packed[4 * (t + width) : 4 * (t + width + 1)])
+        return cls(tuple(indices), tuple(contexts), tuple(tokens))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class PRF:
     """Pre-keyed hashers for one key; cheap to copy per call."""
 
@@ -169,33 +203,49 @@ class PRF:
         mirroring the encoder's repeated-context rule; scored (context, token)
         pairs are therefore distinct and their g-values independent under H0.
         """
-        n = len(token_ids)
-        packed = struct.pack(f"<{n + width}I", *([SENTINEL] * width), *token_ids)
-        seen: set[bytes] = set()
-        positions: list[int] = []
+        pos_raw, g_raw, alt_raw = self.hash_items(
+            ScoredItems.of(token_ids, width), alternate=alternate
+        )
+        positions = [
+            int.from_bytes(pos_raw[i : i + 8], "little") for i in range(0, len(pos_raw), 8)
+        ]
+        return positions, g_raw, alt_raw
+
+    def hash_items(
+        self, items: ScoredItems, *, alternate: bool = False
+    ) -> tuple[bytes, bytes, bytes]:
+        """The keyed half of :meth:`scan`: (position u64s as little-endian bytes, g bytes,
+        alt g bytes). ``items`` is key-independent, so many keys can share it."""
+        pos_raw: list[bytes] = []
         g_raw: list[bytes] = []
         alt_raw: list[bytes] = []
-        ctx_h, pos_h, g_h, alt_h = self._ctx, self._pos, self._g, self._galt
-        for t in range(n):
-            ctx = packed[4 * t : 4 * (t + width)]
-            if ctx in seen:
-                continue
-            seen.add(ctx)
-            h = ctx_h.copy()
+        ctx_copy, pos_copy, g_copy, alt_copy = (
+            self._ctx.copy,
+            self._pos.copy,
+            self._g.copy,
+            self._galt.copy,
+        )
+        for ctx, token in zip(items.contexts, items.tokens, strict=True):
+            h = ctx_copy()
             h.update(ctx)
             seed = h.digest()
-            h = pos_h.copy()
+            h = pos_copy()
             h.update(seed)
-            positions.append(int.from_bytes(h.digest(), "little"))
-            item = seed + packed[4 * (t + width) : 4 * (t + width + 1)]
-            h = g_h.copy()
+            pos_raw.append(h.digest())
+            item = seed + token
+            h = g_copy()
             h.update(item)
             g_raw.append(h.digest())
             if alternate:
-                h = alt_h.copy()
+                h = alt_copy()
                 h.update(item)
                 alt_raw.append(h.digest())
-        return positions, b"".join(g_raw), b"".join(alt_raw)
+        return b"".join(pos_raw), b"".join(g_raw), b"".join(alt_raw)
+
+    def tiebreak_seed(self, data: bytes) -> int:
+        h = self._tie.copy()
+        h.update(data)
+        return int.from_bytes(h.digest(), "little")
 
     def tiebreak_uniforms(self, data: bytes, count: int) -> npt.NDArray[np.float64]:
         """``count`` keyed uniforms in (0, 1) for the cells of one text.
@@ -205,11 +255,8 @@ class PRF:
         H0 they are independent of every g-value; they make each cell's
         p-value exactly uniform. The stream is prefix-stable in ``count``.
         """
-        h = self._tie.copy()
-        h.update(data)
-        raw = splitmix64(int.from_bytes(h.digest(), "little"), np.arange(count, dtype=np.int64))
-        out: npt.NDArray[np.float64] = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
-        return out
+        raw = splitmix64(self.tiebreak_seed(data), np.arange(count, dtype=np.int64))
+        return uniforms_from_u64(raw)
 
     def mpac_seed(self, packed_context: bytes) -> int:
         """A 64-bit per-context seed for the MPAC baseline's own domain."""
@@ -228,17 +275,27 @@ _M2: Final = np.uint64(0x94D049BB133111EB)
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
 
 
-def splitmix64(seed: int, counters: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+def splitmix64(
+    seed: int | npt.NDArray[np.uint64], counters: npt.NDArray[np.int64]
+) -> npt.NDArray[np.uint64]:
     """SplitMix64 of ``seed ^ (counter * golden)``: a fast vectorised expander.
 
     Only ever fed keyed BLAKE2b seeds, so its outputs are as secret as the key;
     it spreads one seed over many values where a hash per value would be slow.
+    ``seed`` may be an array that broadcasts against ``counters`` (one stream
+    per seed, as a provenance search over many keys needs).
     """
     with np.errstate(over="ignore"):
-        z = np.uint64(seed) ^ (counters.astype(np.uint64) * _GOLDEN)
+        z = np.asarray(seed, dtype=np.uint64) ^ (counters.astype(np.uint64) * _GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
         out: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return out
+
+
+def uniforms_from_u64(raw: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
+    """The top 53 bits as a uniform in (0, 1), never 0 or 1 (their logs are finite)."""
+    out: npt.NDArray[np.float64] = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
     return out
 
 

@@ -83,6 +83,10 @@ class WorldCup:
     def __repr__(self) -> str:
         return f"WorldCup(key_id={self.key.key_id!r}, config={self.config!r})"
 
+    @property
+    def prf(self) -> PRF:
+        return self._prf
+
     def sequence(self, payload: Payload) -> SequenceWatermark:
         return WorldCupEncoder(self.key, self.config, payload).start()
 

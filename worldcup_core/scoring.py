@@ -64,20 +64,36 @@ def extract_evidence(prf: PRF, config: WatermarkConfig, token_ids: Sequence[int]
     """Hash a response (response tokens only, never the prompt)."""
     ids = [int(t) for t in token_ids]
     alternate = config.variant is Variant.RANDOM_SECOND
-    positions, g_raw, alt_raw = prf.scan(ids, config.context_width, alternate=alternate)
+    hashes = prf.scan(ids, config.context_width, alternate=alternate)
+    return evidence_from_hashes(config, hashes, len(ids), text_digest(ids))
+
+
+def text_digest(token_ids: Sequence[int]) -> bytes:
+    """Unkeyed digest of the token ids; seeds the per-text tie-break stream."""
+    ids = [int(t) for t in token_ids]
+    return hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
+
+
+def evidence_from_hashes(
+    config: WatermarkConfig,
+    hashes: tuple[list[int], bytes, bytes],
+    num_tokens: int,
+    digest: bytes,
+) -> TokenEvidence:
+    """Counts per scored token from :meth:`PRF.scan` / :meth:`PRF.hash_items` output."""
+    positions, g_raw, alt_raw = hashes
     n = len(positions)
     k, m = config.groups, config.layers
     ones = unpack_g(g_raw, n, k, m).sum(axis=2, dtype=np.int64)
     trials = m
-    if alternate:
+    if config.variant is Variant.RANDOM_SECOND:
         ones = ones + m - unpack_g(alt_raw, n, k, m).sum(axis=2, dtype=np.int64)
         trials = 2 * m
-    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
     return TokenEvidence(
         position_u64=np.array(positions, dtype=np.uint64).reshape(n),
         ones=ones.reshape(n, k),
         trials_per_token=trials,
-        num_tokens=len(ids),
+        num_tokens=num_tokens,
         text_digest=digest,
     )
 

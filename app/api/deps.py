@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -57,13 +58,75 @@ async def get_current_tenant(runtime: RuntimeDep, credentials: Credentials) -> T
     return tenant
 
 
-async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
+CurrentTenantDep = Annotated[TenantRecord, Depends(get_current_tenant)]
+
+
+def _is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
     token = runtime.settings.admin_token
     assert token is not None
-    if credentials is None or not tokens_equal(credentials.credentials, token.get_secret_value()):
+    return credentials is not None and tokens_equal(
+        credentials.credentials, token.get_secret_value()
+    )
+
+
+async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
+    if not _is_admin(runtime, credentials):
         raise APIError(
             401, "admin token required", "invalid_admin_token", {"WWW-Authenticate": "Bearer"}
         )
+
+
+async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:
+    """Take ``cost`` tokens from the tenant's bucket (in the store, so every replica
+    shares it) or answer 429 with Retry-After. A cost above the burst is capped at
+    the burst: a full bucket always admits one maximal batch."""
+    settings = runtime.settings
+    if settings.rate_limit_per_s <= 0:
+        return
+    burst = settings.rate_limit_burst
+    decision = await runtime.store.take_tokens(
+        tenant.tenant_id, settings.rate_limit_per_s, burst, min(cost, burst)
+    )
+    if not decision.allowed:
+        runtime.metrics.rejections.labels("rate_limited").inc()
+        retry = max(1, math.ceil(decision.retry_after_s))
+        raise APIError(
+            429,
+            f"rate limit exceeded ({settings.rate_limit_per_s:g} requests/s, burst {burst}); "
+            f"retry in {retry} s",
+            "rate_limited",
+            {"Retry-After": str(retry)},
+        )
+
+
+async def rate_limited_tenant(runtime: RuntimeDep, tenant: CurrentTenantDep) -> TenantRecord:
+    await charge(runtime, tenant)
+    return tenant
+
+
+PROVENANCE_SCOPE = "provenance"
+
+
+@dataclass(frozen=True)
+class Investigator:
+    """Who may run provenance searches: the admin, or a tenant granted the scope."""
+
+    actor: str  # "admin" or "tenant:<id>", as written to the audit log
+    is_admin: bool
+
+
+async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> Investigator:
+    if _is_admin(runtime, credentials):
+        return Investigator("admin", True)
+    tenant = await get_current_tenant(runtime, credentials)
+    if PROVENANCE_SCOPE not in tenant.scopes:
+        raise APIError(
+            403,
+            "this API key lacks the 'provenance' scope; an admin can grant it",
+            "missing_scope",
+        )
+    await charge(runtime, tenant)
+    return Investigator(f"tenant:{tenant.tenant_id}", False)
 
 
 def require_generator(runtime: RuntimeDep) -> Batcher:
@@ -76,6 +139,8 @@ def require_generator(runtime: RuntimeDep) -> Batcher:
     return runtime.batcher
 
 
-CurrentTenant = Annotated[TenantRecord, Depends(get_current_tenant)]
 AdminDep = Annotated[None, Depends(require_admin)]
+CurrentTenant = Annotated[TenantRecord, Depends(rate_limited_tenant)]  # charged one token
+UnchargedTenant = CurrentTenantDep  # bulk routes charge per text themselves
+InvestigatorDep = Annotated[Investigator, Depends(require_provenance)]
 BatcherDep = Annotated[Batcher, Depends(require_generator)]

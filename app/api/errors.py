@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.core.security import KeyUnwrapError
 from app.stores.base import StoreUnavailable
 
 logger = logging.getLogger("worldcup.api")
@@ -87,6 +88,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             503, "the registry store is unavailable; retry shortly", "store_unavailable",
             {"Retry-After": "2"},
+        )  # fmt: skip
+
+    @app.exception_handler(KeyUnwrapError)
+    async def _unwrap(_: Request, exc: KeyUnwrapError) -> JSONResponse:
+        # A deployment fault (wrong or missing master key), not a client error. The
+        # message names tenant and version only, never key material.
+        logger.error("cannot unwrap a watermark key: %s", exc)
+        return error_response(
+            503, "watermark key material is unavailable on this server (master key mismatch)",
+            "key_unavailable", {"Retry-After": "30"},
         )  # fmt: skip
 
     @app.exception_handler(Exception)

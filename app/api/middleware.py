@@ -30,23 +30,33 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
 
 
 class BodySizeLimit:
-    """413 before the app reads a body larger than ``max_bytes``."""
+    """413 before the app reads a body larger than ``max_bytes``.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    Bulk routes (paths ending in ``/batch``) get their own, larger limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_batch_bytes: int | None = None) -> None:
+        self.app, self.default_max = app, max_bytes
+        self.batch_max = max_batch_bytes if max_batch_bytes is not None else max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = (
+            self.batch_max if str(scope.get("path", "")).endswith("/batch") else self.default_max
+        )
+        await self._limited(scope, receive, send, limit)
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
-                    too_big = int(value) > self.max_bytes
+                    too_big = int(value) > limit
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await _send_error(send, 413, self._message(), "request_too_large")
+                    await _send_error(send, 413, self._message(limit), "request_too_large")
                     return
         # No (or a lying) Content-Length: read the body here, before the app, and
         # count. An exception raised from inside the app's receive() is swallowed
@@ -61,8 +71,8 @@ class BodySizeLimit:
                 return  # the client went away before sending its body
             chunk = message.get("body", b"")
             seen += len(chunk)
-            if seen > self.max_bytes:
-                await _send_error(send, 413, self._message(), "request_too_large")
+            if seen > limit:
+                await _send_error(send, 413, self._message(limit), "request_too_large")
                 return
             chunks.append(chunk)
             more_body = message.get("more_body", False)
@@ -77,8 +87,9 @@ class BodySizeLimit:
 
         await self.app(scope, replay_receive, send)
 
-    def _message(self) -> str:
-        return f"request body exceeds {self.max_bytes} bytes"
+    @staticmethod
+    def _message(limit: int) -> str:
+        return f"request body exceeds {limit} bytes"
 
 
 class RequestContext:

@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     # secrets
     master_key: SecretStr | None = None  # 64 hex chars (AES-256)
     master_key_file: Path | None = None
+    # During a master-key rotation: the old key, still accepted for unwrapping
+    # until POST /admin/master-key/rewrap has re-encrypted every stored key.
+    master_key_previous: SecretStr | None = None
+    master_key_previous_file: Path | None = None
     admin_token: SecretStr | None = None
     admin_token_file: Path | None = None
 
@@ -83,16 +87,30 @@ class Settings(BaseSettings):
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     cache_ttl_s: Annotated[float, Field(ge=0)] = 5.0  # tenant and key-version lookups
 
+    # bulk scans and provenance
+    max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000
+    max_batch_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1_048_576
+    provenance_refresh_s: Annotated[float, Field(ge=0)] = 30.0
+
+    # per-tenant token bucket, shared by every replica through the store; 0 disables
+    rate_limit_per_s: Annotated[float, Field(ge=0)] = 50.0
+    rate_limit_burst: Annotated[int, Field(ge=1)] = 1000
+
     @model_validator(mode="after")
     def _load_secrets(self) -> Self:
         self.master_key = self._secret("master_key", self.master_key, self.master_key_file)
         self.admin_token = self._secret("admin_token", self.admin_token, self.admin_token_file)
-        try:
-            key = bytes.fromhex(self.master_key.get_secret_value())
-        except ValueError:
-            key = b""
-        if len(key) != 32:
+        if _hex_key(self.master_key) is None:
             raise ValueError("WORLDCUP_MASTER_KEY must be 64 hex characters (32 bytes)")
+        if self.master_key_previous_file is not None or self.master_key_previous is not None:
+            previous = self._secret(
+                "master_key_previous", self.master_key_previous, self.master_key_previous_file
+            )
+            if _hex_key(previous) is None:
+                raise ValueError(
+                    "WORLDCUP_MASTER_KEY_PREVIOUS must be 64 hex characters (32 bytes)"
+                )
+            self.master_key_previous = previous
         return self
 
     def _secret(self, name: str, value: SecretStr | None, path: Path | None) -> SecretStr:
@@ -115,8 +133,24 @@ class Settings(BaseSettings):
 
     @property
     def master_key_bytes(self) -> bytes:
-        assert self.master_key is not None
-        return bytes.fromhex(self.master_key.get_secret_value())
+        key = _hex_key(self.master_key)
+        assert key is not None
+        return key
+
+    @property
+    def previous_master_keys(self) -> tuple[bytes, ...]:
+        key = _hex_key(self.master_key_previous)
+        return () if key is None else (key,)
+
+
+def _hex_key(value: SecretStr | None) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        key = bytes.fromhex(value.get_secret_value())
+    except ValueError:
+        return None
+    return key if len(key) == 32 else None
 
 
 @lru_cache

@@ -81,14 +81,20 @@ class KeyWrapper:
     Blob format: ``nonce (12 bytes) || ciphertext || tag (16 bytes)``, with a
     fresh random nonce per wrap. The raw master key is not kept as an attribute
     and never appears in ``repr`` or error messages.
+
+    Master-key rotation: ``previous`` holds old master keys that are still
+    accepted for unwrapping (never for wrapping), so replicas can run with
+    the new key while the stored blobs are re-encrypted one by one.
     """
 
-    __slots__ = ("_aead",)
+    __slots__ = ("_aead", "_previous")
 
-    def __init__(self, master_key: bytes) -> None:
-        if len(master_key) != 32:
-            raise ValueError("master key must be 32 bytes (AES-256)")
+    def __init__(self, master_key: bytes, previous: tuple[bytes, ...] = ()) -> None:
+        for key in (master_key, *previous):
+            if len(key) != 32:
+                raise ValueError("master key must be 32 bytes (AES-256)")
         self._aead = AESGCM(bytes(master_key))
+        self._previous = tuple(AESGCM(bytes(k)) for k in previous)
 
     def __repr__(self) -> str:
         return "KeyWrapper(master_key=<redacted>)"
@@ -106,13 +112,31 @@ class KeyWrapper:
                 f"wrapped key for tenant {tenant_id!r} version {version} is truncated"
             )
         nonce, ciphertext = bytes(blob[:_NONCE_BYTES]), bytes(blob[_NONCE_BYTES:])
+        for aead in (self._aead, *self._previous):
+            try:
+                return aead.decrypt(nonce, ciphertext, _aad(tenant_id, version))
+            except InvalidTag:
+                continue
+        raise KeyUnwrapError(
+            f"cannot unwrap key for tenant {tenant_id!r} version {version}: wrong master "
+            "key, tampered blob, or blob belongs to another tenant/version"
+        )
+
+    def is_current(self, tenant_id: str, version: int, blob: bytes) -> bool:
+        """True if ``blob`` is already wrapped under the current master key."""
+        if len(blob) < _NONCE_BYTES + _TAG_BYTES:
+            return False
         try:
-            return self._aead.decrypt(nonce, ciphertext, _aad(tenant_id, version))
+            self._aead.decrypt(
+                bytes(blob[:_NONCE_BYTES]), bytes(blob[_NONCE_BYTES:]), _aad(tenant_id, version)
+            )
         except InvalidTag:
-            raise KeyUnwrapError(
-                f"cannot unwrap key for tenant {tenant_id!r} version {version}: wrong master "
-                "key, tampered blob, or blob belongs to another tenant/version"
-            ) from None
+            return False
+        return True
+
+    def rewrap_current(self, tenant_id: str, version: int, blob: bytes) -> bytes:
+        """Re-encrypt a blob wrapped under any accepted key with the current key."""
+        return self.wrap(tenant_id, version, self.unwrap(tenant_id, version, blob))
 
     def rewrap(self, target: KeyWrapper, tenant_id: str, version: int, blob: bytes) -> bytes:
         """Master-key rotation: decrypt ``blob`` with this (old) wrapper and re-encrypt it

@@ -13,6 +13,11 @@ from app.schemas.common import StrictModel
 
 MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 4
+# Below this the sampler's float32 logits / temperature overflow to inf and the
+# softmax turns NaN: the batch step fails, and with it every generation in the
+# batch (found by schemathesis: temperature 2e-89 gave a 500). 0.01 is already
+# all but greedy.
+MIN_TEMPERATURE = 0.01
 _BITS = re.compile(r"^[01]{1,64}$")
 _HEX = re.compile(r"^(0x)?[0-9a-fA-F]{1,16}$")
 
@@ -59,7 +64,7 @@ class GenerateRequest(StrictModel):
     messages: Annotated[list[ChatMessage] | None, Field(min_length=1, max_length=64)] = None
     max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 128
     min_new_tokens: Annotated[int, Field(ge=0, le=4096)] = 0
-    temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
+    temperature: Annotated[float, Field(ge=MIN_TEMPERATURE, le=10)] = 1.0
     top_k: Annotated[int, Field(ge=0, le=1000)] = 50
     top_p: Annotated[float, Field(gt=0, le=1)] = 0.95
     no_repeat_ngram_size: Annotated[int, Field(ge=0, le=16)] = 0
@@ -200,3 +205,109 @@ class DetectResponse(StrictModel):
     num_scored_tokens: int
     significance: float
     key_version: int | None = Field(description="The key version that matched, if any.")
+
+
+# --------------------------------------------------------------------------- bulk scans
+class BatchItemError(StrictModel):
+    code: str
+    message: str
+
+
+class DecodeBatchRequest(StrictModel):
+    texts: Annotated[list[str], Field(min_length=1, max_length=10_000)] = Field(
+        description="Up to the server's batch limit (default 1000) texts; each is decoded "
+        "independently, and a bad text fails only its own item."
+    )
+    num_bits: Annotated[int | None, Field(ge=1, le=64)] = None
+    key_version: Annotated[int | None, Field(ge=1)] = None
+
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {"examples": [{"texts": ["First text ...", "Second ..."]}]},
+    }
+
+
+class DecodeBatchItem(StrictModel):
+    index: int
+    result: DecodeResponse | None
+    error: BatchItemError | None
+
+
+class DecodeBatchResponse(StrictModel):
+    results: list[DecodeBatchItem]
+    num_watermarked: int
+    num_errors: int
+
+
+class DetectBatchRequest(StrictModel):
+    texts: Annotated[list[str], Field(min_length=1, max_length=10_000)] = Field(
+        description="Up to the server's batch limit (default 1000) texts."
+    )
+
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {"examples": [{"texts": ["First text ...", "Second ..."]}]},
+    }
+
+
+class DetectBatchItem(StrictModel):
+    index: int
+    result: DetectResponse | None
+    error: BatchItemError | None
+
+
+class DetectBatchResponse(StrictModel):
+    results: list[DetectBatchItem]
+    num_watermarked: int
+    num_errors: int
+
+
+# --------------------------------------------------------------------------- provenance
+class ProvenanceRequest(StrictModel):
+    text: Annotated[str, Field(min_length=1)]
+    include_token_scores: bool = Field(
+        False, description="Per-token scores of the best key; admin token only (403 otherwise)."
+    )
+
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {"examples": [{"text": "Who was this text generated for?"}]},
+    }
+
+
+class ProvenanceCandidate(StrictModel):
+    tenant_id: str
+    key_version: int
+    p_value: float = Field(description="This key alone, before the correction for the search.")
+
+
+class ProvenanceMatch(StrictModel):
+    tenant_id: str
+    tenant_name: str | None
+    key_version: int
+    key_p_value: float = Field(description="This key alone, before the search correction.")
+    bits: str = Field(description="The decoded payload under this key ('?' = erasure).")
+    num_bits: int
+    registry_entry: RegistryMatchOut | None
+
+
+class TokenScore(StrictModel):
+    index: int = Field(description="Token index in the text (tokenizer of this service).")
+    g_mean: list[float] = Field(description="Mean g-value per group; 0.5 is chance.")
+
+
+class ProvenanceResponse(StrictModel):
+    found: bool
+    message: str
+    p_value: float = Field(description="Best key's p-value, Šidák-corrected for num_keys.")
+    correction: Literal["sidak"] = "sidak"
+    num_keys: int
+    num_tenants: int
+    num_tokens: int
+    num_scored_tokens: int
+    significance: float
+    match: ProvenanceMatch | None
+    candidates: list[ProvenanceCandidate]
+    scan_seconds: float
+    scan_ms_per_1000_keys: float | None
+    token_scores: list[TokenScore] | None = None

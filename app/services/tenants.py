@@ -7,10 +7,12 @@ version stays usable for decode and detect; only the newest one generates.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,11 @@ from worldcup_core import (
 )
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.message import MessageIdCodec
+from worldcup_core.provenance import KeyBank, ProvenanceResult
+
+# Above this many texts a bulk call runs its hashing in a worker thread, so one
+# big batch does not stall every other request on the event loop.
+_OFFLOAD_TEXTS = 8
 
 
 class UnknownTenant(LookupError):
@@ -64,6 +71,26 @@ class DetectOutcome:
     z_score: float  # the normal quantile of the corrected p-value
 
 
+@dataclass(frozen=True)
+class ProvenanceOutcome:
+    result: ProvenanceResult
+    significant: bool
+    tenant: TenantRecord | None  # the best key's owner, when significant
+    key_version: int | None
+    decoded: DecodeOutcome | None  # payload and registry entry under the best key
+    num_tenants: int
+    scan_seconds: float
+    scheme: WorldCup | None  # the best key (for admin-only per-token scores)
+    candidates: list[tuple[str, int, float]]  # (tenant id, key version, log10 p), best first
+
+
+@dataclass
+class _Bank:
+    built_at: float
+    bank: KeyBank
+    refs: list[tuple[str, int]]  # (tenant id, key version) per bank entry
+
+
 class TenantService:
     def __init__(
         self,
@@ -82,6 +109,9 @@ class TenantService:
         # another replica is seen within cache_ttl_s.
         self._records: dict[str, tuple[float, list[KeyRecord]]] = {}
         self._api_keys: dict[str, tuple[float, TenantRecord]] = {}
+        self._bank: _Bank | None = None
+        self._bank_lock = asyncio.Lock()
+        self.provenance_refresh_s = 30.0
 
     async def tenant_for_api_key(self, api_key: str) -> TenantRecord | None:
         digest = hash_api_key(api_key)
@@ -107,7 +137,46 @@ class TenantService:
         now = time.time()
         tenant = TenantRecord(tenant_id, name, hash_api_key(api_key), now, scopes)
         await self.store.create_tenant(tenant, self._new_key(tenant_id, 1, now))
+        self._bank = None  # the provenance bank must include the new key
         return tenant_id, api_key
+
+    async def set_scopes(self, tenant_id: str, scopes: tuple[str, ...]) -> TenantRecord:
+        tenant = await self.store.set_scopes(tenant_id, scopes)
+        if tenant is None:
+            raise UnknownTenant(tenant_id)
+        self._api_keys = {
+            d: hit for d, hit in self._api_keys.items() if hit[1].tenant_id != tenant_id
+        }
+        return tenant
+
+    async def rewrap_all(self) -> tuple[int, int]:
+        """Master-key rotation: re-encrypt every stored key under the current master key.
+
+        Returns (rewrapped, already current). Key material and every watermark
+        are unchanged; only the encryption at rest moves to the new key. Safe to
+        run while serving and to re-run (already current blobs are skipped).
+        """
+        records = await self.store.all_key_versions()
+        stale = [
+            r for r in records if not self.wrapper.is_current(r.tenant_id, r.version, r.wrapped_key)
+        ]
+        updated = [
+            KeyRecord(
+                tenant_id=r.tenant_id,
+                version=r.version,
+                wrapped_key=self.wrapper.rewrap_current(r.tenant_id, r.version, r.wrapped_key),
+                created_at=r.created_at,
+                groups=r.groups,
+                layers=r.layers,
+                alpha=r.alpha,
+                context_width=r.context_width,
+            )
+            for r in stale
+        ]
+        for start in range(0, len(updated), 500):
+            await self.store.replace_wrapped_keys(updated[start : start + 500])
+        self._records.clear()
+        return len(updated), len(records) - len(updated)
 
     async def rotate_key(self, tenant_id: str) -> int:
         versions = await self.store.key_versions(tenant_id)
@@ -116,6 +185,7 @@ class TenantService:
         version = versions[-1].version + 1
         await self.store.add_key_version(self._new_key(tenant_id, version, time.time()))
         self._records.pop(tenant_id, None)
+        self._bank = None
         return version
 
     def _new_key(self, tenant_id: str, version: int, now: float) -> KeyRecord:
@@ -187,48 +257,152 @@ class TenantService:
     async def decode(
         self, tenant_id: str, token_ids: list[int], num_bits: int, key_version: int | None
     ) -> DecodeOutcome:
-        """Decode under each candidate key version; keep the most significant."""
+        return (await self.decode_many(tenant_id, [token_ids], num_bits, key_version))[0]
+
+    async def decode_many(
+        self,
+        tenant_id: str,
+        texts: Sequence[list[int]],
+        num_bits: int,
+        key_version: int | None,
+    ) -> list[DecodeOutcome]:
+        """Decode under each candidate key version, keep the most significant, and
+        match it against that version's registry. Store reads happen once per batch."""
         versions = (
             [await self.version(tenant_id, key_version)]
             if key_version is not None
             else await self.versions(tenant_id)
         )
-        best: DecodeOutcome | None = None
-        for v in versions:
-            result = v.scheme.decode(token_ids, num_bits)
-            if best is None or result.detection.log10_p_value < best.result.detection.log10_p_value:
-                best = DecodeOutcome(v.version, result, None, None)
-        assert best is not None
-        return await self._with_registry(tenant_id, token_ids, num_bits, best, versions)
+        registry = {
+            v.version: await self.store.message_ids(tenant_id, v.version, num_bits)
+            for v in versions
+        }
 
-    async def _with_registry(
-        self,
-        tenant_id: str,
-        token_ids: list[int],
-        num_bits: int,
-        outcome: DecodeOutcome,
-        versions: list[KeyVersion],
-    ) -> DecodeOutcome:
-        scheme = next(v.scheme for v in versions if v.version == outcome.key_version)
-        ids = await self.store.message_ids(tenant_id, outcome.key_version, num_bits)
-        if not ids:
-            return outcome
-        codec = MessageIdCodec(scheme.key, num_bits)
-        candidates = [codec.payload(i).bits for i in ids]
-        match = scheme.match(token_ids, candidates)
-        if match is None:
-            return outcome
-        entry = await self.store.registry_entry(tenant_id, ids[match.index])
-        return DecodeOutcome(outcome.key_version, outcome.result, match, entry)
+        def work() -> list[tuple[DecodeOutcome, int | None]]:
+            candidates = {
+                v.version: [MessageIdCodec(v.scheme.key, num_bits).payload(i).bits for i in ids]
+                for v in versions
+                if (ids := registry[v.version])
+            }
+            out = []
+            for token_ids in texts:
+                best: DecodeOutcome | None = None
+                for v in versions:
+                    result = v.scheme.decode(token_ids, num_bits)
+                    if best is None or (
+                        result.detection.log10_p_value < best.result.detection.log10_p_value
+                    ):
+                        best = DecodeOutcome(v.version, result, None, None)
+                assert best is not None
+                scheme = next(v.scheme for v in versions if v.version == best.key_version)
+                cands = candidates.get(best.key_version)
+                match = scheme.match(token_ids, cands) if cands else None
+                message_id = registry[best.key_version][match.index] if match else None
+                out.append((DecodeOutcome(best.key_version, best.result, match, None), message_id))
+            return out
+
+        if len(texts) > _OFFLOAD_TEXTS:
+            decoded = await asyncio.to_thread(work)
+        else:
+            decoded = work()
+        outcomes = []
+        for outcome, message_id in decoded:
+            entry = None
+            if message_id is not None:
+                entry = await self.store.registry_entry(tenant_id, message_id)
+            outcomes.append(
+                DecodeOutcome(outcome.key_version, outcome.result, outcome.match, entry)
+            )
+        return outcomes
 
     async def detect(
         self, tenant_id: str, token_ids: list[int], significance: float
     ) -> DetectOutcome:
+        return (await self.detect_many(tenant_id, [token_ids], significance))[0]
+
+    async def detect_many(
+        self, tenant_id: str, texts: Sequence[list[int]], significance: float
+    ) -> list[DetectOutcome]:
         """Message-free test under every key version, Bonferroni over versions."""
         versions = await self.versions(tenant_id)
-        results = [(v.version, v.scheme.detect(token_ids, None, significance)) for v in versions]
-        version, best = min(results, key=lambda r: r[1].log10_p_value)
-        log_p = min(best.log10_p_value * math.log(10) + math.log(len(results)), 0.0)
-        p_value = math.exp(log_p)
-        z = float(-special.ndtri_exp(min(log_p, -1e-16)))
-        return DetectOutcome(version if p_value < significance else None, best, p_value, z)
+
+        def one(token_ids: list[int]) -> DetectOutcome:
+            results = [
+                (v.version, v.scheme.detect(token_ids, None, significance)) for v in versions
+            ]
+            version, best = min(results, key=lambda r: r[1].log10_p_value)
+            log_p = min(best.log10_p_value * math.log(10) + math.log(len(results)), 0.0)
+            p_value = math.exp(log_p)
+            z = float(-special.ndtri_exp(min(log_p, -1e-16)))
+            return DetectOutcome(version if p_value < significance else None, best, p_value, z)
+
+        if len(texts) > _OFFLOAD_TEXTS:
+            return await asyncio.to_thread(lambda: [one(t) for t in texts])
+        return [one(t) for t in texts]
+
+    # provenance -------------------------------------------------------------
+    async def key_bank(self) -> tuple[KeyBank, list[tuple[str, int]]]:
+        """Every tenant's every key version, unwrapped and prepared once.
+
+        Rebuilt after a local tenant creation or rotation, and at most every
+        ``provenance_refresh_s`` seconds otherwise (changes made on another
+        replica are picked up then).
+        """
+        async with self._bank_lock:
+            now = time.monotonic()
+            cached = self._bank
+            if cached is not None and now - cached.built_at < self.provenance_refresh_s:
+                return cached.bank, cached.refs
+            records = await self.store.all_key_versions()
+
+            def build() -> _Bank:
+                schemes = [self._scheme(r) for r in records]
+                refs = [(r.tenant_id, r.version) for r in records]
+                return _Bank(now, KeyBank(schemes), refs)
+
+            self._bank = await asyncio.to_thread(build)
+            return self._bank.bank, self._bank.refs
+
+    async def provenance(
+        self, token_ids: list[int], significance: float, default_num_bits: int
+    ) -> ProvenanceOutcome:
+        """Which tenant and key version watermarked this text, and for which registry entry?"""
+        bank, refs = await self.key_bank()
+        started = time.perf_counter()
+        result = await asyncio.to_thread(bank.search, token_ids)
+        elapsed = time.perf_counter() - started
+        num_tenants = len({t for t, _ in refs})
+        candidates = [(*refs[c.index], c.log10_p_value) for c in result.top]
+        significant = result.best is not None and result.p_value < significance
+        if not significant or result.best is None:
+            return ProvenanceOutcome(
+                result, False, None, None, None, num_tenants, elapsed, None, candidates
+            )
+        tenant_id, version = refs[result.best.index]
+        tenant = await self.store.get_tenant(tenant_id)
+        lengths = await self.store.registry_bit_lengths(tenant_id, version) or [default_num_bits]
+        decoded: DecodeOutcome | None = None
+        for bits in lengths:
+            outcome = await self.decode(tenant_id, token_ids, bits, version)
+            if decoded is None or _better(outcome, decoded):
+                decoded = outcome
+        return ProvenanceOutcome(
+            result,
+            True,
+            tenant,
+            version,
+            decoded,
+            num_tenants,
+            elapsed,
+            bank.schemes[result.best.index],
+            candidates,
+        )
+
+
+def _better(a: DecodeOutcome, b: DecodeOutcome) -> bool:
+    """Prefer a registry match, then the more significant one, then the decode p-value."""
+    if (a.entry is None) != (b.entry is None):
+        return a.entry is not None
+    if a.match is not None and b.match is not None and a.match.p_value != b.match.p_value:
+        return a.match.p_value < b.match.p_value
+    return a.result.detection.log10_p_value < b.result.detection.log10_p_value

@@ -77,6 +77,25 @@ class RegistryEntry:
 
 
 @dataclass(frozen=True)
+class AuditRecord:
+    """One provenance query: who asked, when, and what was found (never the text)."""
+
+    at: float
+    actor: str  # "admin" or "tenant:<tenant id>" (a holder of the provenance scope)
+    action: str
+    request_id: str
+    outcome: dict[str, Any]
+    id: str = ""  # assigned by the store, increasing in time
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    allowed: bool
+    retry_after_s: float  # 0 when allowed
+    remaining: float  # tokens left in the bucket
+
+
+@dataclass(frozen=True)
 class IdempotencyRecord:
     body_hash: str
     status_code: int
@@ -98,6 +117,9 @@ class Store(Protocol):
 
     async def list_tenants(self) -> list[TenantRecord]: ...
 
+    async def set_scopes(self, tenant_id: str, scopes: tuple[str, ...]) -> TenantRecord | None:
+        """Replace the tenant's scopes; None if there is no such tenant."""
+
     # watermark keys
     async def add_key_version(self, key: KeyRecord) -> None:
         """Store a new version; Conflict unless it is exactly latest + 1."""
@@ -107,6 +129,9 @@ class Store(Protocol):
 
     async def replace_wrapped_keys(self, keys: list[KeyRecord]) -> None:
         """Overwrite wrapped_key of existing versions (master-key rotation)."""
+
+    async def all_key_versions(self) -> list[KeyRecord]:
+        """Every version of every tenant (provenance search, master-key rotation)."""
 
     # registry
     async def allocate_message(
@@ -123,6 +148,22 @@ class Store(Protocol):
 
     async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
         """Ids issued under this key version and payload length (registry ML decoding)."""
+
+    async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
+        """The payload lengths the registry has entries for under this key version."""
+
+    # audit log
+    async def append_audit(self, record: AuditRecord) -> None:
+        """Durably append; the caller answers only after this returned."""
+
+    async def audit_log(self, limit: int) -> list[AuditRecord]:
+        """The newest ``limit`` records, newest first."""
+
+    # rate limits
+    async def take_tokens(
+        self, tenant_id: str, rate_per_s: float, burst: float, cost: float
+    ) -> RateDecision:
+        """Token bucket per tenant: take ``cost`` tokens if the bucket holds them."""
 
     # idempotency
     async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None: ...

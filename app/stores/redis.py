@@ -10,6 +10,9 @@ Layout (``p`` = prefix, ``t`` = tenant id)::
     p:t:msgseq                str   last allocated message id (INCR)
     p:t:msgs                  hash  message id -> RegistryEntry JSON
     p:t:msgidx:{kv}:{bits}    zset  message ids issued under (key version, payload bits)
+    p:t:msgbits:{kv}          set   payload lengths issued under a key version
+    p:t:ratelimit             hash  token bucket (tokens, ts), expires when full
+    p:audit                   stream provenance audit log (one JSON field per entry)
     p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
 
 Every write that must be atomic is one Lua script (or WATCH/MULTI), so
@@ -42,9 +45,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from app.stores.base import (
+    AuditRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
+    RateDecision,
     RegistryEntry,
     StoreUnavailable,
     TenantRecord,
@@ -91,15 +96,46 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return {1, latest}
 """
 
-# KEYS: msgseq, msgs hash, index zset. ARGV: entry JSON without the id.
-# INCR + write + index in one script: no two callers can get the same id, and an
-# id is never visible without its entry.
+# KEYS: msgseq, msgs hash, index zset, bit-length set. ARGV: entry JSON without
+# the id, num_bits. INCR + write + index in one script: no two callers can get the
+# same id, and an id is never visible without its entry.
 _ALLOCATE = """
 local id = redis.call('INCR', KEYS[1])
 redis.call('HSET', KEYS[2], id, ARGV[1])
 redis.call('ZADD', KEYS[3], id, id)
+redis.call('SADD', KEYS[4], ARGV[2])
 return id
 """
+
+# KEYS: tenant hash. ARGV: scopes JSON. 1 if updated, 0 if no such tenant.
+_SET_SCOPES = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'scopes', ARGV[1])
+return 1
+"""
+
+# Token bucket. KEYS: bucket hash. ARGV: rate per second, burst, cost.
+# Redis's own clock (TIME) so every replica of the API shares one time base.
+# Returns {allowed, retry_after_s, tokens_left} (floats as strings).
+_TAKE_TOKENS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local h = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(h[1]), tonumber(h[2])
+if tokens == nil or ts == nil then tokens, ts = burst, now end
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local allowed, retry = 0, (cost - tokens) / rate
+if tokens >= cost then
+  tokens, allowed, retry = tokens - cost, 1, 0
+end
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens),
+           'ts', string.format('%.6f', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
+return {allowed, string.format('%.6f', retry), string.format('%.6f', tokens)}
+"""
+
+AUDIT_MAXLEN = 1_000_000  # approximate trim; older records go first
 
 
 def _key_to_json(key: KeyRecord) -> str:
@@ -177,6 +213,8 @@ class RedisStore:
         self._create_tenant = self._redis.register_script(_CREATE_TENANT)
         self._add_key = self._redis.register_script(_ADD_KEY)
         self._allocate = self._redis.register_script(_ALLOCATE)
+        self._set_scopes = self._redis.register_script(_SET_SCOPES)
+        self._take_tokens = self._redis.register_script(_TAKE_TOKENS)
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where!r}, prefix={self._prefix!r})"
@@ -270,6 +308,15 @@ class RedisStore:
         tenants = [t for h in hashes if (t := _tenant_from_hash(h)) is not None]
         return sorted(tenants, key=lambda t: (t.created_at, t.tenant_id))
 
+    async def set_scopes(self, tenant_id: str, scopes: tuple[str, ...]) -> TenantRecord | None:
+        key = self._t(tenant_id, "tenant")
+        async with self._guard():
+            updated = await self._set_scopes(keys=[key], args=[compact_json(list(scopes))])
+            if not int(updated):
+                return None
+            h = cast("dict[str, str]", await self._redis.hgetall(key))
+        return _tenant_from_hash(h)
+
     # -- watermark keys -------------------------------------------------------
 
     async def add_key_version(self, key: KeyRecord) -> None:
@@ -315,6 +362,19 @@ class RedisStore:
                 except WatchError:
                     continue  # a concurrent writer touched the keys: re-read and retry
 
+    async def all_key_versions(self) -> list[KeyRecord]:
+        async with self._guard():
+            ids = sorted(cast("set[str]", await self._redis.smembers(self._g("tenants"))))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for tid in ids:
+                    pipe.hgetall(self._t(tid, "keys"))
+                hashes: list[dict[str, str]] = await pipe.execute()
+        return [
+            _key_from_json(tid, raw)
+            for tid, h in zip(ids, hashes, strict=True)
+            for raw in sorted(h.values(), key=lambda r: int(json.loads(r)["version"]))
+        ]
+
     # -- registry -------------------------------------------------------------
 
     async def allocate_message(
@@ -339,9 +399,10 @@ class RedisStore:
             self._t(tenant_id, "msgseq"),
             self._t(tenant_id, "msgs"),
             self._t(tenant_id, "msgidx", key_version, num_bits),
+            self._t(tenant_id, "msgbits", key_version),
         ]
         async with self._guard():
-            message_id = int(await self._allocate(keys=keys, args=[payload]))
+            message_id = int(await self._allocate(keys=keys, args=[payload, num_bits]))
         return RegistryEntry(
             tenant_id=tenant_id,
             message_id=message_id,
@@ -372,6 +433,62 @@ class RedisStore:
         async with self._guard():
             ids = cast("list[str]", await self._redis.zrange(key, 0, -1))
         return [int(i) for i in ids]
+
+    async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
+        key = self._t(tenant_id, "msgbits", int(key_version))
+        async with self._guard():
+            bits = cast("set[str]", await self._redis.smembers(key))
+        return sorted(int(b) for b in bits)
+
+    # -- audit log ------------------------------------------------------------
+
+    async def append_audit(self, record: AuditRecord) -> None:
+        data = compact_json(
+            {
+                "at": record.at,
+                "actor": record.actor,
+                "action": record.action,
+                "request_id": record.request_id,
+                "outcome": record.outcome,
+            }
+        )
+        async with self._guard():
+            await self._redis.xadd(
+                self._g("audit"), {"json": data}, maxlen=AUDIT_MAXLEN, approximate=True
+            )
+
+    async def audit_log(self, limit: int) -> list[AuditRecord]:
+        async with self._guard():
+            rows = cast(
+                "list[tuple[str, dict[str, str]]]",
+                await self._redis.xrevrange(self._g("audit"), count=max(1, int(limit))),
+            )
+        out = []
+        for entry_id, fields in rows:
+            d = json.loads(fields["json"])
+            out.append(
+                AuditRecord(
+                    at=float(d["at"]),
+                    actor=d["actor"],
+                    action=d["action"],
+                    request_id=d["request_id"],
+                    outcome=d["outcome"],
+                    id=str(entry_id),
+                )
+            )
+        return out
+
+    # -- rate limits ----------------------------------------------------------
+
+    async def take_tokens(
+        self, tenant_id: str, rate_per_s: float, burst: float, cost: float
+    ) -> RateDecision:
+        key = self._t(tenant_id, "ratelimit")
+        async with self._guard():
+            allowed, retry, left = await self._take_tokens(
+                keys=[key], args=[repr(float(rate_per_s)), repr(float(burst)), repr(float(cost))]
+            )
+        return RateDecision(bool(int(allowed)), max(0.0, float(retry)), float(left))
 
     # -- idempotency ----------------------------------------------------------
 

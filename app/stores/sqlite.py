@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.stores.base import (
+    AuditRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
+    RateDecision,
     RegistryEntry,
     StoreUnavailable,
     TenantRecord,
@@ -74,6 +76,10 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (tenant_id, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at);
+CREATE TABLE IF NOT EXISTS audit (
+    id     INTEGER PRIMARY KEY AUTOINCREMENT,
+    record TEXT NOT NULL
+);
 """
 
 
@@ -130,6 +136,9 @@ class SQLiteStore:
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._closed = False
+        # Token buckets live in this process: the embedded store serves one node.
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._bucket_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self._path!r})"
@@ -253,6 +262,20 @@ class SQLiteStore:
         )
         return [t for r in rows if (t := _tenant(r)) is not None]
 
+    async def set_scopes(self, tenant_id: str, scopes: tuple[str, ...]) -> TenantRecord | None:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> TenantRecord | None:
+            with _transaction(c):
+                c.execute(
+                    "UPDATE tenants SET scopes = ? WHERE tenant_id = ?",
+                    (compact_json(list(scopes)), tenant_id),
+                )
+                row = c.execute("SELECT * FROM tenants WHERE tenant_id = ?", (tenant_id,))
+                return _tenant(row.fetchone())
+
+        return await self._run(op)
+
     # -- watermark keys -------------------------------------------------------
 
     async def add_key_version(self, key: KeyRecord) -> None:
@@ -297,6 +320,12 @@ class SQLiteStore:
                         raise Conflict(f"no key version {k.version} for {k.tenant_id!r}")
 
         await self._run(op)
+
+    async def all_key_versions(self) -> list[KeyRecord]:
+        rows = await self._run(
+            lambda c: c.execute("SELECT * FROM keys ORDER BY tenant_id, version").fetchall()
+        )
+        return [_key(r) for r in rows]
 
     # -- registry -------------------------------------------------------------
 
@@ -363,6 +392,75 @@ class SQLiteStore:
             ).fetchall()
         )
         return [int(r[0]) for r in rows]
+
+    async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
+        check_tenant_id(tenant_id)
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT DISTINCT num_bits FROM messages"
+                " WHERE tenant_id = ? AND key_version = ? ORDER BY num_bits",
+                (tenant_id, int(key_version)),
+            ).fetchall()
+        )
+        return [int(r[0]) for r in rows]
+
+    # -- audit log ------------------------------------------------------------
+
+    async def append_audit(self, record: AuditRecord) -> None:
+        data = compact_json(
+            {
+                "at": record.at,
+                "actor": record.actor,
+                "action": record.action,
+                "request_id": record.request_id,
+                "outcome": record.outcome,
+            }
+        )
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                c.execute("INSERT INTO audit (record) VALUES (?)", (data,))
+
+        await self._run(op)
+
+    async def audit_log(self, limit: int) -> list[AuditRecord]:
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT id, record FROM audit ORDER BY id DESC LIMIT ?", (max(1, int(limit)),)
+            ).fetchall()
+        )
+        out = []
+        for row in rows:
+            d = json.loads(row["record"])
+            out.append(
+                AuditRecord(
+                    at=float(d["at"]),
+                    actor=d["actor"],
+                    action=d["action"],
+                    request_id=d["request_id"],
+                    outcome=d["outcome"],
+                    id=str(row["id"]),
+                )
+            )
+        return out
+
+    # -- rate limits ----------------------------------------------------------
+
+    async def take_tokens(
+        self, tenant_id: str, rate_per_s: float, burst: float, cost: float
+    ) -> RateDecision:
+        check_tenant_id(tenant_id)
+        now = time.monotonic()
+        with self._bucket_lock:
+            tokens, ts = self._buckets.get(tenant_id, (burst, now))
+            tokens = min(burst, tokens + max(0.0, now - ts) * rate_per_s)
+            if tokens >= cost:
+                decision = RateDecision(True, 0.0, tokens - cost)
+                tokens -= cost
+            else:
+                decision = RateDecision(False, (cost - tokens) / rate_per_s, tokens)
+            self._buckets[tenant_id] = (tokens, now)
+        return decision
 
     # -- idempotency ----------------------------------------------------------
 

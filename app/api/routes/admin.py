@@ -1,11 +1,12 @@
-"""Admin endpoints (admin token): tenants, key rotation, registry lookup."""
+"""Admin endpoints (admin token): tenants, scopes, key rotation, master-key rotation,
+registry lookup and the provenance audit log."""
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from pydantic import Field
 
 from app.api.deps import AdminDep, RuntimeDep
@@ -19,8 +20,15 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 TenantId = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="Tenant id")]
 
 
+Scope = Literal["provenance"]
+
+
 class CreateTenant(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w .@-]+$")]
+    scopes: Annotated[list[Scope], Field(max_length=8)] = Field(
+        default_factory=list,
+        description="'provenance' lets this API key search every tenant (POST /provenance).",
+    )
 
 
 class TenantCreated(StrictModel):
@@ -28,6 +36,36 @@ class TenantCreated(StrictModel):
     name: str
     api_key: str = Field(description="Shown once; only its hash is stored.")
     key_version: int
+    scopes: list[str]
+
+
+class SetScopes(StrictModel):
+    scopes: Annotated[list[Scope], Field(max_length=8)]
+
+
+class TenantOut(StrictModel):
+    tenant_id: str
+    name: str
+    scopes: list[str]
+    created_at: dt.datetime
+
+
+class Rewrapped(StrictModel):
+    rewrapped: int = Field(description="Keys re-encrypted under the current master key.")
+    already_current: int
+
+
+class AuditEntry(StrictModel):
+    id: str
+    at: dt.datetime
+    actor: str
+    action: str
+    request_id: str
+    outcome: dict[str, Any]
+
+
+class AuditLog(StrictModel):
+    entries: list[AuditEntry]
 
 
 class KeyRotated(StrictModel):
@@ -46,11 +84,65 @@ class RegistryEntryOut(StrictModel):
 
 @router.post("/tenants", response_model=TenantCreated, status_code=201, responses=ERROR_RESPONSES)
 async def create_tenant(body: CreateTenant, runtime: RuntimeDep, _: AdminDep) -> TenantCreated:
+    scopes = tuple(dict.fromkeys(body.scopes))
     try:
-        tenant_id, api_key = await runtime.tenants.create_tenant(body.name)
+        tenant_id, api_key = await runtime.tenants.create_tenant(body.name, scopes)
     except Conflict:
         raise APIError(409, f"a tenant named {body.name!r} exists", "tenant_exists") from None
-    return TenantCreated(tenant_id=tenant_id, name=body.name, api_key=api_key, key_version=1)
+    return TenantCreated(
+        tenant_id=tenant_id, name=body.name, api_key=api_key, key_version=1, scopes=list(scopes)
+    )
+
+
+@router.put("/tenants/{tenant_id}/scopes", response_model=TenantOut, responses=ERROR_RESPONSES)
+async def set_scopes(
+    tenant_id: TenantId, body: SetScopes, runtime: RuntimeDep, _: AdminDep
+) -> TenantOut:
+    """Grant or revoke scopes (the full list replaces the old one). Other replicas see
+    the change within the tenant cache TTL."""
+    try:
+        tenant = await runtime.tenants.set_scopes(tenant_id, tuple(dict.fromkeys(body.scopes)))
+    except UnknownTenant:
+        raise APIError(404, "no such tenant", "unknown_tenant") from None
+    return TenantOut(
+        tenant_id=tenant.tenant_id,
+        name=tenant.name,
+        scopes=list(tenant.scopes),
+        created_at=dt.datetime.fromtimestamp(tenant.created_at, tz=dt.UTC),
+    )
+
+
+@router.post("/master-key/rewrap", response_model=Rewrapped, responses=ERROR_RESPONSES)
+async def rewrap(runtime: RuntimeDep, _: AdminDep) -> Rewrapped:
+    """Master-key rotation, step 2 of 3 (see SECURITY.md): with every replica running
+    ``WORLDCUP_MASTER_KEY=<new>`` and ``WORLDCUP_MASTER_KEY_PREVIOUS=<old>``,
+    re-encrypt every stored watermark key under the new master key. Watermark keys
+    themselves do not change, so every issued text decodes as before. Idempotent."""
+    rewrapped, current = await runtime.tenants.rewrap_all()
+    return Rewrapped(rewrapped=rewrapped, already_current=current)
+
+
+@router.get("/audit", response_model=AuditLog, responses=ERROR_RESPONSES)
+async def audit_log(
+    runtime: RuntimeDep,
+    _: AdminDep,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+) -> AuditLog:
+    """Provenance queries, newest first: who asked, when, and what was found."""
+    records = await runtime.store.audit_log(limit)
+    return AuditLog(
+        entries=[
+            AuditEntry(
+                id=r.id,
+                at=dt.datetime.fromtimestamp(r.at, tz=dt.UTC),
+                actor=r.actor,
+                action=r.action,
+                request_id=r.request_id,
+                outcome=r.outcome,
+            )
+            for r in records
+        ]
+    )
 
 
 @router.post(

@@ -1,4 +1,4 @@
-"""POST /decode and POST /detect: model-free, tokenizer only."""
+"""POST /decode and /detect, and their bulk forms: model-free, tokenizer only."""
 
 from __future__ import annotations
 
@@ -6,24 +6,33 @@ import datetime as dt
 
 from fastapi import APIRouter
 
-from app.api.deps import CurrentTenant, Runtime, RuntimeDep
+from app.api.deps import CurrentTenant, Runtime, RuntimeDep, UnchargedTenant, charge
 from app.api.errors import APIError
 from app.schemas.common import ERROR_RESPONSES
 from app.schemas.watermark import (
+    BatchItemError,
     BitConfidence,
+    DecodeBatchItem,
+    DecodeBatchRequest,
+    DecodeBatchResponse,
     DecodeRequest,
     DecodeResponse,
+    DetectBatchItem,
+    DetectBatchRequest,
+    DetectBatchResponse,
     DetectRequest,
     DetectResponse,
     RegistryMatchOut,
 )
-from app.services.tenants import UnknownKeyVersion
+from app.services.tenants import DecodeOutcome, DetectOutcome, UnknownKeyVersion
+from worldcup_core import WorldCup
 from worldcup_core.message import MessageIdCodec
 
 router = APIRouter(tags=["watermark"])
 
 
-def _token_ids(runtime: Runtime, text: str) -> list[int]:
+def token_ids(runtime: Runtime, text: str) -> list[int]:
+    """Tokenise a text to score, or raise a 422 that says what is wrong with it."""
     limit = runtime.settings.max_text_chars
     if len(text) > limit:
         raise APIError(
@@ -35,38 +44,32 @@ def _token_ids(runtime: Runtime, text: str) -> list[int]:
     return ids
 
 
-@router.post("/decode", response_model=DecodeResponse, responses=ERROR_RESPONSES)
-async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DecodeResponse:
-    """Recover the payload and, if it was issued from the registry, whose it is."""
-    ids = _token_ids(runtime, body.text)
-    num_bits = body.num_bits or runtime.settings.default_num_bits
-    try:
-        outcome = await runtime.tenants.decode(tenant.tenant_id, ids, num_bits, body.key_version)
-    except UnknownKeyVersion:
-        raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
+def registry_match(
+    runtime: Runtime, scheme: WorldCup, num_bits: int, outcome: DecodeOutcome
+) -> RegistryMatchOut | None:
+    """The registry entry, reported only when its agreement is significant: the search
+    always has a best candidate, and any text (another tenant's, a human's) would
+    otherwise "match" whichever entry happens to agree best."""
+    found, entry = outcome.match, outcome.entry
+    if found is None or entry is None or found.p_value >= runtime.settings.significance:
+        return None
+    exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
+    return RegistryMatchOut(
+        message_id=entry.message_id,
+        metadata=entry.metadata,
+        issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
+        num_bits=entry.num_bits,
+        confidence=found.posterior,
+        p_value=found.p_value,
+        exact=exact_bits == outcome.result.bits,
+    )
+
+
+def _decode_response(
+    runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
+) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
     runtime.metrics.detections.labels("watermarked" if det.is_watermarked else "clean").inc()
-    match = None
-    # The registry search always has a best candidate; report it only when the
-    # agreement is significant, or any text (another tenant's, a human's) would
-    # "match" whichever entry happens to agree best.
-    found = outcome.match
-    if found is not None and found.p_value >= runtime.settings.significance:
-        found = None
-    if found is not None and outcome.entry is not None:
-        entry = outcome.entry
-        versions = await runtime.tenants.versions(tenant.tenant_id)
-        scheme = next(v.scheme for v in versions if v.version == outcome.key_version)
-        exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
-        match = RegistryMatchOut(
-            message_id=entry.message_id,
-            metadata=entry.metadata,
-            issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
-            num_bits=entry.num_bits,
-            confidence=found.posterior,
-            p_value=found.p_value,
-            exact=exact_bits == result.bits,
-        )
     return DecodeResponse(
         bits=result.bits,
         bit_confidence=[
@@ -80,16 +83,12 @@ async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
-        registry_match=match,
+        registry_match=registry_match(runtime, schemes[outcome.key_version], num_bits, outcome),
     )
 
 
-@router.post("/detect", response_model=DetectResponse, responses=ERROR_RESPONSES)
-async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DetectResponse:
-    """Is this text watermarked with any of my keys? A calibrated, message-free test."""
-    ids = _token_ids(runtime, body.text)
+def _detect_response(runtime: Runtime, outcome: DetectOutcome) -> DetectResponse:
     significance = runtime.settings.significance
-    outcome = await runtime.tenants.detect(tenant.tenant_id, ids, significance)
     watermarked = outcome.p_value < significance
     runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
     return DetectResponse(
@@ -100,4 +99,107 @@ async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant
         num_scored_tokens=outcome.result.num_scored_tokens,
         significance=significance,
         key_version=outcome.key_version,
+    )
+
+
+async def _schemes(runtime: Runtime, tenant_id: str) -> dict[int, WorldCup]:
+    return {v.version: v.scheme for v in await runtime.tenants.versions(tenant_id)}
+
+
+def _check_batch(runtime: Runtime, texts: list[str]) -> None:
+    limit = runtime.settings.max_batch_texts
+    if len(texts) > limit:
+        raise APIError(
+            422, f"{len(texts)} texts in one batch; the limit is {limit}", "batch_too_large"
+        )
+
+
+def _tokenise_all(
+    runtime: Runtime, texts: list[str]
+) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
+    """(indices of good texts, their token ids, errors by index)."""
+    good: list[int] = []
+    ids: list[list[int]] = []
+    errors: dict[int, BatchItemError] = {}
+    for i, text in enumerate(texts):
+        try:
+            ids.append(token_ids(runtime, text))
+            good.append(i)
+        except APIError as exc:
+            errors[i] = BatchItemError(code=exc.code, message=exc.message)
+    return good, ids, errors
+
+
+@router.post("/decode", response_model=DecodeResponse, responses=ERROR_RESPONSES)
+async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DecodeResponse:
+    """Recover the payload and, if it was issued from the registry, whose it is."""
+    ids = token_ids(runtime, body.text)
+    num_bits = body.num_bits or runtime.settings.default_num_bits
+    try:
+        outcome = await runtime.tenants.decode(tenant.tenant_id, ids, num_bits, body.key_version)
+    except UnknownKeyVersion:
+        raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
+    schemes = await _schemes(runtime, tenant.tenant_id)
+    return _decode_response(runtime, schemes, num_bits, outcome)
+
+
+@router.post("/detect", response_model=DetectResponse, responses=ERROR_RESPONSES)
+async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DetectResponse:
+    """Is this text watermarked with any of my keys? A calibrated, message-free test."""
+    ids = token_ids(runtime, body.text)
+    outcome = await runtime.tenants.detect(tenant.tenant_id, ids, runtime.settings.significance)
+    return _detect_response(runtime, outcome)
+
+
+@router.post("/decode/batch", response_model=DecodeBatchResponse, responses=ERROR_RESPONSES)
+async def decode_batch(
+    body: DecodeBatchRequest, runtime: RuntimeDep, tenant: UnchargedTenant
+) -> DecodeBatchResponse:
+    """Bulk /decode. Rate-limited per text; an invalid text fails only its own item."""
+    _check_batch(runtime, body.texts)
+    await charge(runtime, tenant, len(body.texts))
+    num_bits = body.num_bits or runtime.settings.default_num_bits
+    good, ids, errors = _tokenise_all(runtime, body.texts)
+    try:
+        outcomes = await runtime.tenants.decode_many(
+            tenant.tenant_id, ids, num_bits, body.key_version
+        )
+    except UnknownKeyVersion:
+        raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
+    schemes = await _schemes(runtime, tenant.tenant_id)
+    by_index = {
+        i: _decode_response(runtime, schemes, num_bits, o)
+        for i, o in zip(good, outcomes, strict=True)
+    }
+    results = [
+        DecodeBatchItem(index=i, result=by_index.get(i), error=errors.get(i))
+        for i in range(len(body.texts))
+    ]
+    return DecodeBatchResponse(
+        results=results,
+        num_watermarked=sum(r.is_watermarked for r in by_index.values()),
+        num_errors=len(errors),
+    )
+
+
+@router.post("/detect/batch", response_model=DetectBatchResponse, responses=ERROR_RESPONSES)
+async def detect_batch(
+    body: DetectBatchRequest, runtime: RuntimeDep, tenant: UnchargedTenant
+) -> DetectBatchResponse:
+    """Bulk /detect. Rate-limited per text; an invalid text fails only its own item."""
+    _check_batch(runtime, body.texts)
+    await charge(runtime, tenant, len(body.texts))
+    good, ids, errors = _tokenise_all(runtime, body.texts)
+    outcomes = await runtime.tenants.detect_many(
+        tenant.tenant_id, ids, runtime.settings.significance
+    )
+    by_index = {i: _detect_response(runtime, o) for i, o in zip(good, outcomes, strict=True)}
+    results = [
+        DetectBatchItem(index=i, result=by_index.get(i), error=errors.get(i))
+        for i in range(len(body.texts))
+    ]
+    return DetectBatchResponse(
+        results=results,
+        num_watermarked=sum(r.is_watermarked for r in by_index.values()),
+        num_errors=len(errors),
     )

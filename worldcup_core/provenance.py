@@ -1,0 +1,184 @@
+"""Provenance: which of many keys, if any, watermarked a text?
+
+A trust-and-safety search tries every tenant's every key version. Three
+things make that cheap and sound:
+
+* **Shared work is done once per text.** Which tokens are scored (first
+  occurrences of each context) and their packed bytes do not depend on the
+  key (:class:`~worldcup_core.prf.ScoredItems`); per key only the keyed
+  hashes remain, on pre-keyed BLAKE2b states built once per bank.
+* **Scoring is vectorised over keys.** Keys with one configuration share the
+  scored tokens, so their evidence stacks into (K, n) arrays and the grouping
+  statistics of all K keys come out of one numpy pass
+  (:func:`~worldcup_core.detector.stacked_grouping_log_pvalues`, the same code
+  single-key detection runs, so the two cannot disagree).
+* **The answer is corrected for the search.** Under the global null (the text
+  was written with none of the keys) the keys' p-values are independent, as
+  each key drives its own PRF, so the smallest of K is Šidák-corrected:
+  ``1 - (1 - p_min)^K``, exact under independence and never above
+  Bonferroni's ``K * p_min``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from worldcup_core.config import MAX_PAYLOAD_BITS, Variant, WatermarkConfig
+from worldcup_core.detector import stacked_grouping_log_pvalues, tiebreak_data
+from worldcup_core.prf import ScoredItems, unpack_g
+from worldcup_core.scheme import WorldCup
+from worldcup_core.scoring import text_digest
+
+_LN10 = math.log(10.0)
+
+
+@dataclass(frozen=True)
+class KeyScore:
+    index: int  # into the bank's schemes
+    log10_p_value: float  # this key alone, Bonferroni over the groupings tried
+    num_symbols: int  # the grouping that scored best
+
+
+@dataclass(frozen=True)
+class ProvenanceResult:
+    best: KeyScore | None  # None when no token could be scored
+    p_value: float  # the best key's p-value, Šidák-corrected for num_keys
+    log10_p_value: float
+    num_keys: int
+    num_tokens: int
+    num_scored_tokens: int
+    top: tuple[KeyScore, ...]  # most significant first
+
+
+def sidak_log_p(log_p: float, num_tests: int) -> float:
+    """``log(1 - (1 - p)^K)`` from ``log p``, finite however small p is.
+
+    >>> round(math.exp(sidak_log_p(math.log(0.01), 2)), 6)
+    0.0199
+    """
+    if num_tests <= 1 or log_p >= 0.0:
+        return min(log_p, 0.0)
+    if log_p < -40.0:  # (1 - p)^K = 1 - K p to within K p^2
+        return min(log_p + math.log(num_tests), 0.0)
+    log_1mp = math.log1p(-math.exp(log_p))  # log(1 - p); p < 1 here
+    return min(math.log(-math.expm1(num_tests * log_1mp)), 0.0)
+
+
+def _config_key(config: WatermarkConfig) -> tuple[int, int, int, Variant]:
+    return (config.context_width, config.groups, config.layers, config.variant)
+
+
+class KeyBank:
+    """Many keys, prepared once, searched together.
+
+    >>> from worldcup_core.prf import WatermarkKey
+    >>> bank = KeyBank([WorldCup(WatermarkKey(bytes([i]) * 32)) for i in range(3)])
+    >>> bank.search([5, 6, 7, 8]).num_keys
+    3
+    """
+
+    def __init__(self, schemes: Sequence[WorldCup], chunk_size: int = 64) -> None:
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be positive")
+        self.schemes = tuple(schemes)
+        self.chunk_size = chunk_size
+        groups: dict[tuple[int, int, int, Variant], list[int]] = {}
+        for i, scheme in enumerate(self.schemes):
+            groups.setdefault(_config_key(scheme.config), []).append(i)
+        self._groups = [(self.schemes[idx[0]].config, idx) for idx in groups.values()]
+
+    def __len__(self) -> int:
+        return len(self.schemes)
+
+    def __repr__(self) -> str:
+        return f"KeyBank({len(self.schemes)} keys)"
+
+    def log10_p_values(
+        self, token_ids: Sequence[int], num_bits: int | None = None
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], int]:
+        """Per key: log10 p (as :meth:`WorldCup.detect` would give), best grouping, and
+        the number of scored tokens of the first configuration."""
+        ids = [int(t) for t in token_ids]
+        digest = text_digest(ids)
+        out = np.zeros(len(self.schemes), dtype=np.float64)
+        best_symbols = np.zeros(len(self.schemes), dtype=np.int64)
+        scored = 0
+        items_by_width: dict[int, ScoredItems] = {}
+        for config, indices in self._groups:
+            width = config.context_width
+            items = items_by_width.get(width)
+            if items is None:
+                items = items_by_width[width] = ScoredItems.of(ids, width)
+            scored = scored or len(items)
+            if len(items) == 0:
+                continue
+            if num_bits is None:
+                counts = list(range(1, config.symbols_for(MAX_PAYLOAD_BITS) + 1))
+            else:
+                counts = [config.symbols_for(num_bits)]
+            for start in range(0, len(indices), self.chunk_size):
+                chunk = indices[start : start + self.chunk_size]
+                log_p, symbols = self._score_chunk(config, chunk, items, digest, counts)
+                out[chunk] = log_p / _LN10
+                best_symbols[chunk] = symbols
+        return out, best_symbols, scored
+
+    def _score_chunk(
+        self,
+        config: WatermarkConfig,
+        chunk: list[int],
+        items: ScoredItems,
+        digest: bytes,
+        counts: list[int],
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        n, k, m = len(items), config.groups, config.layers
+        alternate = config.variant is Variant.RANDOM_SECOND
+        positions = np.empty((len(chunk), n), dtype=np.uint64)
+        g_raw: list[bytes] = []
+        alt_raw: list[bytes] = []
+        seeds = np.empty((len(chunk), len(counts)), dtype=np.uint64)
+        for row, i in enumerate(chunk):
+            prf = self.schemes[i].prf
+            pos, g, alt = prf.hash_items(items, alternate=alternate)
+            positions[row] = np.frombuffer(pos, dtype="<u8")
+            g_raw.append(g)
+            alt_raw.append(alt)
+            seeds[row] = [prf.tiebreak_seed(tiebreak_data(digest, b)) for b in counts]
+        ones = unpack_g(b"".join(g_raw), len(chunk) * n, k, m).sum(axis=2, dtype=np.int64)
+        trials = m
+        if alternate:
+            alt = unpack_g(b"".join(alt_raw), len(chunk) * n, k, m).sum(axis=2, dtype=np.int64)
+            ones = ones + m - alt
+            trials = 2 * m
+        log_p, _ = stacked_grouping_log_pvalues(
+            seeds, positions, ones.reshape(len(chunk), n, k), trials, counts
+        )
+        best = np.argmin(log_p, axis=1)
+        best_log_p = log_p[np.arange(len(chunk)), best]
+        corrected = np.minimum(best_log_p + math.log(len(counts)), 0.0)  # Bonferroni
+        return corrected, np.array(counts, dtype=np.int64)[best]
+
+    def search(
+        self, token_ids: Sequence[int], num_bits: int | None = None, top: int = 5
+    ) -> ProvenanceResult:
+        """The most significant key, its search-corrected p-value, and the runners-up."""
+        log10_p, symbols, scored = self.log10_p_values(token_ids, num_bits)
+        if len(self.schemes) == 0 or scored == 0:
+            return ProvenanceResult(None, 1.0, 0.0, len(self.schemes), len(token_ids), 0, ())
+        order = np.argsort(log10_p, kind="stable")[: max(1, top)]
+        ranked = tuple(KeyScore(int(i), float(log10_p[i]), int(symbols[i])) for i in order.tolist())
+        log_p = sidak_log_p(ranked[0].log10_p_value * _LN10, len(self.schemes))
+        return ProvenanceResult(
+            best=ranked[0],
+            p_value=math.exp(log_p),
+            log10_p_value=log_p / _LN10,
+            num_keys=len(self.schemes),
+            num_tokens=len(token_ids),
+            num_scored_tokens=scored,
+            top=ranked,
+        )
