@@ -1,4 +1,4 @@
-.PHONY: setup run demo test lint typecheck pytest bench
+.PHONY: setup run demo test lint typecheck pytest bench soak fuzz
 VENV := .venv/bin
 
 setup:
@@ -27,3 +27,13 @@ pytest:
 
 bench: setup
 	$(VENV)/worldcup bench
+
+## Several thousand mixed requests against the real service and a private redis-server,
+## which is SIGKILLed mid-run and restarted; exits non-zero on any violation.
+soak: setup
+	$(VENV)/python scripts/soak.py --requests 4000 --concurrency 16 --outage
+
+## Longer schemathesis fuzz of every OpenAPI operation (real app, tiny model, Redis at
+## 127.0.0.1:6379); CI runs the same test with 25 examples per operation and mode.
+fuzz:
+	WORLDCUP_FUZZ_EXAMPLES=$${WORLDCUP_FUZZ_EXAMPLES:-300} bash scripts/pytest.sh tests/test_fuzz.py -q -s -p no:cacheprovider

@@ -85,9 +85,10 @@ def test_finds_the_generating_key_among_a_thousand() -> None:
         assert result.num_keys == 1000 and len(result.top) == 3
         assert result.p_value < 1e-6
         # the correction is the Šidák one, ~ K * p for small p
-        assert result.log10_p_value == pytest.approx(
-            result.best.log10_p_value + 3.0, abs=1e-6
-        ) or result.log10_p_value < -300
+        assert (
+            result.log10_p_value == pytest.approx(result.best.log10_p_value + 3.0, abs=1e-6)
+            or result.log10_p_value < -300
+        )
 
 
 def test_search_p_value_is_calibrated_on_unwatermarked_text() -> None:

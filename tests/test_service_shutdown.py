@@ -70,9 +70,7 @@ def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -
                 transport = httpx.ASGITransport(app=server.app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
                     ready = (await c.get("/ready")).status_code
-                    fresh = await c.post(
-                        "/generate", json={**body, "stream": False}, headers=auth
-                    )
+                    fresh = await c.post("/generate", json={**body, "stream": False}, headers=auth)
                     return ready, fresh
 
             ready, fresh = asyncio.run(during_drain())

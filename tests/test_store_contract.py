@@ -28,6 +28,7 @@ from app.stores.base import (
     IdempotencyRecord,
     KeyRecord,
     RegistryEntry,
+    RegistryFull,
     Store,
     StoreUnavailable,
     TenantRecord,
@@ -714,3 +715,19 @@ async def test_concurrent_token_takers_never_overdraw(store: Store) -> None:
         *(store.take_tokens(tenant.tenant_id, 0.01, 10, 1) for _ in range(40))
     )
     assert sum(r.allowed for r in results) == 10
+
+
+async def test_allocation_stops_at_max_id_without_writing(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    ids = [
+        (await store.allocate_message(tid, 1, 2, {}, 0.0, max_id=3)).message_id for _ in range(3)
+    ]
+    assert ids == [1, 2, 3]
+    with pytest.raises(RegistryFull):
+        await store.allocate_message(tid, 1, 2, {"lost": True}, 0.0, max_id=3)
+    assert await store.message_ids(tid, 1, 2) == [1, 2, 3]
+    assert await store.registry_entry(tid, 4) is None
+    # another payload length with room left still allocates after the refusal
+    assert (await store.allocate_message(tid, 1, 8, {}, 0.0, max_id=255)).message_id == 4

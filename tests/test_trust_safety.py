@@ -344,3 +344,36 @@ def test_previous_master_key_is_validated(tiny_model_dir: Path, tmp_path: Path) 
     settings = make_settings(tiny_model_dir, tmp_path, master_key_previous="ee" * 32)
     assert "ee" * 32 not in repr(settings)
     assert settings.previous_master_keys == (bytes.fromhex("ee" * 32),)
+
+
+def test_registry_match_needs_significance_and_confidence(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A close runner-up withholds the match rather than risk naming the wrong entry."""
+    from types import SimpleNamespace
+
+    from app.api.routes.detection import registry_match
+    from app.services.tenants import DecodeOutcome
+    from app.stores.base import RegistryEntry
+    from worldcup_core import WatermarkKey, WorldCup
+    from worldcup_core.message import MessageIdCodec
+
+    settings = make_settings(tiny_model_dir, tmp_path)
+    runtime: Any = SimpleNamespace(settings=settings)
+    scheme = WorldCup(WatermarkKey(bytes(32)))
+    entry = RegistryEntry("t", 7, 1, 16, {"u": 1}, 1_700_000_000.0)
+    bits = MessageIdCodec(scheme.key, 16).payload(7).bits
+    result: Any = SimpleNamespace(bits=bits)
+
+    def outcome(p_value: float, posterior: float) -> DecodeOutcome:
+        match: Any = SimpleNamespace(p_value=p_value, posterior=posterior)
+        return DecodeOutcome(1, result, match, entry)
+
+    found = registry_match(runtime, scheme, 16, outcome(1e-9, 0.99))
+    assert found is not None and found.message_id == 7 and found.exact
+    assert registry_match(runtime, scheme, 16, outcome(1e-9, 0.80)) is None  # ambiguous
+    assert registry_match(runtime, scheme, 16, outcome(0.2, 0.999)) is None  # not significant
+    lenient: Any = SimpleNamespace(
+        settings=settings.model_copy(update={"registry_min_confidence": 0.5})
+    )
+    assert registry_match(lenient, scheme, 16, outcome(1e-9, 0.80)) is not None

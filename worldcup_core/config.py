@@ -26,6 +26,9 @@ class Variant(StrEnum):
 MAX_PAYLOAD_BITS = 64
 
 
+MIN_TEMPERATURE = 0.01
+
+
 @dataclass(frozen=True)
 class WatermarkConfig:
     """What generator and detector share.
@@ -71,8 +74,12 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.temperature <= 10.0:
-            raise ValueError(f"temperature must be in (0, 10], got {self.temperature}")
+        # Below 0.01 the float32 division by the temperature overflows and the
+        # softmax turns into NaN (found by fuzzing); vLLM uses the same floor.
+        if not MIN_TEMPERATURE <= self.temperature <= 10.0:
+            raise ValueError(
+                f"temperature must be in [{MIN_TEMPERATURE}, 10], got {self.temperature}"
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -19,7 +19,7 @@ from typing import Any
 from scipy import special
 
 from app.core.security import KeyWrapper, hash_api_key, new_api_key, verify_api_key
-from app.stores.base import KeyRecord, RegistryEntry, Store, TenantRecord
+from app.stores.base import KeyRecord, RegistryEntry, RegistryFull, Store, TenantRecord
 from worldcup_core import (
     DecodeResult,
     DetectionResult,
@@ -246,11 +246,12 @@ class TenantService:
     ) -> tuple[RegistryEntry, Payload]:
         """Durably allocate a message id *before* generating, and derive its payload."""
         codec = MessageIdCodec(key.scheme.key, num_bits)
-        entry = await self.store.allocate_message(
-            tenant_id, key.version, num_bits, metadata, time.time()
-        )
-        if entry.message_id >= codec.capacity:
-            raise RegistryExhausted(num_bits)
+        try:
+            entry = await self.store.allocate_message(
+                tenant_id, key.version, num_bits, metadata, time.time(), codec.capacity - 1
+            )
+        except RegistryFull:
+            raise RegistryExhausted(num_bits) from None
         return entry, codec.payload(entry.message_id)
 
     # decode / detect --------------------------------------------------------
@@ -273,8 +274,14 @@ class TenantService:
             if key_version is not None
             else await self.versions(tenant_id)
         )
+        # Ids at or above the payload's capacity cannot be encoded; older releases
+        # could leave such entries behind a 409 registry_full, so skip them.
         registry = {
-            v.version: await self.store.message_ids(tenant_id, v.version, num_bits)
+            v.version: [
+                i
+                for i in await self.store.message_ids(tenant_id, v.version, num_bits)
+                if i < 2**num_bits
+            ]
             for v in versions
         }
 

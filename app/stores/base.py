@@ -36,6 +36,10 @@ class StoreUnavailable(StoreError):
     """The backend is unreachable or timed out."""
 
 
+class RegistryFull(StoreError):
+    """No message id below the payload length's capacity is left; nothing was written."""
+
+
 class Conflict(StoreError):
     """A uniqueness rule was violated (e.g. tenant name taken)."""
 
@@ -141,8 +145,11 @@ class Store(Protocol):
         num_bits: int,
         metadata: dict[str, Any],
         issued_at: float,
+        max_id: int | None = None,
     ) -> RegistryEntry:
-        """Atomically take the next message id and persist the entry before returning."""
+        """Atomically take the next message id and persist the entry before returning.
+
+        RegistryFull (and nothing written) if the next id would exceed ``max_id``."""
 
     async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None: ...
 

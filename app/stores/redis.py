@@ -51,6 +51,7 @@ from app.stores.base import (
     KeyRecord,
     RateDecision,
     RegistryEntry,
+    RegistryFull,
     StoreUnavailable,
     TenantRecord,
     check_tenant_id,
@@ -97,9 +98,12 @@ return {1, latest}
 """
 
 # KEYS: msgseq, msgs hash, index zset, bit-length set. ARGV: entry JSON without
-# the id, num_bits. INCR + write + index in one script: no two callers can get the
-# same id, and an id is never visible without its entry.
+# the id, num_bits, max id (-1: none). Returns the id, or -1 (nothing written) at
+# the max. INCR + write + index in one script: no two callers can get the same
+# id, and an id is never visible without its entry.
 _ALLOCATE = """
+local max = tonumber(ARGV[3])
+if max >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= max then return -1 end
 local id = redis.call('INCR', KEYS[1])
 redis.call('HSET', KEYS[2], id, ARGV[1])
 redis.call('ZADD', KEYS[3], id, id)
@@ -384,6 +388,7 @@ class RedisStore:
         num_bits: int,
         metadata: dict[str, Any],
         issued_at: float,
+        max_id: int | None = None,
     ) -> RegistryEntry:
         """One Lua script; the reply comes after Redis applied (and, per its AOF policy,
         persisted) the write, so a returned id is always backed by an entry."""
@@ -402,7 +407,10 @@ class RedisStore:
             self._t(tenant_id, "msgbits", key_version),
         ]
         async with self._guard():
-            message_id = int(await self._allocate(keys=keys, args=[payload, num_bits]))
+            limit = -1 if max_id is None else int(max_id)
+            message_id = int(await self._allocate(keys=keys, args=[payload, num_bits, limit]))
+        if message_id < 0:
+            raise RegistryFull(f"no message id left below {max_id}")
         return RegistryEntry(
             tenant_id=tenant_id,
             message_id=message_id,

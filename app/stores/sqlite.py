@@ -26,6 +26,7 @@ from app.stores.base import (
     KeyRecord,
     RateDecision,
     RegistryEntry,
+    RegistryFull,
     StoreUnavailable,
     TenantRecord,
     check_tenant_id,
@@ -336,6 +337,7 @@ class SQLiteStore:
         num_bits: int,
         metadata: dict[str, Any],
         issued_at: float,
+        max_id: int | None = None,
     ) -> RegistryEntry:
         """Next id = max + 1 inside BEGIN IMMEDIATE; committed (fsynced) before returning."""
         check_tenant_id(tenant_id)
@@ -347,6 +349,8 @@ class SQLiteStore:
                     "SELECT COALESCE(MAX(message_id), 0) + 1 FROM messages WHERE tenant_id = ?",
                     (tenant_id,),
                 ).fetchone()
+                if max_id is not None and next_id > max_id:
+                    raise RegistryFull(f"no message id left below {max_id}")
                 c.execute(
                     "INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?)",
                     (tenant_id, next_id, key_version, num_bits, meta, issued_at),

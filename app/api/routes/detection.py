@@ -47,12 +47,16 @@ def token_ids(runtime: Runtime, text: str) -> list[int]:
 def registry_match(
     runtime: Runtime, scheme: WorldCup, num_bits: int, outcome: DecodeOutcome
 ) -> RegistryMatchOut | None:
-    """The registry entry, reported only when its agreement is significant: the search
-    always has a best candidate, and any text (another tenant's, a human's) would
-    otherwise "match" whichever entry happens to agree best."""
+    """The registry entry, reported only when its agreement is significant (the search
+    always has a best candidate, and any text, another tenant's or a human's, would
+    otherwise "match" whichever entry happens to agree best) and clearly ahead of
+    the other entries (``registry_min_confidence``)."""
     found, entry = outcome.match, outcome.entry
-    if found is None or entry is None or found.p_value >= runtime.settings.significance:
+    settings = runtime.settings
+    if found is None or entry is None or found.p_value >= settings.significance:
         return None
+    if found.posterior < settings.registry_min_confidence:
+        return None  # a close runner-up: too likely to name the wrong entry
     exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
     return RegistryMatchOut(
         message_id=entry.message_id,
