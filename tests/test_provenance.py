@@ -12,7 +12,7 @@ from scipy import stats
 
 from worldcup_core import Payload, Variant, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.prf import ScoredItems
-from worldcup_core.provenance import KeyBank, sidak_log_p
+from worldcup_core.provenance import KeyBank, ScreenConfig, sidak_log_p
 
 VOCAB = 49152
 
@@ -91,11 +91,19 @@ def test_finds_the_generating_key_among_a_thousand() -> None:
         )
 
 
-def test_search_p_value_is_calibrated_on_unwatermarked_text() -> None:
-    """Under the global null the corrected p-value is Uniform(0,1) or conservative."""
+@pytest.mark.parametrize(
+    "screen",
+    [ScreenConfig(), ScreenConfig(min_keys=10, stride=2, keep=4, keep_fraction=0.0, min_tokens=8)],
+    ids=["exact", "screened"],
+)
+def test_search_p_value_is_calibrated_on_unwatermarked_text(screen: ScreenConfig) -> None:
+    """Under the global null the corrected p-value is Uniform(0,1) or conservative,
+    with or without the screening pass."""
     bank = KeyBank([WorldCup(k) for k in keys(40, 6)])
     rng = np.random.default_rng(7)
-    p = np.array([bank.search(rng.integers(0, VOCAB, 60).tolist()).p_value for _ in range(400)])
+    results = [bank.search(rng.integers(0, VOCAB, 60).tolist(), screen=screen) for _ in range(400)]
+    assert all(r.screened == (screen.min_keys < 40) for r in results)
+    p = np.array([r.p_value for r in results])
     # level checks with binomial slack (one-sided: conservative is fine)
     for alpha in (0.05, 0.2, 0.5):
         hits = int((p < alpha).sum())
@@ -124,3 +132,32 @@ def test_sidak_matches_exact_formula(k: int, p: float) -> None:
 def test_sidak_edges() -> None:
     assert sidak_log_p(0.0, 5) == 0.0
     assert sidak_log_p(-2000.0, 1000) == pytest.approx(-2000.0 + math.log(1000))
+
+
+def test_screening_finds_the_key_among_two_thousand() -> None:
+    schemes = [WorldCup(k) for k in keys(2000, 10)]
+    bank = KeyBank(schemes)
+    rng = np.random.default_rng(11)
+    for truth in (3, 1777):
+        ids = simulate(schemes[truth], Payload.random(32, rng), 128, rng)
+        result = bank.search(ids)
+        assert result.screened and result.num_full_scans == 40  # 2 % of the bank
+        assert result.best is not None and result.best.index == truth
+        assert result.p_value < 1e-6
+        # the survivor's p-value is the exact one
+        assert result.best.log10_p_value == pytest.approx(
+            schemes[truth].detect(ids).log10_p_value, abs=1e-12
+        )
+
+
+def test_screened_p_value_is_never_below_the_exact_one() -> None:
+    bank = KeyBank([WorldCup(k) for k in keys(300, 12)])
+    exact = ScreenConfig(min_keys=10**9)
+    rng = np.random.default_rng(13)
+    for _ in range(5):
+        ids = rng.integers(0, VOCAB, 100).tolist()
+        screened = bank.search(ids)
+        assert screened.screened and screened.num_full_scans == 32
+        assert screened.p_value >= bank.search(ids, screen=exact).p_value
+    short = bank.search([1, 2, 3, 4, 5])  # too few tokens to screen: exact scan
+    assert not short.screened and short.num_full_scans == 300

@@ -12,6 +12,10 @@ things make that cheap and sound:
   statistics of all K keys come out of one numpy pass
   (:func:`~worldcup_core.detector.stacked_grouping_log_pvalues`, the same code
   single-key detection runs, so the two cannot disagree).
+* **Big banks are screened.** Hashing dominates (three keyed BLAKE2b calls
+  per key and scored token), so above a few hundred keys a pass over every
+  4th scored token ranks the keys and only the best 2 % (at least 32) are
+  scanned in full; see :meth:`KeyBank.search` for why the p-value stays valid.
 * **The answer is corrected for the search.** Under the global null (the text
   was written with none of the keys) the keys' p-values are independent, as
   each key drives its own PRF, so the smallest of K is Šidák-corrected:
@@ -53,6 +57,19 @@ class ProvenanceResult:
     num_tokens: int
     num_scored_tokens: int
     top: tuple[KeyScore, ...]  # most significant first
+    num_full_scans: int = 0  # keys scanned on every scored token
+    screened: bool = False  # a screening pass chose which keys got the full scan
+
+
+@dataclass(frozen=True)
+class ScreenConfig:
+    """When and how hard a big bank is screened before the exact scan."""
+
+    min_keys: int = 256  # smaller banks are scanned exactly, key by key
+    stride: int = 4  # the screen hashes every 4th scored token
+    keep: int = 32  # at least this many keys get the full scan ...
+    keep_fraction: float = 0.02  # ... or this share of the bank, if larger
+    min_tokens: int = 16  # too short a subsample ranks poorly: scan everything
 
 
 def sidak_log_p(log_p: float, num_tests: int) -> float:
@@ -99,23 +116,38 @@ class KeyBank:
         return f"KeyBank({len(self.schemes)} keys)"
 
     def log10_p_values(
-        self, token_ids: Sequence[int], num_bits: int | None = None
+        self,
+        token_ids: Sequence[int],
+        num_bits: int | None = None,
+        keys: Sequence[int] | None = None,
+        stride: int = 1,
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], int]:
         """Per key: log10 p (as :meth:`WorldCup.detect` would give), best grouping, and
-        the number of scored tokens of the first configuration."""
+        the number of scored tokens of the first configuration.
+
+        ``keys`` restricts the scan (the others get log10 p = 0); ``stride`` > 1
+        scores only every ``stride``-th scored token (the cheap screening pass).
+        """
         ids = [int(t) for t in token_ids]
         digest = text_digest(ids)
         out = np.zeros(len(self.schemes), dtype=np.float64)
         best_symbols = np.zeros(len(self.schemes), dtype=np.int64)
+        wanted = None if keys is None else set(keys)
         scored = 0
         items_by_width: dict[int, ScoredItems] = {}
-        for config, indices in self._groups:
+        for config, group in self._groups:
+            indices = group if wanted is None else [i for i in group if i in wanted]
             width = config.context_width
             items = items_by_width.get(width)
             if items is None:
-                items = items_by_width[width] = ScoredItems.of(ids, width)
+                items = ScoredItems.of(ids, width)
+                if stride > 1:
+                    items = ScoredItems(
+                        items.indices[::stride], items.contexts[::stride], items.tokens[::stride]
+                    )
+                items_by_width[width] = items
             scored = scored or len(items)
-            if len(items) == 0:
+            if len(items) == 0 or not indices:
                 continue
             if num_bits is None:
                 counts = list(range(1, config.symbols_for(MAX_PAYLOAD_BITS) + 1))
@@ -164,13 +196,36 @@ class KeyBank:
         return corrected, np.array(counts, dtype=np.int64)[best]
 
     def search(
-        self, token_ids: Sequence[int], num_bits: int | None = None, top: int = 5
+        self,
+        token_ids: Sequence[int],
+        num_bits: int | None = None,
+        top: int = 5,
+        screen: ScreenConfig | None = None,
     ) -> ProvenanceResult:
-        """The most significant key, its search-corrected p-value, and the runners-up."""
-        log10_p, symbols, scored = self.log10_p_values(token_ids, num_bits)
+        """The most significant key, its search-corrected p-value, and the runners-up.
+
+        With a large bank, a cheap screening pass (every ``stride``-th scored token)
+        ranks all keys and only the best ``keep`` get the exact full scan. The
+        correction still counts every key in the bank, and the minimum over the
+        survivors is never below the minimum over all keys, so the p-value stays
+        valid (conservative); screening can only cost power, when the true key
+        ranks below ``keep`` on the subsample.
+        """
+        screen = screen if screen is not None else ScreenConfig()
+        ids = [int(t) for t in token_ids]
+        keys: list[int] | None = None
+        screened = False
+        if len(self.schemes) > screen.min_keys and screen.stride > 1:
+            rough, _, rough_scored = self.log10_p_values(ids, num_bits, stride=screen.stride)
+            if rough_scored >= screen.min_tokens:
+                keep = max(screen.keep, math.ceil(screen.keep_fraction * len(self.schemes)))
+                keys = np.argsort(rough, kind="stable")[:keep].tolist()
+                screened = True
+        log10_p, symbols, scored = self.log10_p_values(ids, num_bits, keys=keys)
         if len(self.schemes) == 0 or scored == 0:
-            return ProvenanceResult(None, 1.0, 0.0, len(self.schemes), len(token_ids), 0, ())
-        order = np.argsort(log10_p, kind="stable")[: max(1, top)]
+            return ProvenanceResult(None, 1.0, 0.0, len(self.schemes), len(ids), 0, ())
+        candidates = np.arange(len(self.schemes)) if keys is None else np.array(keys)
+        order = candidates[np.argsort(log10_p[candidates], kind="stable")][: max(1, top)]
         ranked = tuple(KeyScore(int(i), float(log10_p[i]), int(symbols[i])) for i in order.tolist())
         log_p = sidak_log_p(ranked[0].log10_p_value * _LN10, len(self.schemes))
         return ProvenanceResult(
@@ -178,7 +233,9 @@ class KeyBank:
             p_value=math.exp(log_p),
             log10_p_value=log_p / _LN10,
             num_keys=len(self.schemes),
-            num_tokens=len(token_ids),
+            num_tokens=len(ids),
             num_scored_tokens=scored,
             top=ranked,
+            num_full_scans=len(self.schemes) if keys is None else len(keys),
+            screened=screened,
         )

@@ -310,4 +310,8 @@ class ProvenanceResponse(StrictModel):
     candidates: list[ProvenanceCandidate]
     scan_seconds: float
     scan_ms_per_1000_keys: float | None
+    screened: bool = Field(
+        description="A cheap pass over every 4th token chose which keys got the full scan."
+    )
+    num_full_scans: int
     token_scores: list[TokenScore] | None = None

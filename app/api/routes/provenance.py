@@ -119,5 +119,7 @@ async def provenance(
         candidates=candidates,
         scan_seconds=round(outcome.scan_seconds, 6),
         scan_ms_per_1000_keys=round(1000.0 * per_1000, 3) if per_1000 is not None else None,
+        screened=result.screened,
+        num_full_scans=result.num_full_scans,
         token_scores=scores,
     )
