@@ -4,29 +4,17 @@ power (the right key out of 1000) and calibration of the search-corrected p-valu
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
 from scipy import stats
+from test_codec import simulate
 
 from worldcup_core import Payload, Variant, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.prf import ScoredItems
 from worldcup_core.provenance import KeyBank, ScreenConfig, sidak_log_p
 
-VOCAB = 49152
-
-
-def simulate(wc: WorldCup, payload: Payload, length: int, rng: np.random.Generator) -> list[int]:
-    """Watermarked generation over random Dirichlet(0.5) distributions on 50 candidates."""
-    seq: Any = wc.sequence(payload)
-    for _ in range(length):
-        p = rng.dirichlet(np.ones(50) * 0.5)
-        cand = rng.choice(VOCAB, 50, replace=False)
-        q = seq.reweight(cand, p)
-        seq.observe(int(cand[rng.choice(50, p=q)]))
-    tokens: list[int] = seq.generated
-    return tokens
+VOCAB = 49152  # the SmolLM2 vocabulary size, as in test_codec
 
 
 def keys(n: int, seed: int) -> list[WatermarkKey]:

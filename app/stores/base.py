@@ -92,6 +92,31 @@ class AuditRecord:
     id: str = ""  # assigned by the store, increasing in time
 
 
+def audit_to_json(record: AuditRecord) -> str:
+    """The stored form of an audit record (both backends); the id is the store's."""
+    return compact_json(
+        {
+            "at": record.at,
+            "actor": record.actor,
+            "action": record.action,
+            "request_id": record.request_id,
+            "outcome": record.outcome,
+        }
+    )
+
+
+def audit_from_json(raw: str, record_id: str) -> AuditRecord:
+    d = json.loads(raw)
+    return AuditRecord(
+        at=float(d["at"]),
+        actor=d["actor"],
+        action=d["action"],
+        request_id=d["request_id"],
+        outcome=d["outcome"],
+        id=record_id,
+    )
+
+
 @dataclass(frozen=True)
 class RateDecision:
     allowed: bool

@@ -54,6 +54,8 @@ from app.stores.base import (
     RegistryFull,
     StoreUnavailable,
     TenantRecord,
+    audit_from_json,
+    audit_to_json,
     check_tenant_id,
     compact_json,
 )
@@ -451,15 +453,7 @@ class RedisStore:
     # -- audit log ------------------------------------------------------------
 
     async def append_audit(self, record: AuditRecord) -> None:
-        data = compact_json(
-            {
-                "at": record.at,
-                "actor": record.actor,
-                "action": record.action,
-                "request_id": record.request_id,
-                "outcome": record.outcome,
-            }
-        )
+        data = audit_to_json(record)
         async with self._guard():
             await self._redis.xadd(
                 self._g("audit"), {"json": data}, maxlen=AUDIT_MAXLEN, approximate=True
@@ -471,20 +465,7 @@ class RedisStore:
                 "list[tuple[str, dict[str, str]]]",
                 await self._redis.xrevrange(self._g("audit"), count=max(1, int(limit))),
             )
-        out = []
-        for entry_id, fields in rows:
-            d = json.loads(fields["json"])
-            out.append(
-                AuditRecord(
-                    at=float(d["at"]),
-                    actor=d["actor"],
-                    action=d["action"],
-                    request_id=d["request_id"],
-                    outcome=d["outcome"],
-                    id=str(entry_id),
-                )
-            )
-        return out
+        return [audit_from_json(fields["json"], str(entry_id)) for entry_id, fields in rows]
 
     # -- rate limits ----------------------------------------------------------
 

@@ -29,6 +29,8 @@ from app.stores.base import (
     RegistryFull,
     StoreUnavailable,
     TenantRecord,
+    audit_from_json,
+    audit_to_json,
     check_tenant_id,
     compact_json,
 )
@@ -411,15 +413,7 @@ class SQLiteStore:
     # -- audit log ------------------------------------------------------------
 
     async def append_audit(self, record: AuditRecord) -> None:
-        data = compact_json(
-            {
-                "at": record.at,
-                "actor": record.actor,
-                "action": record.action,
-                "request_id": record.request_id,
-                "outcome": record.outcome,
-            }
-        )
+        data = audit_to_json(record)
 
         def op(c: sqlite3.Connection) -> None:
             with _transaction(c):
@@ -433,20 +427,7 @@ class SQLiteStore:
                 "SELECT id, record FROM audit ORDER BY id DESC LIMIT ?", (max(1, int(limit)),)
             ).fetchall()
         )
-        out = []
-        for row in rows:
-            d = json.loads(row["record"])
-            out.append(
-                AuditRecord(
-                    at=float(d["at"]),
-                    actor=d["actor"],
-                    action=d["action"],
-                    request_id=d["request_id"],
-                    outcome=d["outcome"],
-                    id=str(row["id"]),
-                )
-            )
-        return out
+        return [audit_from_json(row["record"], str(row["id"])) for row in rows]
 
     # -- rate limits ----------------------------------------------------------
 
