@@ -422,6 +422,27 @@ async def test_redis_two_clients_allocate_distinct_ids() -> None:
             await s2.close()
 
 
+async def test_redis_rate_limit_is_shared_by_replicas() -> None:
+    """Two API replicas (two clients) draw from one bucket per tenant."""
+    async with redis_namespace() as prefix:
+        s1 = RedisStore(REDIS_URL, prefix=prefix)
+        s2 = RedisStore(REDIS_URL, prefix=prefix)
+        try:
+            tenant, key = tenant_records("acme")
+            await s1.create_tenant(tenant, key)
+            decisions = await asyncio.gather(
+                *(
+                    (s1 if i % 2 else s2).take_tokens(tenant.tenant_id, 0.01, 25, 1)
+                    for i in range(60)
+                )
+            )
+            assert sum(d.allowed for d in decisions) == 25
+            assert all(d.retry_after_s > 0 for d in decisions if not d.allowed)
+        finally:
+            await s1.close()
+            await s2.close()
+
+
 async def test_redis_unreachable_fails_fast_without_leaking_password(
     free_tcp_port: int,
 ) -> None:
