@@ -28,7 +28,6 @@ example database), so CI runs the same cases every time.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
@@ -449,6 +448,7 @@ def test_full_registry_keeps_decode_working(
         decoded = client.post("/decode", json={"text": "Some text.", "num_bits": 1}, headers=key)
         assert decoded.status_code == 200, decoded.text
         # the refused allocation wrote nothing: the registry still holds only id 1
-        store = app.state.runtime.store
-        tenant_id = created.json()["tenant_id"]
-        assert asyncio.run(store.message_ids(tenant_id, 1, 1)) == [1]
+        registry = f"/admin/tenants/{created.json()['tenant_id']}/registry"
+        assert client.get(f"{registry}/1", headers=bearer(ADMIN_TOKEN)).status_code == 200
+        missing = client.get(f"{registry}/2", headers=bearer(ADMIN_TOKEN))
+        assert missing.status_code == 404, missing.text
