@@ -400,47 +400,42 @@ async def test_concurrent_key_versions_only_one_wins(store: Store) -> None:
 # -- Redis specifics ----------------------------------------------------------
 
 
-async def test_redis_two_clients_allocate_distinct_ids() -> None:
+@contextlib.asynccontextmanager
+async def two_replicas() -> AsyncIterator[tuple[RedisStore, RedisStore]]:
+    """Two clients on one namespace, as two API replicas would be."""
     async with redis_namespace() as prefix:
         s1 = RedisStore(REDIS_URL, prefix=prefix)
         s2 = RedisStore(REDIS_URL, prefix=prefix)
         try:
-            tenant, key = tenant_records("acme")
-            await s1.create_tenant(tenant, key)
-            tid = tenant.tenant_id
-            entries = await asyncio.gather(
-                *(
-                    (s1 if i % 2 else s2).allocate_message(tid, 1, 32, {"i": i}, 0.0)
-                    for i in range(200)
-                )
-            )
-            assert sorted(e.message_id for e in entries) == list(range(1, 201))
-            assert await s2.message_ids(tid, 1, 32) == list(range(1, 201))
-            assert await s1.get_tenant(tid) == await s2.get_tenant(tid) == tenant
+            yield s1, s2
         finally:
             await s1.close()
             await s2.close()
+
+
+async def test_redis_two_clients_allocate_distinct_ids() -> None:
+    async with two_replicas() as (s1, s2):
+        tenant, key = tenant_records("acme")
+        await s1.create_tenant(tenant, key)
+        tid = tenant.tenant_id
+        entries = await asyncio.gather(
+            *((s1 if i % 2 else s2).allocate_message(tid, 1, 32, {"i": i}, 0.0) for i in range(200))
+        )
+        assert sorted(e.message_id for e in entries) == list(range(1, 201))
+        assert await s2.message_ids(tid, 1, 32) == list(range(1, 201))
+        assert await s1.get_tenant(tid) == await s2.get_tenant(tid) == tenant
 
 
 async def test_redis_rate_limit_is_shared_by_replicas() -> None:
     """Two API replicas (two clients) draw from one bucket per tenant."""
-    async with redis_namespace() as prefix:
-        s1 = RedisStore(REDIS_URL, prefix=prefix)
-        s2 = RedisStore(REDIS_URL, prefix=prefix)
-        try:
-            tenant, key = tenant_records("acme")
-            await s1.create_tenant(tenant, key)
-            decisions = await asyncio.gather(
-                *(
-                    (s1 if i % 2 else s2).take_tokens(tenant.tenant_id, 0.01, 25, 1)
-                    for i in range(60)
-                )
-            )
-            assert sum(d.allowed for d in decisions) == 25
-            assert all(d.retry_after_s > 0 for d in decisions if not d.allowed)
-        finally:
-            await s1.close()
-            await s2.close()
+    async with two_replicas() as (s1, s2):
+        tenant, key = tenant_records("acme")
+        await s1.create_tenant(tenant, key)
+        decisions = await asyncio.gather(
+            *((s1 if i % 2 else s2).take_tokens(tenant.tenant_id, 0.01, 25, 1) for i in range(60))
+        )
+        assert sum(d.allowed for d in decisions) == 25
+        assert all(d.retry_after_s > 0 for d in decisions if not d.allowed)
 
 
 async def test_redis_unreachable_fails_fast_without_leaking_password(
