@@ -630,6 +630,61 @@ def test_idempotency_key(client: TestClient) -> None:
     assert client.post("/generate", json=body, headers=headers).json() == first.json()
 
 
+def test_concurrent_requests_with_one_idempotency_key_run_once(client: TestClient) -> None:
+    """The key is claimed before allocating: a concurrent duplicate gets 409 in-progress
+    (or the replay, if it came after), never a second generation or message id."""
+    _, auth = new_tenant(client)
+    body = gen_body(metadata={"order": 7}, max_new_tokens=60, min_new_tokens=60)
+    headers = {**auth, "Idempotency-Key": "order-7"}
+    n = 4
+    barrier = threading.Barrier(n)
+
+    def one(_: int) -> httpx.Response:
+        barrier.wait()
+        return client.post("/generate", json=body, headers=headers)
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        responses = list(pool.map(one, range(n)))
+    fresh = [
+        r for r in responses if r.status_code == 200 and "Idempotent-Replayed" not in r.headers
+    ]
+    assert len(fresh) == 1, [(r.status_code, r.text[:80]) for r in responses]
+    for r in responses:
+        if r.status_code == 409:
+            assert_error(r, 409, "idempotency_in_progress")
+            assert r.headers["Retry-After"] == "1"
+        elif r is not fresh[0]:
+            assert r.status_code == 200 and r.json() == fresh[0].json()
+    # exactly one message id was issued: the next allocation is id 2
+    r = client.post("/generate", json=gen_body(metadata={"n": 2}, max_new_tokens=2), headers=auth)
+    assert r.json()["message_id"] == 2
+    # and the key now replays the one result
+    again = client.post("/generate", json=body, headers=headers)
+    assert again.headers["Idempotent-Replayed"] == "true" and again.json() == fresh[0].json()
+
+
+def test_failed_request_releases_its_idempotency_key(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that failed (here: the registry write) must not block its own retry."""
+    from app.stores.base import StoreUnavailable
+
+    _, auth = new_tenant(client)
+    runtime = client.app.state.runtime  # type: ignore[attr-defined]
+    body = gen_body(metadata={"order": 9}, max_new_tokens=3)
+    headers = {**auth, "Idempotency-Key": "order-9"}
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("injected")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(runtime.store, "allocate_message", down)
+        assert_error(client.post("/generate", json=body, headers=headers), 503, "store_unavailable")
+    retry = client.post("/generate", json=body, headers=headers)
+    assert retry.status_code == 200, retry.text
+    assert "Idempotent-Replayed" not in retry.headers and retry.json()["message_id"] == 1
+
+
 # --------------------------------------------------------------------------- 7. streaming
 def test_streaming_sse(client: TestClient, tenant: tuple[str, dict[str, str]]) -> None:
     _, auth = tenant

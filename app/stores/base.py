@@ -127,8 +127,11 @@ class RateDecision:
 @dataclass(frozen=True)
 class IdempotencyRecord:
     body_hash: str
-    status_code: int
+    status_code: int  # IDEMPOTENCY_PENDING while the first request is still running
     response: dict[str, Any]
+
+
+IDEMPOTENCY_PENDING = 0
 
 
 class Store(Protocol):
@@ -201,6 +204,14 @@ class Store(Protocol):
     async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None: ...
 
     async def idempotency_put(
-        self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
+        self,
+        tenant_id: str,
+        key: str,
+        record: IdempotencyRecord,
+        ttl_s: int,
+        overwrite: bool = False,
     ) -> bool:
-        """Store if absent; False if a record already exists."""
+        """Store if absent (False if a record exists), or unconditionally with overwrite."""
+
+    async def idempotency_delete(self, tenant_id: str, key: str) -> None:
+        """Drop a record (a request that held the key failed; its retry may run)."""

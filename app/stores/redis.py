@@ -493,7 +493,12 @@ class RedisStore:
         )
 
     async def idempotency_put(
-        self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
+        self,
+        tenant_id: str,
+        key: str,
+        record: IdempotencyRecord,
+        ttl_s: int,
+        overwrite: bool = False,
     ) -> bool:
         rkey = self._t(tenant_id, "idem", key)
         raw = compact_json(
@@ -504,5 +509,10 @@ class RedisStore:
             }
         )
         async with self._guard():
-            ok = await self._redis.set(rkey, raw, nx=True, ex=max(1, int(ttl_s)))
+            ok = await self._redis.set(rkey, raw, nx=not overwrite, ex=max(1, int(ttl_s)))
         return bool(ok)
+
+    async def idempotency_delete(self, tenant_id: str, key: str) -> None:
+        rkey = self._t(tenant_id, "idem", key)
+        async with self._guard():
+            await self._redis.delete(rkey)

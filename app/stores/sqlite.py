@@ -467,7 +467,12 @@ class SQLiteStore:
         )
 
     async def idempotency_put(
-        self, tenant_id: str, key: str, record: IdempotencyRecord, ttl_s: int
+        self,
+        tenant_id: str,
+        key: str,
+        record: IdempotencyRecord,
+        ttl_s: int,
+        overwrite: bool = False,
     ) -> bool:
         check_tenant_id(tenant_id)
         now = self._clock()
@@ -477,8 +482,9 @@ class SQLiteStore:
             with _transaction(c):
                 # Expired rows count as absent; sweeping them here also bounds table growth.
                 c.execute("DELETE FROM idempotency WHERE expires_at <= ?", (now,))
+                verb = "INSERT OR REPLACE" if overwrite else "INSERT OR IGNORE"
                 cur = c.execute(
-                    "INSERT OR IGNORE INTO idempotency VALUES (?, ?, ?, ?, ?, ?)",
+                    f"{verb} INTO idempotency VALUES (?, ?, ?, ?, ?, ?)",
                     (
                         tenant_id,
                         key,
@@ -491,3 +497,14 @@ class SQLiteStore:
                 return cur.rowcount == 1
 
         return await self._run(op)
+
+    async def idempotency_delete(self, tenant_id: str, key: str) -> None:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                c.execute(
+                    "DELETE FROM idempotency WHERE tenant_id = ? AND key = ?", (tenant_id, key)
+                )
+
+        await self._run(op)

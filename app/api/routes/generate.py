@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ from app.schemas.common import ERROR_RESPONSES
 from app.schemas.watermark import GenerateRequest, GenerateResponse, PayloadOut, Timing, Usage
 from app.services.batcher import Batcher, BatcherStopped, GenerationJob, QueueFull
 from app.services.tenants import KeyVersion, RegistryExhausted
-from app.stores.base import IdempotencyRecord
+from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from worldcup_core import Payload, SamplingConfig
 from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
 
@@ -140,22 +141,75 @@ async def generate(
     if idempotency_key is not None:
         stored = await runtime.store.idempotency_get(tenant.tenant_id, idempotency_key)
         if stored is not None:
-            if stored.body_hash != body_hash:
-                raise APIError(
-                    409, "Idempotency-Key was used with a different body", "idempotency_conflict"
-                )
-            return _replay(stored, body.stream)
+            return _replay_or_refuse(stored, body_hash, body.stream)
     if batcher.queue_depth >= batcher.max_queue:  # refuse before allocating a message id
         raise _queue_full(runtime)
     prompt_ids = _prompt_ids(runtime, body)
     if settings.debug_log_prompts:  # off by default: prompts are user data
         logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
     key = await runtime.tenants.version(tenant.tenant_id, None)
+    claim = None
+    if idempotency_key is not None:
+        # Claim the key before allocating or generating, so that two concurrent
+        # requests with one key cannot both run (one would issue a second message
+        # id). The claim expires on its own if this replica dies mid-request.
+        claim = (idempotency_key, body_hash)
+        pending = IdempotencyRecord(body_hash, IDEMPOTENCY_PENDING, {})
+        ttl = int(settings.request_timeout_s) + 30
+        if not await runtime.store.idempotency_put(tenant.tenant_id, idempotency_key, pending, ttl):
+            stored = await runtime.store.idempotency_get(tenant.tenant_id, idempotency_key)
+            if stored is None:  # it expired in between: the client may simply retry
+                raise _in_progress()
+            return _replay_or_refuse(stored, body_hash, body.stream)
+    try:
+        return await _run(body, request, runtime, tenant.tenant_id, batcher, key, prompt_ids, claim)
+    except BaseException:
+        if claim is not None:
+            await _release(runtime, tenant.tenant_id, claim[0])
+        raise
+
+
+def _in_progress() -> APIError:
+    return APIError(
+        409,
+        "a request with this Idempotency-Key is still running; retry shortly",
+        "idempotency_in_progress",
+        {"Retry-After": "1"},
+    )
+
+
+def _replay_or_refuse(stored: IdempotencyRecord, body_hash: str, stream: bool) -> Any:
+    if stored.body_hash != body_hash:
+        raise APIError(
+            409, "Idempotency-Key was used with a different body", "idempotency_conflict"
+        )
+    if stored.status_code == IDEMPOTENCY_PENDING:
+        raise _in_progress()
+    return _replay(stored, stream)
+
+
+async def _release(runtime: Runtime, tenant_id: str, key: str) -> None:
+    """Drop the claim of a request that failed, so that its retry can run."""
+    with contextlib.suppress(StoreUnavailable):  # otherwise it expires by itself
+        await runtime.store.idempotency_delete(tenant_id, key)
+
+
+async def _run(
+    body: GenerateRequest,
+    request: Request,
+    runtime: Runtime,
+    tenant_id: str,
+    batcher: Batcher,
+    key: KeyVersion,
+    prompt_ids: list[int],
+    claim: tuple[str, str] | None,
+) -> Any:
+    settings = runtime.settings
     message_id = None
     if body.metadata is not None:
         try:
             entry, payload = await runtime.tenants.allocate(
-                tenant.tenant_id, key, body.num_bits or settings.default_num_bits, body.metadata
+                tenant_id, key, body.num_bits or settings.default_num_bits, body.metadata
             )
         except RegistryExhausted:
             raise APIError(
@@ -179,8 +233,8 @@ async def generate(
         raise _queue_full(runtime) from None
     except BatcherStopped:
         raise APIError(503, "the server is shutting down", "draining") from None
-    context = _Context(runtime, tenant.tenant_id, key, payload, message_id, prompt_ids, job)
-    context.idempotency = (idempotency_key, body_hash) if idempotency_key else None
+    context = _Context(runtime, tenant_id, key, payload, message_id, prompt_ids, job)
+    context.idempotency = claim
     if body.stream:
         return StreamingResponse(
             _stream(context, request, batcher),
@@ -217,6 +271,7 @@ class _Context:
         )
         self.deadline = time.monotonic() + runtime.settings.request_timeout_s
         self.idempotency: tuple[str, str] | None = None
+        self.remembered = False  # the final response replaced the idempotency claim
 
 
 async def _collect(ctx: _Context, batcher: Batcher) -> GenerationResult:
@@ -271,8 +326,9 @@ async def _remember(ctx: _Context, response: GenerateResponse) -> None:
     key, body_hash = ctx.idempotency
     record = IdempotencyRecord(body_hash, 200, response.model_dump(mode="json"))
     await ctx.runtime.store.idempotency_put(
-        ctx.tenant_id, key, record, ctx.runtime.settings.idempotency_ttl_s
+        ctx.tenant_id, key, record, ctx.runtime.settings.idempotency_ttl_s, overwrite=True
     )
+    ctx.remembered = True
 
 
 def _sse(data: str, event: str | None = None) -> bytes:
@@ -320,6 +376,8 @@ async def _stream(ctx: _Context, request: Request, batcher: Batcher) -> AsyncIte
     finally:
         if not ctx.job.done:
             batcher.cancel(ctx.job)
+        if ctx.idempotency is not None and not ctx.remembered:
+            await _release(ctx.runtime, ctx.tenant_id, ctx.idempotency[0])
     yield b"data: [DONE]\n\n"
 
 
