@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import TypeVar
 
 from fastapi import APIRouter
 
@@ -134,6 +135,18 @@ def _tokenise_all(
     return good, ids, errors
 
 
+_Answer = TypeVar("_Answer", DecodeResponse, DetectResponse)
+
+
+def _assemble(
+    count: int, good: list[int], answers: list[_Answer], errors: dict[int, BatchItemError]
+) -> tuple[list[tuple[int, _Answer | None, BatchItemError | None]], int]:
+    """(index, answer, error) for every text of a batch, and how many were watermarked."""
+    by_index = dict(zip(good, answers, strict=True))
+    items = [(i, by_index.get(i), errors.get(i)) for i in range(count)]
+    return items, sum(a.is_watermarked for a in answers)
+
+
 @router.post("/decode", response_model=DecodeResponse, responses=ERROR_RESPONSES)
 async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DecodeResponse:
     """Recover the payload and, if it was issued from the registry, whose it is."""
@@ -171,17 +184,11 @@ async def decode_batch(
     except UnknownKeyVersion:
         raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
     schemes = await _schemes(runtime, tenant.tenant_id)
-    by_index = {
-        i: _decode_response(runtime, schemes, num_bits, o)
-        for i, o in zip(good, outcomes, strict=True)
-    }
-    results = [
-        DecodeBatchItem(index=i, result=by_index.get(i), error=errors.get(i))
-        for i in range(len(body.texts))
-    ]
+    answers = [_decode_response(runtime, schemes, num_bits, o) for o in outcomes]
+    results, watermarked = _assemble(len(body.texts), good, answers, errors)
     return DecodeBatchResponse(
-        results=results,
-        num_watermarked=sum(r.is_watermarked for r in by_index.values()),
+        results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in results],
+        num_watermarked=watermarked,
         num_errors=len(errors),
     )
 
@@ -197,13 +204,10 @@ async def detect_batch(
     outcomes = await runtime.tenants.detect_many(
         tenant.tenant_id, ids, runtime.settings.significance
     )
-    by_index = {i: _detect_response(runtime, o) for i, o in zip(good, outcomes, strict=True)}
-    results = [
-        DetectBatchItem(index=i, result=by_index.get(i), error=errors.get(i))
-        for i in range(len(body.texts))
-    ]
+    answers = [_detect_response(runtime, o) for o in outcomes]
+    results, watermarked = _assemble(len(body.texts), good, answers, errors)
     return DetectBatchResponse(
-        results=results,
-        num_watermarked=sum(r.is_watermarked for r in by_index.values()),
+        results=[DetectBatchItem(index=i, result=r, error=e) for i, r, e in results],
+        num_watermarked=watermarked,
         num_errors=len(errors),
     )
