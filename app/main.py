@@ -76,7 +76,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             logger.warning("store not reachable at startup: %s", exc)
         tokenizer, model_id, batcher = await asyncio.to_thread(_load, settings, metrics)
         defaults = WatermarkConfig(
-            groups=settings.groups, layers=settings.layers, alpha=settings.alpha
+            groups=settings.groups,
+            layers=settings.layers,
+            alpha=settings.alpha,
+            version=settings.scheme,
         )
         runtime = Runtime(
             settings=settings,

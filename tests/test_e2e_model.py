@@ -1,4 +1,8 @@
-"""End to end with the real embedded SmolLM2: generate, then recover from the *text*."""
+"""End to end with the real embedded SmolLM2: generate, then recover from the *text*.
+
+Both scheme versions: v2 generates through the batched step (every row in one
+call), v1 row by row; each must recover its payload from the detokenised text.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from worldcup_core import Payload, SamplingConfig, WatermarkKey, WorldCup
+from worldcup_core import Payload, SamplingConfig, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.generation import GenerationRequest, generate
 from worldcup_core.models import LoadedModel, load_model
 
@@ -23,14 +27,19 @@ def smollm2() -> LoadedModel:
     return load_model()
 
 
+@pytest.fixture(scope="module", params=["worldcup-v1", "worldcup-v2"])
+def version(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def generations(smollm2: LoadedModel, data_dir: Path) -> list[tuple[Payload, str]]:
+def generations(smollm2: LoadedModel, data_dir: Path, version: str) -> list[tuple[Payload, str]]:
     tok = smollm2.tokenizer
     with (data_dir / "cnn_dailymail_test.jsonl").open() as fh:
         articles = [json.loads(line)["article"] for line in fh][:NUM_PROMPTS]
     rng = np.random.default_rng(2026)
     payloads = [Payload.random(16, rng) for _ in articles]
-    scheme = WorldCup(WatermarkKey(bytes(range(32))))
+    scheme = WorldCup(WatermarkKey(bytes(range(32))), WatermarkConfig(version=version))
     requests = [
         GenerationRequest(
             tok(article, add_special_tokens=False).input_ids[:40],
@@ -53,9 +62,9 @@ def _ids(smollm2: LoadedModel, text: str) -> list[int]:
 
 
 def test_payload_survives_detokenisation(
-    smollm2: LoadedModel, generations: list[tuple[Payload, str]]
+    smollm2: LoadedModel, generations: list[tuple[Payload, str]], version: str
 ) -> None:
-    scheme = WorldCup(WatermarkKey(bytes(range(32))))
+    scheme = WorldCup(WatermarkKey(bytes(range(32))), WatermarkConfig(version=version))
     accuracies = []
     for payload, text in generations:
         decoded = scheme.decode(_ids(smollm2, text), 16)
@@ -68,9 +77,9 @@ def test_payload_survives_detokenisation(
 
 
 def test_wrong_key_sees_chance_bits_and_no_watermark(
-    smollm2: LoadedModel, generations: list[tuple[Payload, str]]
+    smollm2: LoadedModel, generations: list[tuple[Payload, str]], version: str
 ) -> None:
-    wrong = WorldCup(WatermarkKey(bytes(range(1, 33))))
+    wrong = WorldCup(WatermarkKey(bytes(range(1, 33))), WatermarkConfig(version=version))
     correct, total, p_values = 0, 0, []
     for payload, text in generations:
         decoded = wrong.decode(_ids(smollm2, text), 16)

@@ -11,7 +11,7 @@ from scipy import stats
 from test_codec import simulate
 
 from worldcup_core import Payload, Variant, WatermarkConfig, WatermarkKey, WorldCup
-from worldcup_core.prf import ScoredItems
+from worldcup_core.prf import ScoredItems, ScoredTokensV2
 from worldcup_core.provenance import KeyBank, ScreenConfig, sidak_log_p
 
 VOCAB = 49152  # the SmolLM2 vocabulary size, as in test_codec
@@ -28,6 +28,9 @@ CONFIGS = [
     WatermarkConfig(groups=3, layers=7),
     WatermarkConfig(context_width=1),
     WatermarkConfig(variant=Variant.RANDOM_SECOND),
+    WatermarkConfig(version="worldcup-v1"),  # banks hold keys of both schemes
+    WatermarkConfig(groups=1, context_width=3, version="worldcup-v1"),
+    WatermarkConfig(variant=Variant.RANDOM_SECOND, version="worldcup-v1"),
 ]
 
 
@@ -53,12 +56,17 @@ def test_bank_equals_single_key_detection(num_bits: int | None) -> None:
 
 def test_scored_items_match_the_detector() -> None:
     ids = [1, 2, 3, 1, 2, 3, 1, 2, 4, 4, 4, 4]
+    key = keys(1, 9)[0]
     items = ScoredItems.of(ids, 2)
-    wc = WorldCup(keys(1, 9)[0])
-    assert len(items) == wc.detect(ids).num_scored_tokens
+    v1 = WorldCup(key, WatermarkConfig(version="worldcup-v1"))
+    assert len(items) == v1.detect(ids).num_scored_tokens
     # contexts (1,2), (2,3), (3,1) recur from t=5 and (4,4) at t=11: only first occurrences score
     assert items.indices == (0, 1, 2, 3, 4, 9, 10)
     assert items.tokens[5] == (4).to_bytes(4, "little")
+    # v2 also leaves out t = 0 and 1, whose context is the padding
+    v2_items = ScoredTokensV2.of(ids, 2)
+    assert v2_items.indices.tolist() == [2, 3, 4, 9, 10]
+    assert len(v2_items) == WorldCup(key).detect(ids).num_scored_tokens
 
 
 def test_finds_the_generating_key_among_a_thousand() -> None:

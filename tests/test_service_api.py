@@ -520,7 +520,7 @@ def test_generate_with_explicit_payload(
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["payload"] == {"bits": PAYLOAD16, "hex": "6996", "num_bits": 16}
-    assert body["message_id"] is None and body["scheme"] == "worldcup-v1"
+    assert body["message_id"] is None and body["scheme"] == "worldcup-v2"
     assert body["num_tokens"] == body["usage"]["completion_tokens"] <= 4
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["num_tokens"]
     assert body["finish_reason"] in ("eos", "length")
@@ -809,7 +809,7 @@ def test_health_ready_version_and_draining(
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").status_code == 200
     v = client.get("/version").json()
-    assert v["scheme_version"] == "worldcup-v1" and v["role"] == "generator"
+    assert v["scheme_version"] == "worldcup-v2" and v["role"] == "generator"
     assert v["model_id"] and v["app_version"]
 
     runtime = app.state.runtime

@@ -264,7 +264,7 @@ def test_missing_or_invalid_auth(http: httpx.Client, auth: str | None) -> None:
 def test_ops_endpoints(http: httpx.Client) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").status_code == 200
-    assert http.get("/version").json()["scheme_version"] == "worldcup-v1"
+    assert http.get("/version").json()["scheme_version"] == "worldcup-v2"
     text = http.get("/metrics").text
     assert 'worldcup_request_duration_seconds_count{endpoint="/generate",status="200"}' in text
     assert "worldcup_generated_tokens_total" in text

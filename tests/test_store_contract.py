@@ -220,13 +220,15 @@ async def test_key_versions_are_ordered_and_contiguous(store: Store) -> None:
         await store.add_key_version(key_record(tid, 2))  # already exists
     with pytest.raises(Conflict):
         await store.add_key_version(key_record(tid, 4))  # gap
-    v3 = key_record(tid, 3)
+    v3 = KeyRecord(**{**key_record(tid, 3).__dict__, "scheme": "worldcup-v2"})
     await store.add_key_version(v3)
 
     versions = await store.key_versions(tid)
     assert [k.version for k in versions] == [1, 2, 3]
     assert versions == [key, v2, v3]
     assert versions[1].wrapped_key == bytes(range(256))
+    # each version keeps the scheme its texts were issued under
+    assert [k.scheme for k in versions] == ["worldcup-v1", "worldcup-v1", "worldcup-v2"]
 
 
 async def test_add_key_for_unknown_tenant_is_conflict(store: Store) -> None:
@@ -598,6 +600,39 @@ async def test_sqlite_survives_reopen_and_shares_file(tmp_path: Path) -> None:
         assert await reopened.message_ids(tid, 1, 32) == list(range(1, 61))
     finally:
         await reopened.close()
+
+
+async def test_sqlite_file_from_before_scheme_versions_is_migrated(tmp_path: Path) -> None:
+    """A store file written before key versions recorded their scheme still opens; its
+    keys read as ``worldcup-v1`` (the only scheme there was), and new ones keep theirs."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        """
+        CREATE TABLE tenants (tenant_id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE,
+            api_key_hash TEXT NOT NULL UNIQUE, created_at REAL NOT NULL,
+            scopes TEXT NOT NULL DEFAULT '[]');
+        CREATE TABLE keys (tenant_id TEXT NOT NULL REFERENCES tenants(tenant_id),
+            version INTEGER NOT NULL, wrapped_key BLOB NOT NULL, created_at REAL NOT NULL,
+            groups INTEGER NOT NULL, layers INTEGER NOT NULL, alpha REAL NOT NULL,
+            context_width INTEGER NOT NULL, PRIMARY KEY (tenant_id, version));
+        INSERT INTO tenants VALUES ('t1', 'old', 'h', 1.0, '[]');
+        INSERT INTO keys VALUES ('t1', 1, x'00', 1.0, 2, 30, 1.2, 2);
+        """
+    )
+    old.commit()
+    old.close()
+    store = SQLiteStore(path)
+    try:
+        (v1,) = await store.key_versions("t1")
+        assert v1.scheme == "worldcup-v1" and v1.groups == 2
+        v2 = KeyRecord(**{**key_record("t1", 2).__dict__, "scheme": "worldcup-v2"})
+        await store.add_key_version(v2)
+        assert [k.scheme for k in await store.key_versions("t1")] == ["worldcup-v1", "worldcup-v2"]
+    finally:
+        await store.close()
 
 
 async def test_sqlite_closed_store_is_unavailable(tmp_path: Path) -> None:

@@ -19,7 +19,16 @@ import worldcup_core.encoder
 import worldcup_core.tournament
 from worldcup_core import Payload, Variant, WatermarkConfig, WatermarkKey
 from worldcup_core.encoder import WorldCupEncoder, combine_families, lambda_for
-from worldcup_core.prf import PRF, context_at, pack_context
+from worldcup_core.prf import (
+    PRF,
+    PRFV2,
+    context_at,
+    pack_context,
+    v2_group_bits,
+    v2_gwords,
+    v2_positions,
+)
+from worldcup_core.scoring import symbol_index
 from worldcup_core.tournament import simulate_tournament, tournament_distribution
 
 DRAWS = 20_000
@@ -272,8 +281,9 @@ def test_subtraction_sharpens_towards_intended_family() -> None:
 
 @pytest.mark.parametrize("variant", list(Variant))
 def test_encoder_reweight_recomputed_by_hand(variant: Variant) -> None:
+    """Scheme v1: the first token's context is the sentinel padding, and it is watermarked."""
     key = WatermarkKey(bytes(range(32)))
-    config = WatermarkConfig(groups=2, layers=12, variant=variant)
+    config = WatermarkConfig(groups=2, layers=12, variant=variant, version="worldcup-v1")
     payload = Payload("1001")
     seq = WorldCupEncoder(key, config, payload).start()
     rng = np.random.default_rng(5)
@@ -298,17 +308,56 @@ def test_encoder_reweight_recomputed_by_hand(variant: Variant) -> None:
     assert not np.allclose(out, probs)
 
 
-def test_encoder_leaves_repeated_context_unchanged() -> None:
+@pytest.mark.parametrize("variant", list(Variant))
+def test_v2_encoder_reweight_recomputed_by_hand(variant: Variant) -> None:
+    """Scheme v2: SipHash positions and g-words, recomputed for the third token."""
     key = WatermarkKey(bytes(range(32)))
-    seq = WorldCupEncoder(key, WatermarkConfig(context_width=1), Payload("01")).start()
+    config = WatermarkConfig(groups=2, layers=12, variant=variant, version="worldcup-v2")
+    payload = Payload("1001")
+    seq = WorldCupEncoder(key, config, payload).start()
+    rng = np.random.default_rng(5)
+    cand = rng.choice(49152, 25, replace=False).astype(np.int64)
+    probs = rng.dirichlet(np.ones(25))
+    seq.observe(1111)
+    seq.observe(2222)
+    out = seq.reweight(cand, probs)
+
+    prf = PRFV2.of(key)
+    ctx = [np.full(25, 1111, dtype=np.uint64), np.full(25, 2222, dtype=np.uint64)]
+    position = v2_positions(prf.position_key, [c[:1] for c in ctx])
+    pos = int(symbol_index(position, config.symbols_for(4), "worldcup-v2")[0])
+    bits = np.array([int(b) for b in payload.bits[2 * pos : 2 * pos + 2]], dtype=np.uint8)
+    tokens = cand.astype(np.uint64)
+    g = v2_group_bits(v2_gwords(prf.gvalue_key, ctx, tokens, 1), 2, 12).transpose(1, 2, 0)
+    if variant is Variant.RANDOM_SECOND:
+        alt = v2_group_bits(v2_gwords(prf.alt_key, ctx, tokens, 1), 2, 12).transpose(1, 2, 0)
+        intended = np.where(bits[:, None, None] == 0, g, alt)
+        other = np.where(bits[:, None, None] == 0, alt, g)
+    else:
+        intended = g ^ bits[:, None, None]
+        other = intended ^ 1
+    expected = combine_families(probs, intended, other, lambda_for(config, probs))
+    np.testing.assert_allclose(out, expected, rtol=1e-12)
+    assert not np.allclose(out, probs)
+
+
+@pytest.mark.parametrize("version", ["worldcup-v1", "worldcup-v2"])
+def test_encoder_leaves_repeated_context_unchanged(version: str) -> None:
+    """Repeated contexts are sampled unmodified; under v2 the padded start is too."""
+    key = WatermarkKey(bytes(range(32)))
+    config = WatermarkConfig(context_width=1, version=version)
+    seq = WorldCupEncoder(key, config, Payload("01")).start()
     cand = np.arange(10, dtype=np.int64)
     probs = np.full(10, 0.1)
-    assert not np.allclose(seq.reweight(cand, probs), probs)  # context (S,)
+    first = seq.reweight(cand, probs)  # context (S,)
+    assert np.allclose(first, probs) == (version == "worldcup-v2")
     seq.observe(7)
     assert not np.allclose(seq.reweight(cand, probs), probs)  # context (7,)
     seq.observe(7)
     np.testing.assert_array_equal(seq.reweight(cand, probs), probs)  # (7,) again
-    assert seq.watermarked_steps == 2
+    seq.observe(3)
+    assert not np.allclose(seq.reweight(cand, probs), probs)  # context (3,)
+    assert seq.watermarked_steps == (2 if version == "worldcup-v2" else 3)
 
 
 def test_lambda_per_variant() -> None:

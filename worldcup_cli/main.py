@@ -17,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from worldcup_core import (
+    SCHEME_V2,
     Payload,
     SamplingConfig,
     Variant,
@@ -42,6 +43,14 @@ KOpt = Annotated[int, typer.Option("--k", help="Groups of g-value families (bits
 LayersOpt = Annotated[int, typer.Option("--layers", help="Tournament layers m.")]
 AlphaOpt = Annotated[float, typer.Option("--alpha", help="Watermark strength alpha.")]
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="worldcup or mpac (baseline).")]
+VersionOpt = Annotated[
+    str,
+    typer.Option(
+        "--scheme-version",
+        help="WorldCup's PRF and scoring: worldcup-v2 (default) or worldcup-v1 (texts "
+        "issued with v1 keys).",
+    ),
+]
 VariantOpt = Annotated[
     str, typer.Option("--variant", help="worldcup, no-entropy, no-subtraction, random-second.")
 ]
@@ -69,10 +78,20 @@ def _read_key(path: Path) -> WatermarkKey:
         fail(f"malformed key file {path}: {exc}")
 
 
-def _scheme(key: WatermarkKey, scheme: str, k: int, layers: int, alpha: float, variant: str) -> Any:
+def _scheme(
+    key: WatermarkKey,
+    scheme: str,
+    k: int,
+    layers: int,
+    alpha: float,
+    variant: str,
+    version: str = SCHEME_V2,
+) -> Any:
     try:
         if scheme == "worldcup":
-            cfg = WatermarkConfig(groups=k, layers=layers, alpha=alpha, variant=Variant(variant))
+            cfg = WatermarkConfig(
+                groups=k, layers=layers, alpha=alpha, variant=Variant(variant), version=version
+            )
             return WorldCup(key, cfg)
         if scheme == "mpac":
             from worldcup_core.baselines.mpac import MPAC
@@ -144,6 +163,7 @@ def generate(
     alpha: AlphaOpt = 1.2,
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
+    scheme_version: VersionOpt = SCHEME_V2,
     model: ModelOpt = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[
@@ -172,7 +192,7 @@ def generate(
         fail(str(exc))
     if not prompt.strip():
         fail("the prompt is empty")
-    wm: WatermarkScheme = _scheme(key, scheme, k, layers, alpha, variant)
+    wm: WatermarkScheme = _scheme(key, scheme, k, layers, alpha, variant, scheme_version)
     try:
         lm = load_model(model, device=device, dtype=dtype)
     except ModelLoadError as exc:
@@ -220,6 +240,7 @@ def decode(
     layers: LayersOpt = 30,
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
+    scheme_version: VersionOpt = SCHEME_V2,
     list_size: Annotated[int, typer.Option("--list-size", help="Alternatives to list.")] = 5,
     model: ModelOpt = None,
     as_json: JsonOpt = False,
@@ -230,7 +251,7 @@ def decode(
         fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
     if list_size < 1:
         fail(f"--list-size must be >= 1, got {list_size}")
-    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant)
+    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant, scheme_version)
     ids = _tokenize(_stdin_text(), model)
     result = wm.decode(ids, num_bits, list_size=list_size)
     det = result.detection
@@ -267,6 +288,7 @@ def detect(
     layers: LayersOpt = 30,
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
+    scheme_version: VersionOpt = SCHEME_V2,
     significance: Annotated[float, typer.Option("--significance")] = 0.01,
     model: ModelOpt = None,
     as_json: JsonOpt = False,
@@ -277,7 +299,7 @@ def detect(
         fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
     if not 0.0 < significance < 1.0:
         fail(f"--significance must be in (0, 1), got {significance}")
-    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant)
+    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant, scheme_version)
     ids = _tokenize(_stdin_text(), model)
     det = wm.detect(ids, num_bits=num_bits, significance=significance)
     out = {
@@ -320,11 +342,12 @@ def bench_provenance(
     texts: Annotated[int, typer.Option(min=1, max=100, help="Texts to time (median).")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Time a provenance search over many keys against a naive per-key loop."""
+    """Time a provenance search over many keys against a naive per-key loop (the loop is
+    skipped above 10 000 keys)."""
     from worldcup_cli.bench import bench_provenance as run
     from worldcup_cli.bench import format_provenance_bench
 
-    result = run(keys, tokens, texts)
+    result = run(keys, tokens, texts, naive=keys <= 10_000)
     _emit(as_json, result, format_provenance_bench(result))
 
 

@@ -4,13 +4,15 @@ from worldcup_core.config import SamplingConfig, Variant, WatermarkConfig
 from worldcup_core.decoder import DecodeResult, RegistryMatch
 from worldcup_core.detector import DetectionResult
 from worldcup_core.message import Payload
-from worldcup_core.prf import SCHEME_VERSION, WatermarkKey
+from worldcup_core.prf import SCHEME_V1, SCHEME_V2, SCHEME_VERSIONS, WatermarkKey
 from worldcup_core.scheme import SequenceWatermark, WatermarkScheme, WorldCup
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SCHEME_VERSION",
+    "SCHEME_V1",
+    "SCHEME_V2",
+    "SCHEME_VERSIONS",
     "DecodeResult",
     "DetectionResult",
     "Payload",

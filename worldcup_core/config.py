@@ -11,16 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from worldcup_core.prf import MAX_GROUPS, MAX_LAYERS
+from worldcup_core.prf import MAX_GROUPS, MAX_LAYERS, SCHEME_V2, SCHEME_VERSIONS
 
 
 class Variant(StrEnum):
-    """The paper's method and its ablations (Section 5.1)."""
+    """The paper's method, its ablations (Section 5.1) and the non-distortionary preset."""
 
     WORLDCUP = "worldcup"  # sum q_int - alpha*tanh(H) * sum q_comp
     NO_ENTROPY = "no-entropy"  # lambda = 1: q - q_bar
     NO_SUBTRACTION = "no-subtraction"  # lambda = 0: q
     RANDOM_SECOND = "random-second"  # q - lambda q', q' from independent g-values
+    # The quality preset (the paper's appendix on distortionary and non-distortionary
+    # g-value functions, after SynthID): each group plays SynthID's 2-leaf tournament,
+    # which is unbiased over keys (E_key[q(x)] = p(x)), and the groups are averaged,
+    # with no subtraction and so no clipping. The same sampler as the no-subtraction
+    # ablation, named for the property users choose it for.
+    NONDISTORTIONARY = "nondistortionary"
 
 
 MAX_PAYLOAD_BITS = 64
@@ -42,8 +48,16 @@ class WatermarkConfig:
     alpha: float = 1.2
     context_width: int = 2
     variant: Variant = Variant.WORLDCUP
+    # The PRF and scoring rules; a text decodes only under the version it was issued
+    # with, so every stored key version records it (see ``prf.py``). v2 is the default
+    # for new keys; v1 keys stay readable forever.
+    version: str = SCHEME_V2
 
     def __post_init__(self) -> None:
+        if self.version not in SCHEME_VERSIONS:
+            raise ValueError(
+                f"scheme version must be one of {', '.join(SCHEME_VERSIONS)}, got {self.version!r}"
+            )
         if not 1 <= self.groups <= MAX_GROUPS:
             raise ValueError(f"groups (k) must be in 1..{MAX_GROUPS}, got {self.groups}")
         if not 1 <= self.layers <= MAX_LAYERS:

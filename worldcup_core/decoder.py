@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,12 @@ import numpy as np
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.detector import DetectionResult
 from worldcup_core.message import bits_matrix
-from worldcup_core.scoring import TokenEvidence, log_binom_half_cdf, two_sided_log_pvalues
+from worldcup_core.scoring import (
+    I64,
+    TokenEvidence,
+    log_binom_half_cdf,
+    two_sided_log_pvalues,
+)
 
 DEFAULT_LIST_SIZE = 5
 
@@ -82,20 +88,20 @@ def _llr_scale(delta: float) -> float:
 
 
 def _top_flip_sets(costs: list[float], limit: int) -> list[tuple[float, tuple[int, ...]]]:
-    """The ``limit`` cheapest subsets of items (sorted by cost), exactly."""
-    order = sorted(range(len(costs)), key=costs.__getitem__)
+    """The ``limit`` cheapest subsets of items whose ``costs`` are sorted ascending, exactly:
+    (total cost, item indices), cheapest first."""
     out: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
-    if not order:
+    if not costs:
         return out
-    heap: list[tuple[float, tuple[int, ...]]] = [(costs[order[0]], (0,))]
+    heap: list[tuple[float, tuple[int, ...]]] = [(costs[0], (0,))]
     while heap and len(out) < limit:
         cost, ranks = heapq.heappop(heap)
-        out.append((cost, tuple(order[r] for r in ranks)))
+        out.append((cost, ranks))
         last = ranks[-1]
-        if last + 1 < len(order):
-            nxt = costs[order[last + 1]]
+        if last + 1 < len(costs):
+            nxt = costs[last + 1]
             heapq.heappush(heap, (cost + nxt, (*ranks, last + 1)))
-            heapq.heappush(heap, (cost - costs[order[last]] + nxt, (*ranks[:-1], last + 1)))
+            heapq.heappush(heap, (cost - costs[last] + nxt, (*ranks[:-1], last + 1)))
     return out
 
 
@@ -107,40 +113,62 @@ def decode(
     list_size: int = DEFAULT_LIST_SIZE,
 ) -> DecodeResult:
     """Recover a ``num_bits`` payload; see the module docstring."""
+    ones, trials, counts = evidence.cells(config.symbols_for(num_bits))
+    return decode_cells(ones[None], trials[None], counts[None], num_bits, [detection], list_size)[0]
+
+
+def decode_cells(
+    ones: I64,
+    trials: I64,
+    counts: I64,
+    num_bits: int,
+    detections: Sequence[DetectionResult],
+    list_size: int = DEFAULT_LIST_SIZE,
+) -> list[DecodeResult]:
+    """The payloads of many texts from their cells: ``ones``/``trials`` (S, B, k) and
+    ``counts`` (S, B). The arithmetic runs once for all texts; only the top-L list search
+    and the result objects are per text."""
     if list_size < 1:
         raise ValueError(f"list_size must be >= 1, got {list_size}")
-    num_symbols = config.symbols_for(num_bits)
-    ones, trials, counts = evidence.cells(num_symbols)
-    ones_f, trials_f = ones.ravel()[:num_bits], trials.ravel()[:num_bits]
+    texts = ones.shape[0]
+    ones_f = ones.reshape(texts, -1)[:, :num_bits]
+    trials_f = trials.reshape(texts, -1)[:, :num_bits]
     erased = trials_f == 0
     signed = 2 * ones_f - trials_f  # > 0 favours bit 0
-    bit_values = np.where(signed < 0, "1", "0")
-    bits = "".join("?" if e else b for e, b in zip(erased, bit_values, strict=True))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(erased, 0.0, np.abs(signed) / np.sqrt(np.maximum(trials_f, 1)))
+    codes = np.where(erased, ord("?"), np.where(signed < 0, ord("1"), ord("0")))
+    all_bits = codes.astype(np.uint8).tobytes().decode("ascii")
+    z = np.abs(signed) / np.sqrt(np.maximum(trials_f, 1))
     p_vals = np.where(erased, 1.0, np.exp(two_sided_log_pvalues(ones_f, trials_f)))
-    live = ~erased
-    delta = float(np.abs(signed[live]).sum() / (2 * trials_f[live].sum())) if live.any() else 0.0
-    beta = _llr_scale(delta)
-    live_idx = np.flatnonzero(live).tolist()
-    costs = [float(abs(signed[i])) for i in live_idx]
-    alternatives = []
-    for cost, flips in _top_flip_sets(costs, list_size):
-        chars = list(bits)
-        for f in flips:
-            i = live_idx[f]
-            chars[i] = "1" if chars[i] == "0" else "0"
-        alternatives.append(Alternative("".join(chars), cost, -beta * cost))
-    return DecodeResult(
-        bits=bits,
-        bit_z=tuple(float(v) for v in z),
-        bit_p_values=tuple(float(v) for v in p_vals),
-        erasures=tuple(int(i) for i in np.flatnonzero(erased)),
-        position_token_counts=tuple(int(c) for c in counts),
-        alternatives=tuple(alternatives),
-        estimated_bias=delta,
-        detection=detection,
-    )
+    cost = np.abs(signed).astype(np.float64)
+    live_trials = np.where(erased, 0, trials_f).sum(axis=1)
+    delta = np.divide(cost.sum(axis=1), 2 * live_trials, out=np.zeros(texts), where=live_trials > 0)
+    order = np.argsort(np.where(erased, np.inf, cost), axis=1, kind="stable")
+    live_count = (~erased).sum(axis=1)
+    out = []
+    for i in range(texts):
+        bits = all_bits[i * num_bits : (i + 1) * num_bits]
+        beta = _llr_scale(float(delta[i]))
+        ranked = order[i, : live_count[i]].tolist()
+        alternatives = []
+        for flip_cost, flips in _top_flip_sets(cost[i, ranked].tolist(), list_size):
+            alt = bytearray(bits, "ascii")
+            for f in flips:
+                j = ranked[f]
+                alt[j] ^= 1  # '0' <-> '1'
+            alternatives.append(Alternative(alt.decode("ascii"), flip_cost, -beta * flip_cost))
+        out.append(
+            DecodeResult(
+                bits=bits,
+                bit_z=tuple(z[i].tolist()),
+                bit_p_values=tuple(p_vals[i].tolist()),
+                erasures=tuple(np.flatnonzero(erased[i]).tolist()),
+                position_token_counts=tuple(counts[i].tolist()),
+                alternatives=tuple(alternatives),
+                estimated_bias=float(delta[i]),
+                detection=detections[i],
+            )
+        )
+    return out
 
 
 def match_registry(

@@ -12,9 +12,22 @@ Two-sided cells make the test blind to which bits were sent: a cell pushed
 towards bit 0 or towards bit 1 is equally significant.
 
 The payload length sets how tokens are grouped into positions. When it is
-unknown, every symbol count B = 1..ceil(64/k) is tried and the smallest
-p-value is Bonferroni-corrected (valid, slightly conservative).
+unknown:
 
+* ``worldcup-v2`` tests one grouping, the ``S = ceil(64 / k)`` *slots*. Its
+  positions are intervals of the position hash (multiply-shift), so the cells of
+  any payload whose symbol count divides S are unions of slots, and the others
+  straddle at most B - 1 slot boundaries. One test, so the p-value is exactly
+  uniform under H0 and ``z`` is exactly standard normal there; in simulation its
+  power matches scanning every length with a correction (better at the default
+  32 bits, a little worse for short payloads, ``tests/test_detector_v2.py``).
+* ``worldcup-v1`` (positions ``mod B`` do not nest) scans every symbol count
+  B = 1..S and Šidák-corrects the smallest p-value. The groupings share tokens,
+  but each acceptance region is a symmetric convex set of the token scores, so
+  by the Gaussian correlation inequality (Royen, 2014) Šidák stays conservative;
+  z leans slightly negative under H0 (its mean is about -0.6).
+
+``z_score`` is always :func:`z_from_log_p` of the reported p-value.
 ``paper_z_score`` is the paper's Appendix-E style statistic with the signs
 taken from the decoded bits, ``sum_c |2*ones - trials| / sqrt(sum trials)``.
 It is reported for comparison only: under H0 its mean is about
@@ -31,8 +44,21 @@ import numpy.typing as npt
 from scipy import special
 
 from worldcup_core.config import MAX_PAYLOAD_BITS, WatermarkConfig
-from worldcup_core.prf import PRF, splitmix64, uniforms_from_u64
-from worldcup_core.scoring import TokenEvidence, fisher_log_sf, randomized_log_pvalues
+from worldcup_core.prf import (
+    PRF,
+    PRFV2,
+    SCHEME_V2,
+    splitmix64,
+    uniforms_from_u64,
+    v2_tiebreak_seeds,
+)
+from worldcup_core.scoring import (
+    TokenEvidence,
+    fisher_log_sf,
+    grouped_log_pvalues,
+    randomized_log_pvalues,
+    sidak_log_p,
+)
 
 DEFAULT_SIGNIFICANCE = 0.01
 
@@ -48,6 +74,32 @@ class DetectionResult:
     num_tokens: int
     num_scored_tokens: int
     num_symbols: int | None
+
+
+def z_from_log_p(log_p: float, num_scored: int) -> float:
+    """The z-score of a p-value, ``Φ⁻¹(1 − p)``: the one definition every caller uses.
+
+    Where ``p`` is exactly uniform under H0, ``z`` is exactly standard normal there, and
+    ``z > 0`` exactly when ``p < 1/2``. Computed from ``log p`` in both tails (``1 - p``
+    as ``-expm1(log p)``), so it is exact for p far below 1e-308 and for p within
+    1e-17 of 1, where p itself rounds to 1.0; never clipped to a fixed value. With
+    nothing scored there is no evidence either way: 0.
+
+    >>> abs(z_from_log_p(math.log(0.5), 10)) < 1e-12, round(z_from_log_p(math.log(0.025), 10), 3)
+    (True, 1.96)
+    >>> round(z_from_log_p(-1e-20, 10), 2), round(z_from_log_p(-2000.0, 10), 1)
+    (-9.26, 63.2)
+    """
+    if num_scored == 0:
+        return 0.0
+    if log_p < -_LOG2:  # p < 1/2: the upper tail, from log p
+        return float(-special.ndtri_exp(log_p))
+    one_minus_p = -math.expm1(min(log_p, 0.0))
+    return float(special.ndtri(max(one_minus_p, _TINY)))
+
+
+_LOG2 = math.log(2.0)
+_TINY = 5e-324  # the smallest double: z stays finite (about -38.5) even at p = 1
 
 
 def grouping_log_pvalues(
@@ -123,7 +175,7 @@ def stacked_grouping_log_pvalues(
 
 
 def detect(
-    prf: PRF,
+    prf: PRF | PRFV2,
     config: WatermarkConfig,
     evidence: TokenEvidence,
     num_bits: int | None = None,
@@ -135,25 +187,48 @@ def detect(
     num_symbols = config.symbols_for(num_bits) if num_bits is not None else None
     if evidence.num_scored == 0:
         log_p, paper_z = 0.0, 0.0
+    elif isinstance(prf, PRFV2):
+        log_p, paper_z = _v2_log_p(prf, config, evidence, num_symbols)
     elif num_symbols is not None:
         log_ps, zs = grouping_log_pvalues(prf, evidence, [num_symbols])
         log_p, paper_z = float(log_ps[0]), float(zs[0])
     else:
-        counts = list(range(1, config.symbols_for(MAX_PAYLOAD_BITS) + 1))
+        counts = list(range(1, slot_count(config) + 1))
         log_ps, zs = grouping_log_pvalues(prf, evidence, counts)
         best = int(np.argmin(log_ps))
-        log_p = min(float(log_ps[best]) + math.log(len(counts)), 0.0)  # Bonferroni
+        log_p = sidak_log_p(float(log_ps[best]), len(counts))
         paper_z = float(zs[best])
-    p_value = math.exp(log_p)
-    z = float(-special.ndtri_exp(min(log_p, -1e-16)))  # finite even at p = 1
     return DetectionResult(
-        p_value=p_value,
+        p_value=math.exp(log_p),
         log10_p_value=log_p / math.log(10.0),
-        z_score=z,
+        z_score=z_from_log_p(log_p, evidence.num_scored),
         paper_z_score=paper_z,
-        is_watermarked=p_value < significance,
+        is_watermarked=math.exp(log_p) < significance,
         significance=significance,
         num_tokens=evidence.num_tokens,
         num_scored_tokens=evidence.num_scored,
         num_symbols=num_symbols,
     )
+
+
+def slot_count(config: WatermarkConfig) -> int:
+    """S = ceil(64 / k): the symbol count of the longest payload, v2's unknown-length grouping."""
+    return config.symbols_for(MAX_PAYLOAD_BITS)
+
+
+def _v2_log_p(
+    prf: PRFV2, config: WatermarkConfig, evidence: TokenEvidence, num_symbols: int | None
+) -> tuple[float, float]:
+    groups = num_symbols if num_symbols is not None else slot_count(config)
+    if evidence.version != SCHEME_V2:
+        raise ValueError("worldcup-v2 detection needs worldcup-v2 evidence")
+    cells = grouped_log_pvalues(
+        np.zeros(evidence.num_scored, dtype=np.int64),
+        1,
+        evidence.positions(groups),
+        evidence.ones,
+        evidence.trials_per_token,
+        groups,
+        v2_tiebreak_seeds(prf.tiebreak_key, [evidence.text_digest]),
+    )
+    return float(cells.log_p[0]), float(cells.paper_z[0])

@@ -18,6 +18,9 @@ Decisions where the paper is vague:
 * **Repeated contexts.** If the c-token context already occurred earlier in
   this response, the unmodified distribution is sampled (SynthID's rule) and
   the decoder skips that token, so a repeated seed never counts twice.
+  Under ``worldcup-v2`` the first c tokens, whose context is sentinel padding and
+  so identical in every text under a key, are sampled unmodified and never
+  scored either.
 * **Random second family (ablation).** Group j uses two independent families
   A (``g``) and B (``g'``, subkey ``gvalue-alt``); bit 0 favours A, bit 1
   favours B. The decoder then compares A's mean with B's.
@@ -32,7 +35,20 @@ import numpy.typing as npt
 
 from worldcup_core.config import Variant, WatermarkConfig
 from worldcup_core.message import Payload
-from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context
+from worldcup_core.prf import (
+    PRF,
+    PRFV2,
+    SCHEME_V2,
+    Context,
+    WatermarkKey,
+    context_at,
+    gvalue_words,
+    pack_context,
+    v2_group_bits,
+    v2_gwords,
+    v2_positions,
+)
+from worldcup_core.scoring import symbol_index
 from worldcup_core.tournament import FloatArray, tournament_distribution
 
 IntArray = npt.NDArray[np.int64]
@@ -45,11 +61,27 @@ def entropy(probs: FloatArray) -> float:
 
 def lambda_for(config: WatermarkConfig, probs: FloatArray) -> float:
     """The subtraction weight of each variant."""
-    if config.variant is Variant.NO_SUBTRACTION:
+    if config.variant in (Variant.NO_SUBTRACTION, Variant.NONDISTORTIONARY):
         return 0.0
     if config.variant is Variant.NO_ENTROPY:
         return 1.0
     return config.alpha * float(np.tanh(entropy(probs)))
+
+
+def families(
+    g: npt.NDArray[np.uint8], g_alt: npt.NDArray[np.uint8] | None, bits: npt.NDArray[np.uint8]
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """(intended, other) families of shape (k, m, n) for the symbol's bits (k,).
+
+    Complementary variants: bit 0 plays g against 1 - g, bit 1 the reverse. The
+    random-second ablation (``g_alt`` given) plays g against an independent g'.
+    """
+    flip = bits[:, None, None]
+    if g_alt is not None:
+        intended = np.where(flip == 0, g, g_alt).astype(np.uint8)
+        return intended, np.where(flip == 0, g_alt, g).astype(np.uint8)
+    intended = (g ^ flip).astype(np.uint8)
+    return intended, intended ^ np.uint8(1)
 
 
 def combine_families(
@@ -100,6 +132,8 @@ class WorldCupEncoder:
         object.__setattr__(self, "symbol_bits", self.payload.bit_array(self.config.groups))
 
     def start(self) -> WorldCupSequence:
+        if self.config.version == SCHEME_V2:
+            return WorldCupSequenceV2(self)
         return WorldCupSequence(self)
 
 
@@ -132,18 +166,57 @@ class WorldCupSequence:
         bits = self._enc.symbol_bits[prf.position_u64(seed) % num_symbols]  # (k,)
         tokens = candidates.tolist()
         g = prf.g_bits(seed, tokens, cfg.groups, cfg.layers).transpose(1, 2, 0)  # (k, m, n)
-        flip = bits[:, None, None]
+        g_alt = None
         if cfg.variant is Variant.RANDOM_SECOND:
             g_alt = prf.g_bits(seed, tokens, cfg.groups, cfg.layers, alternate=True)
             g_alt = g_alt.transpose(1, 2, 0)
-            intended = np.where(flip == 0, g, g_alt)
-            other = np.where(flip == 0, g_alt, g)
-        else:
-            intended = g ^ flip
-            other = intended ^ 1
+        intended, other = families(g, g_alt, bits)
         self.watermarked_steps += 1
         return combine_families(probs, intended, other, lambda_for(cfg, probs))
 
     def observe(self, token: int) -> None:
         self._seen.add(self._context())
         self.generated.append(int(token))
+
+
+class WorldCupSequenceV2(WorldCupSequence):
+    """The per-row reference of scheme ``worldcup-v2`` (numpy, one row at a time).
+
+    The batched step (:mod:`worldcup_core.batched`) must equal it; it stays the
+    readable definition of what a v2 step does.
+    """
+
+    def __init__(self, encoder: WorldCupEncoder) -> None:
+        super().__init__(encoder)
+        self._v2 = PRFV2.of(encoder.key)
+
+    def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
+        cfg = self._enc.config
+        if len(self.generated) < cfg.context_width:
+            return probs  # the padded context is the same in every text: never watermarked
+        context = self._context()
+        if context in self._seen:
+            return probs
+        lanes = [np.full(len(candidates), x, dtype=np.uint64) for x in context]
+        position = v2_positions(self._v2.position_key, [c[:1] for c in lanes])
+        num_symbols = self._enc.symbol_bits.shape[0]
+        bits = self._enc.symbol_bits[int(symbol_index(position, num_symbols, SCHEME_V2)[0])]
+        tokens = np.asarray(candidates, dtype=np.uint64)
+        words = gvalue_words(cfg.groups, cfg.layers)
+        g = v2_group_bits(v2_gwords(self._v2.gvalue_key, lanes, tokens, words), *_km(cfg))
+        g_alt = None
+        if cfg.variant is Variant.RANDOM_SECOND:
+            alt = v2_gwords(self._v2.alt_key, lanes, tokens, words)
+            g_alt = v2_group_bits(alt, *_km(cfg)).transpose(1, 2, 0)
+        intended, other = families(g.transpose(1, 2, 0), g_alt, bits)
+        self.watermarked_steps += 1
+        return combine_families(probs, intended, other, lambda_for(cfg, probs))
+
+    def observe(self, token: int) -> None:
+        if len(self.generated) >= self._enc.config.context_width:
+            self._seen.add(self._context())
+        self.generated.append(int(token))
+
+
+def _km(config: WatermarkConfig) -> tuple[int, int]:
+    return config.groups, config.layers

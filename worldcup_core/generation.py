@@ -4,12 +4,16 @@
 active row, rows join between steps (their prompts are prefilled and their KV
 cache is left-padded into the batch's) and leave when they finish or are
 cancelled. After the forward pass each row goes through bans ->
-temperature/top-k/top-p (:mod:`worldcup_core.sampling`) -> its scheme's
-``reweight`` -> a draw from its own seeded generator. :func:`generate` is the
-static special case: everything joins at once, the batch runs dry.
+temperature/top-k/top-p (:mod:`worldcup_core.sampling`) -> the watermark -> a
+draw from its own seeded generator. Rows watermarked with scheme
+``worldcup-v2`` share one batched step on the model's device
+(:class:`~worldcup_core.batched.BatchedWorldCup`); other schemes (v1 keys, the
+baselines) reweight row by row. :func:`generate` is the static special case:
+everything joins at once, the batch runs dry.
 
-Works on any device the model is on: only the top-k slice of each row (and
-the full row for logit-biasing baselines) comes back to the CPU.
+Works on any device the model is on: the filtering, the v2 watermark and the
+draw stay there; only the sampled ids (and, for per-row schemes, their
+candidates) come back to the CPU.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from worldcup_core.batched import BatchedWorldCup
 from worldcup_core.config import SamplingConfig
 from worldcup_core.message import Payload
-from worldcup_core.sampling import NGramBlocker, filter_logits
+from worldcup_core.sampling import NGramBlocker, filter_logits_torch, sample_rows
 from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
 
 TokenCallback = Callable[[int, int], None]
@@ -71,10 +76,11 @@ class _Row:
     request: GenerationRequest
     rng: np.random.Generator
     blocker: NGramBlocker
-    watermark: SequenceWatermark | None
+    watermark: SequenceWatermark | None  # a per-row scheme (v1 keys, baselines)
     next_position: int
     started: float
     tokens: list[int] = field(default_factory=list)
+    slot: int | None = None  # the row's slot in the batched v2 step
 
 
 class ContinuousBatch:
@@ -94,6 +100,9 @@ class ContinuousBatch:
         self._mask: torch.Tensor | None = None  # (B, T): 0 over left padding
         self._logits: torch.Tensor | None = None  # (B, V): next-token logits
         self._ids = itertools.count()
+        self._batched = BatchedWorldCup(self.device)
+        self._free_slots: list[int] = []
+        self._next_slot = 0
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -123,9 +132,13 @@ class ContinuousBatch:
 
     def _start_row(self, request: GenerationRequest, now: float) -> _Row:
         s = request.sampling
-        wm = None
+        wm, slot = None, None
         if request.scheme is not None and request.payload is not None:
-            wm = request.scheme.sequence(request.payload)
+            if BatchedWorldCup.supports(request.scheme):
+                slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+                self._batched.set_row(slot, request.scheme, request.payload)  # type: ignore[arg-type]
+            else:
+                wm = request.scheme.sequence(request.payload)
         return _Row(
             row_id=next(self._ids),
             request=request,
@@ -134,7 +147,19 @@ class ContinuousBatch:
             watermark=wm,
             next_position=len(request.prompt_ids),
             started=now,
+            slot=slot,
         )
+
+    def _take_slot(self) -> int:
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def _release(self, rows: Sequence[_Row]) -> None:
+        for row in rows:
+            if row.slot is not None:
+                self._batched.clear_row(row.slot)
+                self._free_slots.append(row.slot)
+                row.slot = None
 
     def _merge(
         self, cache: Any, mask: torch.Tensor, logits: torch.Tensor, rows: list[_Row]
@@ -158,6 +183,8 @@ class ContinuousBatch:
     def _keep(self, index: list[int]) -> None:
         if len(index) == len(self._rows):
             return
+        kept = set(index)
+        self._release([r for i, r in enumerate(self._rows) if i not in kept])
         if not index:
             self._rows, self._cache, self._mask, self._logits = [], None, None, None
             return
@@ -173,6 +200,50 @@ class ContinuousBatch:
         self._mask, self._logits = mask, logits
         self._rows = [self._rows[i] for i in index]
 
+    def _sample(self, logits: torch.Tensor) -> list[int]:
+        """Bans, filtering, the watermark and one draw per row; returns the sampled ids."""
+        rows = self._rows
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            banned = row.blocker.banned()
+            if len(row.tokens) < row.request.sampling.min_new_tokens:
+                banned = banned | set(self.eos)
+            if banned:
+                logits[i, list(banned)] = -torch.inf
+            wm = row.watermark
+            if wm is not None and wm.modifies_logits:
+                biased = wm.process_logits(logits[i].double().cpu().numpy())
+                logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
+        samplings = [r.request.sampling for r in rows]
+        cand, probs = filter_logits_torch(
+            logits,
+            [s.temperature for s in samplings],
+            [s.top_k for s in samplings],
+            [s.top_p for s in samplings],
+        )
+        width = int((probs > 0).sum(dim=1).max())  # drop columns filtered in every row
+        cand, probs = cand[:, :width], probs[:, :width]
+        q = probs
+        v2 = [i for i, r in enumerate(rows) if r.slot is not None]
+        if len(v2) == len(rows):
+            q = self._batched.step([r.slot for r in rows if r.slot is not None], cand, probs)
+        elif v2:
+            index = torch.tensor(v2, device=probs.device)
+            slots = [s for s in (rows[i].slot for i in v2) if s is not None]
+            q = probs.clone()
+            q[index] = self._batched.step(slots, cand[index], probs[index])
+        per_row = [i for i, r in enumerate(rows) if r.watermark is not None]
+        if per_row:
+            q = q.clone() if q is probs else q
+            cand_np, probs_np = cand.cpu().numpy(), probs.cpu().numpy()
+            for i in per_row:
+                wm = rows[i].watermark
+                assert wm is not None
+                live = int(np.count_nonzero(probs_np[i]))
+                reweighted = wm.reweight(cand_np[i, :live], probs_np[i, :live])
+                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
+        return sample_rows(cand, q, [r.rng.random() for r in rows])
+
     def result(self, row_id: int, finish: FinishReason) -> GenerationResult:
         row = next(r for r in self._rows if r.row_id == row_id)
         return _result(row, finish)
@@ -185,10 +256,15 @@ class ContinuousBatch:
         """
         if not self._rows or self._logits is None or self._mask is None:
             return [], []
-        tokens = _sample(self._rows, self._logits, self.eos)
+        tokens = self._sample(self._logits)
         events: list[StepEvent] = []
         finished: list[GenerationResult] = []
         keep: list[int] = []
+        batched = [
+            (r.slot, t) for r, t in zip(self._rows, tokens, strict=True) if r.slot is not None
+        ]
+        if batched:
+            self._batched.append([s for s, _ in batched], torch.tensor([t for _, t in batched]))
         for i, (row, tok) in enumerate(zip(self._rows, tokens, strict=True)):
             row.tokens.append(tok)
             row.blocker.push(tok)
@@ -269,32 +345,3 @@ def generate(
                 results[index[row_id]] = batch.result(row_id, "cancelled")
             batch.cancel(batch.row_ids)
     return [results[i] for i in range(len(requests))]
-
-
-def _sample(rows: list[_Row], logits: torch.Tensor, eos: list[int]) -> list[int]:
-    logits = logits.clone()
-    for i, row in enumerate(rows):
-        banned = row.blocker.banned()
-        if len(row.tokens) < row.request.sampling.min_new_tokens:
-            banned = banned | set(eos)
-        if banned:
-            logits[i, list(banned)] = -torch.inf
-        wm = row.watermark
-        if wm is not None and wm.modifies_logits:
-            biased = wm.process_logits(logits[i].double().cpu().numpy())
-            logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
-    samplings = [r.request.sampling for r in rows]
-    cand, probs = filter_logits(
-        logits,
-        [s.temperature for s in samplings],
-        [s.top_k for s in samplings],
-        [s.top_p for s in samplings],
-    )
-    chosen: list[int] = []
-    for i, row in enumerate(rows):
-        live = int(np.count_nonzero(probs[i]))
-        c, p = cand[i, :live], probs[i, :live]
-        if row.watermark is not None:
-            p = row.watermark.reweight(c, p)
-        chosen.append(int(c[row.rng.choice(live, p=p)]))
-    return chosen

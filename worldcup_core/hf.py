@@ -17,6 +17,10 @@ It returns log-probabilities: ``log q`` on the surviving candidates and
 ``-inf`` elsewhere, so HF's final softmax + multinomial samples exactly q.
 Contexts are built from generated tokens only: the prompt length is taken
 from the first call. Use one processor instance per ``generate`` call.
+
+Scheme ``worldcup-v2`` runs the batched step on the model's device (one call
+for the whole batch, :mod:`worldcup_core.batched`); other schemes reweight row
+by row on the CPU.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
+from worldcup_core.batched import BatchedWorldCup
 from worldcup_core.message import Payload
-from worldcup_core.sampling import filter_logits
+from worldcup_core.sampling import filter_logits_torch
 from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
 
 
@@ -55,7 +60,8 @@ class WorldCupLogitsProcessor(LogitsProcessor):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self._prompt_len: int | None = None
         self._rows: list[SequenceWatermark] = []
-        self._observed: list[int] = []
+        self._observed = 0
+        self._batched: BatchedWorldCup | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         batch = input_ids.shape[0]
@@ -63,25 +69,36 @@ class WorldCupLogitsProcessor(LogitsProcessor):
             if batch != len(self.payloads):
                 raise ValueError(f"batch has {batch} rows but {len(self.payloads)} payloads")
             self._prompt_len = int(input_ids.shape[1])
-            self._rows = [self.scheme.sequence(p) for p in self.payloads]
-            self._observed = [0] * batch
-        new = input_ids[:, self._prompt_len :].tolist()
+            if BatchedWorldCup.supports(self.scheme):
+                self._batched = BatchedWorldCup(scores.device)
+                for i, payload in enumerate(self.payloads):
+                    self._batched.set_row(i, self.scheme, payload)  # type: ignore[arg-type]
+            else:
+                self._rows = [self.scheme.sequence(p) for p in self.payloads]
+        new = input_ids[:, self._prompt_len + self._observed :]
+        self._observed += int(new.shape[1])
         logits = scores.clone()
+        if self._batched is not None:
+            for j in range(new.shape[1]):
+                self._batched.append(range(batch), new[:, j])
         for i, row in enumerate(self._rows):
-            for tok in new[i][self._observed[i] :]:
+            for tok in new[i].tolist():
                 row.observe(int(tok))
-            self._observed[i] = len(new[i])
             if row.modifies_logits:
                 biased = row.process_logits(logits[i].double().cpu().numpy())
                 logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
-        cand, probs = filter_logits(
+        cand, probs = filter_logits_torch(
             logits, [self.temperature] * batch, [self.top_k] * batch, [self.top_p] * batch
         )
+        if self._batched is not None:
+            q = self._batched.step(range(batch), cand, probs)
+        else:
+            q = probs.clone()
+            cand_np, probs_np = cand.cpu().numpy(), probs.cpu().numpy()
+            for i, row in enumerate(self._rows):
+                live = int(np.count_nonzero(probs_np[i]))
+                reweighted = row.reweight(cand_np[i, :live], probs_np[i, :live])
+                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
         out = torch.full_like(scores, -torch.inf)
-        for i, row in enumerate(self._rows):
-            live = int(np.count_nonzero(probs[i]))
-            q = row.reweight(cand[i, :live], probs[i, :live])
-            with np.errstate(divide="ignore"):
-                log_q = torch.from_numpy(np.log(q)).to(scores.device, scores.dtype)
-            out[i, torch.from_numpy(cand[i, :live]).to(scores.device)] = log_q
+        out.scatter_(1, cand, torch.log(q).to(scores.dtype))  # log 0 = -inf off the support
         return out  # type: ignore[return-value]

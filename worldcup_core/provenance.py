@@ -28,15 +28,28 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import MAX_PAYLOAD_BITS, Variant, WatermarkConfig
-from worldcup_core.detector import stacked_grouping_log_pvalues, tiebreak_data
-from worldcup_core.prf import ScoredItems, unpack_g
+from worldcup_core.detector import slot_count, stacked_grouping_log_pvalues, tiebreak_data
+from worldcup_core.prf import (
+    PRF,
+    PRFV2,
+    SCHEME_V2,
+    ScoredItems,
+    ScoredTokensV2,
+    gvalue_words,
+    unpack_g,
+    v2_group_ones,
+    v2_gwords,
+    v2_positions,
+    v2_tiebreak_seeds,
+)
 from worldcup_core.scheme import WorldCup
-from worldcup_core.scoring import text_digest
+from worldcup_core.scoring import grouped_log_pvalues, sidak_log_p, symbol_index, text_digest
 
 _LN10 = math.log(10.0)
 
@@ -72,22 +85,11 @@ class ScreenConfig:
     min_tokens: int = 16  # too short a subsample ranks poorly: scan everything
 
 
-def sidak_log_p(log_p: float, num_tests: int) -> float:
-    """``log(1 - (1 - p)^K)`` from ``log p``, finite however small p is.
-
-    >>> round(math.exp(sidak_log_p(math.log(0.01), 2)), 6)
-    0.0199
-    """
-    if num_tests <= 1 or log_p >= 0.0:
-        return min(log_p, 0.0)
-    if log_p < -40.0:  # (1 - p)^K = 1 - K p to within K p^2
-        return min(log_p + math.log(num_tests), 0.0)
-    log_1mp = math.log1p(-math.exp(log_p))  # log(1 - p); p < 1 here
-    return min(math.log(-math.expm1(num_tests * log_1mp)), 0.0)
+def _config_key(config: WatermarkConfig) -> tuple[int, int, int, Variant, str]:
+    return (config.context_width, config.groups, config.layers, config.variant, config.version)
 
 
-def _config_key(config: WatermarkConfig) -> tuple[int, int, int, Variant]:
-    return (config.context_width, config.groups, config.layers, config.variant)
+_V2_LANES = 1 << 16  # keys x scored tokens hashed per pass: bounded memory at any bank size
 
 
 class KeyBank:
@@ -104,7 +106,7 @@ class KeyBank:
             raise ValueError("chunk_size must be positive")
         self.schemes = tuple(schemes)
         self.chunk_size = chunk_size
-        groups: dict[tuple[int, int, int, Variant], list[int]] = {}
+        groups: dict[tuple[int, int, int, Variant, str], list[int]] = {}
         for i, scheme in enumerate(self.schemes):
             groups.setdefault(_config_key(scheme.config), []).append(i)
         self._groups = [(self.schemes[idx[0]].config, idx) for idx in groups.values()]
@@ -134,18 +136,37 @@ class KeyBank:
         best_symbols = np.zeros(len(self.schemes), dtype=np.int64)
         wanted = None if keys is None else set(keys)
         scored = 0
-        items_by_width: dict[int, ScoredItems] = {}
+        items_v1: dict[int, ScoredItems] = {}
+        items_v2: dict[int, ScoredTokensV2] = {}
         for config, group in self._groups:
             indices = group if wanted is None else [i for i in group if i in wanted]
             width = config.context_width
-            items = items_by_width.get(width)
+            if config.version == SCHEME_V2:
+                v2 = items_v2.get(width)
+                if v2 is None:
+                    v2 = ScoredTokensV2.of(ids, width)
+                    if stride > 1:
+                        v2 = v2.take(np.arange(0, len(v2), stride))
+                    items_v2[width] = v2
+                scored = scored or len(v2)
+                if len(v2) and indices:
+                    grouping = (
+                        slot_count(config) if num_bits is None else config.symbols_for(num_bits)
+                    )
+                    step = max(1, _V2_LANES // len(v2))
+                    for start in range(0, len(indices), step):
+                        chunk = indices[start : start + step]
+                        out[chunk] = self._score_v2(config, chunk, v2, digest, grouping) / _LN10
+                        best_symbols[chunk] = grouping
+                continue
+            items = items_v1.get(width)
             if items is None:
                 items = ScoredItems.of(ids, width)
                 if stride > 1:
                     items = ScoredItems(
                         items.indices[::stride], items.contexts[::stride], items.tokens[::stride]
                     )
-                items_by_width[width] = items
+                items_v1[width] = items
             scored = scored or len(items)
             if len(items) == 0 or not indices:
                 continue
@@ -159,6 +180,50 @@ class KeyBank:
                 out[chunk] = log_p / _LN10
                 best_symbols[chunk] = symbols
         return out, best_symbols, scored
+
+    def _score_v2(
+        self,
+        config: WatermarkConfig,
+        chunk: list[int],
+        items: ScoredTokensV2,
+        digest: bytes,
+        num_symbols: int,
+    ) -> npt.NDArray[np.float64]:
+        """log p of every key of ``chunk`` at once: keys x tokens lanes, one SipHash pass each
+        for positions and g-words, then the grouped statistic with keys as segments."""
+        n, k, m = len(items), config.groups, config.layers
+        prfs = [self.schemes[i].prf for i in chunk]
+        assert all(isinstance(p, PRFV2) for p in prfs)
+        v2 = [p for p in prfs if isinstance(p, PRFV2)]
+
+        def lanes(subkeys: list[tuple[int, int]]) -> tuple[Any, Any]:
+            arr = np.array(subkeys, dtype=np.uint64)
+            return np.repeat(arr[:, 0], n), np.repeat(arr[:, 1], n)
+
+        context = [np.tile(col, len(chunk)) for col in items.context]
+        tokens = np.tile(items.tokens, len(chunk))
+        positions = v2_positions(lanes([p.position_key for p in v2]), context)
+        words = gvalue_words(k, m)
+        ones = v2_group_ones(
+            v2_gwords(lanes([p.gvalue_key for p in v2]), context, tokens, words), k, m
+        )
+        tau = m
+        if config.variant is Variant.RANDOM_SECOND:
+            alt = v2_gwords(lanes([p.alt_key for p in v2]), context, tokens, words)
+            ones = ones + m - v2_group_ones(alt, k, m)
+            tau = 2 * m
+        tie = np.array([p.tiebreak_key for p in v2], dtype=np.uint64)
+        seeds = v2_tiebreak_seeds((tie[:, 0], tie[:, 1]), [digest] * len(chunk))
+        cells = grouped_log_pvalues(
+            np.repeat(np.arange(len(chunk)), n),
+            len(chunk),
+            symbol_index(positions, num_symbols, SCHEME_V2),
+            ones,
+            tau,
+            num_symbols,
+            seeds,
+        )
+        return cells.log_p
 
     def _score_chunk(
         self,
@@ -176,6 +241,7 @@ class KeyBank:
         seeds = np.empty((len(chunk), len(counts)), dtype=np.uint64)
         for row, i in enumerate(chunk):
             prf = self.schemes[i].prf
+            assert isinstance(prf, PRF)  # v1: keyed BLAKE2b, one call per item
             pos, g, alt = prf.hash_items(items, alternate=alternate)
             positions[row] = np.frombuffer(pos, dtype="<u8")
             g_raw.append(g)
@@ -192,7 +258,7 @@ class KeyBank:
         )
         best = np.argmin(log_p, axis=1)
         best_log_p = log_p[np.arange(len(chunk)), best]
-        corrected = np.minimum(best_log_p + math.log(len(counts)), 0.0)  # Bonferroni
+        corrected = np.array([sidak_log_p(float(x), len(counts)) for x in best_log_p])
         return corrected, np.array(counts, dtype=np.int64)[best]
 
     def search(

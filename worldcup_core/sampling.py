@@ -16,16 +16,16 @@ import numpy.typing as npt
 import torch
 
 
-def filter_logits(
+def filter_logits_torch(
     logits: torch.Tensor,
     temperature: Sequence[float],
     top_k: Sequence[int],
     top_p: Sequence[float],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
-    """Per-row temperature, top-k (0 = off) and top-p over a (B, V) batch.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top-k (0 = off) and top-p over a (B, V) batch, on its device.
 
-    Returns candidate ids and probabilities of shape (B, K), sorted by
-    probability; filtered-out slots have probability exactly 0 and come last.
+    Returns candidate ids (int64) and float64 probabilities of shape (B, K), sorted
+    by probability; filtered-out slots have probability exactly 0 and come last.
     """
     batch, vocab = logits.shape
     device = logits.device
@@ -39,10 +39,37 @@ def filter_logits(
     before = torch.cumsum(probs, dim=-1) - probs
     cut = before >= torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
     cut[:, 0] = False
-    probs = probs.masked_fill(cut, 0.0)
-    probs_np = probs.double().cpu().numpy()
-    probs_np /= probs_np.sum(axis=1, keepdims=True)
-    return ids.cpu().numpy().astype(np.int64), probs_np
+    probs64 = probs.masked_fill(cut, 0.0).double()
+    probs64 /= probs64.sum(dim=1, keepdim=True)
+    return ids, probs64
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """:func:`filter_logits_torch`, returned as numpy arrays on the CPU."""
+    ids, probs = filter_logits_torch(logits, temperature, top_k, top_p)
+    return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy()
+
+
+def sample_rows(
+    candidates: torch.Tensor, probs: torch.Tensor, uniforms: Sequence[float]
+) -> list[int]:
+    """One draw per row from ``probs`` over ``candidates`` by inverse CDF.
+
+    With ``uniforms[i] = rng.random()`` this is exactly what numpy's
+    ``rng.choice(n, p=p)`` does (cumulative sum, normalised, ``searchsorted`` on the
+    right), for the whole batch in one pass on the device.
+    """
+    cdf = probs.cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]
+    u = torch.tensor(list(uniforms), dtype=cdf.dtype, device=cdf.device)[:, None]
+    index = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    out: list[int] = candidates.gather(1, index)[:, 0].tolist()
+    return out
 
 
 class NGramBlocker:

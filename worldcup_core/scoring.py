@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,20 @@ import numpy.typing as npt
 from scipy import special
 
 from worldcup_core.config import Variant, WatermarkConfig
-from worldcup_core.prf import PRF, unpack_g
+from worldcup_core.prf import (
+    PRF,
+    PRFV2,
+    SCHEME_V1,
+    SCHEME_V2,
+    ScoredTokensV2,
+    gvalue_words,
+    splitmix64,
+    uniforms_from_u64,
+    unpack_g,
+    v2_group_ones,
+    v2_gwords,
+    v2_positions,
+)
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -38,6 +50,7 @@ class TokenEvidence:
     trials_per_token: int
     num_tokens: int
     text_digest: bytes
+    version: str = SCHEME_V1  # sets how the position hash maps to a symbol
 
     @property
     def num_scored(self) -> int:
@@ -48,7 +61,7 @@ class TokenEvidence:
         return int(self.ones.shape[1])
 
     def positions(self, num_symbols: int) -> I64:
-        return (self.position_u64 % np.uint64(num_symbols)).astype(np.int64)
+        return symbol_index(self.position_u64, num_symbols, self.version)
 
     def cells(self, num_symbols: int) -> tuple[I64, I64, I64]:
         """(ones, trials) per (position, group), and tokens per position."""
@@ -60,6 +73,49 @@ class TokenEvidence:
         return ones, trials, counts
 
 
+def symbol_index(position_u64: npt.NDArray[np.uint64], num_symbols: int, version: str) -> I64:
+    """The message position of each scored token: ``p mod B`` (v1), ``((p >> 32) B) >> 32`` (v2)."""
+    if version == SCHEME_V1:
+        return (position_u64 % np.uint64(num_symbols)).astype(np.int64)
+    hi = position_u64 >> np.uint64(32)
+    return ((hi * np.uint64(num_symbols)) >> np.uint64(32)).astype(np.int64)
+
+
+def extract_evidence_v2(
+    prf: PRFV2, config: WatermarkConfig, token_ids: Sequence[int]
+) -> TokenEvidence:
+    """v2 evidence: SipHash over every scored token at once (numpy)."""
+    ids = [int(t) for t in token_ids]
+    items = ScoredTokensV2.of(ids, config.context_width)
+    return evidence_from_items_v2(prf, config, items, len(ids), text_digest(ids))
+
+
+def evidence_from_items_v2(
+    prf: PRFV2, config: WatermarkConfig, items: ScoredTokensV2, num_tokens: int, digest: bytes
+) -> TokenEvidence:
+    k, m = config.groups, config.layers
+    n = len(items)
+    words = gvalue_words(k, m)
+    if n:
+        positions = v2_positions(prf.position_key, items.context)
+        ones = v2_group_ones(v2_gwords(prf.gvalue_key, items.context, items.tokens, words), k, m)
+    else:
+        positions, ones = np.zeros(0, dtype=np.uint64), np.zeros((0, k), dtype=np.int64)
+    trials = m
+    if config.variant is Variant.RANDOM_SECOND and n:
+        alt = v2_gwords(prf.alt_key, items.context, items.tokens, words)
+        ones = ones + m - v2_group_ones(alt, k, m)
+        trials = 2 * m
+    return TokenEvidence(
+        position_u64=positions,
+        ones=ones.reshape(n, k),
+        trials_per_token=trials,
+        num_tokens=num_tokens,
+        text_digest=digest,
+        version=SCHEME_V2,
+    )
+
+
 def extract_evidence(prf: PRF, config: WatermarkConfig, token_ids: Sequence[int]) -> TokenEvidence:
     """Hash a response (response tokens only, never the prompt)."""
     ids = [int(t) for t in token_ids]
@@ -68,10 +124,10 @@ def extract_evidence(prf: PRF, config: WatermarkConfig, token_ids: Sequence[int]
     return evidence_from_hashes(config, hashes, len(ids), text_digest(ids))
 
 
-def text_digest(token_ids: Sequence[int]) -> bytes:
-    """Unkeyed digest of the token ids; seeds the per-text tie-break stream."""
-    ids = [int(t) for t in token_ids]
-    return hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
+def text_digest(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
+    """Unkeyed digest of the token ids (uint32 little-endian); seeds the tie-break stream."""
+    packed = np.asarray(token_ids, dtype="<u4").tobytes()
+    return hashlib.blake2b(packed, digest_size=16).digest()
 
 
 def evidence_from_hashes(
@@ -96,6 +152,20 @@ def evidence_from_hashes(
         num_tokens=num_tokens,
         text_digest=digest,
     )
+
+
+def sidak_log_p(log_p: float, num_tests: int) -> float:
+    """``log(1 - (1 - p)^K)`` from ``log p``, finite however small p is.
+
+    >>> round(math.exp(sidak_log_p(math.log(0.01), 2)), 6)
+    0.0199
+    """
+    if num_tests <= 1 or log_p >= 0.0:
+        return min(log_p, 0.0)
+    if log_p < -40.0:  # (1 - p)^K = 1 - K p to within K p^2
+        return min(log_p + math.log(num_tests), 0.0)
+    log_1mp = math.log1p(-math.exp(log_p))  # log(1 - p); p < 1 here
+    return min(math.log(-math.expm1(num_tests * log_1mp)), 0.0)
 
 
 _TAIL_TERMS = 512
@@ -187,3 +257,119 @@ def fisher_log_sf(statistic: F64, num_pvalues: I64) -> F64:
         out = np.where(c > 0, -y + special.logsumexp(terms, axis=1), 0.0)
     result: F64 = np.minimum(out, 0.0)
     return result
+
+
+class BinomialTable:
+    """Exact two-sided tails of Binomial(c * tau, 1/2), tabulated by (count c, lo).
+
+    A cell of ``c`` scored tokens has ``c * tau`` trials (``tau`` = m, or 2m for the
+    random-second ablation). Looking its tails up instead of calling the
+    incomplete beta function per cell is what lets a provenance search score
+    thousands of keys per text. Entries come from :func:`_two_sided_parts`, the
+    same function the direct path uses, so both give identical p-values. The
+    table grows on demand up to ``max_count`` tokens per cell (about 8 MB at
+    tau=30); larger cells are computed directly.
+    """
+
+    def __init__(self, tau: int, max_count: int = 512) -> None:
+        self.tau, self.max_count = tau, max_count
+        self._count = 0
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._strict = np.zeros(0, dtype=np.float64)
+        self._equal = np.zeros(0, dtype=np.float64)
+
+    def _grow(self, count: int) -> None:
+        target = min(self.max_count, max(count, 2 * self._count, 64))
+        counts = np.arange(self._count + 1, target + 1, dtype=np.int64)
+        sizes = counts * self.tau // 2 + 1  # lo = min(ones, trials - ones) <= trials / 2
+        lo = np.concatenate([np.arange(z, dtype=np.int64) for z in sizes])
+        trials = np.repeat(counts * self.tau, sizes)
+        strict, equal = _two_sided_parts(lo, trials)
+        self._offsets = np.concatenate([self._offsets, self._offsets[-1] + np.cumsum(sizes)])
+        self._strict = np.concatenate([self._strict, strict])
+        self._equal = np.concatenate([self._equal, equal])
+        self._count = target
+
+    def parts(self, ones: I64, counts: I64) -> tuple[F64, F64]:
+        """log P(more extreme), log P(equally extreme) for cells of ``counts`` tokens."""
+        trials = counts * self.tau
+        lo = np.minimum(ones, trials - ones)
+        top = int(counts.max(initial=0))
+        if top > self._count and self._count < self.max_count:
+            self._grow(top)
+        inside = counts <= self._count
+        strict = np.empty(lo.shape, dtype=np.float64)
+        equal = np.empty(lo.shape, dtype=np.float64)
+        idx = self._offsets[counts[inside] - 1] + lo[inside]
+        strict[inside], equal[inside] = self._strict[idx], self._equal[idx]
+        if not inside.all():
+            strict[~inside], equal[~inside] = _two_sided_parts(lo[~inside], trials[~inside])
+        return strict, equal
+
+
+_TABLES: dict[int, BinomialTable] = {}
+
+
+def binomial_table(tau: int) -> BinomialTable:
+    table = _TABLES.get(tau)
+    if table is None:
+        table = _TABLES[tau] = BinomialTable(tau)
+    return table
+
+
+@dataclass(frozen=True)
+class GroupedCells:
+    """Per segment (a text, or a key in a provenance bank), its cells under one grouping."""
+
+    ones: I64  # (S, B, k)
+    counts: I64  # (S, B): scored tokens per position
+    log_p: F64  # (S,) Fisher-combined, randomised, exact under H0
+    paper_z: F64  # (S,)
+
+
+def grouped_log_pvalues(
+    segment: I64,
+    num_segments: int,
+    symbols: I64,
+    ones: I64,
+    tau: int,
+    num_symbols: int,
+    seeds: npt.NDArray[np.uint64],
+) -> GroupedCells:
+    """The v2 detection statistic of many segments at once.
+
+    ``segment``, ``symbols`` (n,) and ``ones`` (n, k) describe every scored token;
+    ``seeds`` (S,) are the segments' tie-break seeds. Each (position, group) cell
+    with at least one token gets a randomised two-sided binomial p-value, uniform
+    on (0, 1) under H0 (its uniform is SplitMix64 of the seed at counter
+    ``b * k + j``); Fisher's combination is then exactly chi-square with 2C degrees
+    of freedom.
+    """
+    k = int(ones.shape[1])
+    cells_per = num_symbols * k
+    row = segment * num_symbols + symbols  # (n,)
+    counts = np.bincount(row, minlength=num_segments * num_symbols).reshape(
+        num_segments, num_symbols
+    )
+    flat = (row[:, None] * k + np.arange(k)).ravel()
+    ones_c = np.bincount(flat, weights=ones.ravel(), minlength=num_segments * cells_per)
+    ones_c = ones_c.astype(np.int64).reshape(num_segments, num_symbols, k)
+    used_b = counts > 0  # (S, B)
+    seg_idx, b_idx = np.nonzero(used_b)
+    cell_counts = np.repeat(counts[seg_idx, b_idx], k)
+    cell_ones = ones_c[seg_idx, b_idx].ravel()
+    counters = (b_idx[:, None] * k + np.arange(k)).ravel()
+    cell_seg = np.repeat(seg_idx, k)
+    uniforms = uniforms_from_u64(splitmix64(seeds[cell_seg], counters.astype(np.int64)))
+    strict, equal = binomial_table(tau).parts(cell_ones, cell_counts)
+    log_p = np.minimum(np.logaddexp(strict, np.log(uniforms) + equal), 0.0)
+    fisher = np.bincount(cell_seg, weights=-2.0 * log_p, minlength=num_segments)
+    num_cells = np.bincount(cell_seg, minlength=num_segments)
+    trials = cell_counts * tau
+    deviation = np.bincount(
+        cell_seg, weights=np.abs(2 * cell_ones - trials), minlength=num_segments
+    )
+    scale = np.sqrt(np.bincount(cell_seg, weights=trials, minlength=num_segments))
+    paper_z = np.divide(deviation, scale, out=np.zeros(num_segments), where=scale > 0)
+    log_sf = fisher_log_sf(fisher.astype(np.float64), num_cells.astype(np.int64))
+    return GroupedCells(ones_c, counts, log_sf, paper_z)

@@ -9,7 +9,12 @@ Schemes are named, so that a cache key, a table row and a plot legend all say
 the same thing:
 
 * ``unwatermarked``: plain sampling (payload-independent, generated once);
-* ``worldcup-k1``, ``worldcup-k2``: WorldCup with k groups, m=30, alpha=1.2;
+* ``worldcup-k1``, ``worldcup-k2``: WorldCup with k groups, m=30, alpha=1.2, scheme
+  ``worldcup-v1`` (the committed results were generated with it);
+* ``worldcup-v2-k1``, ``worldcup-v2-k2``: the same under scheme ``worldcup-v2``;
+* ``worldcup-k1-nondistortionary``, ``worldcup-k2-nondistortionary`` (and the
+  ``worldcup-v2-`` forms): the non-distortionary preset (no subtraction; unbiased
+  over keys), a main scheme users choose for text quality;
 * ``mpac``: the MPAC baseline (lefthash, c=2, gamma=0.5, delta=2);
 * ``worldcup-k2-no-entropy``, ``-no-subtraction``, ``-random-second``: the
   paper's ablations (Section 5.1), listed under ``ablations`` and run only at
@@ -29,6 +34,7 @@ from worldcup_core.config import MAX_PAYLOAD_BITS, SamplingConfig, Variant, Wate
 
 MAIN_SCHEMES = ("unwatermarked", "worldcup-k1", "worldcup-k2", "mpac")
 ABLATIONS = ("no-entropy", "no-subtraction", "random-second")
+PRESETS = ("nondistortionary",)  # variants run as main schemes, not as ablations
 ATTACKS = ("deletion", "synonym", "copy-paste", "paraphrase")
 DATASETS = ("cnn", "eli5")
 ABLATION_BASE = "worldcup-k2"  # the ablations change one part of this configuration
@@ -44,6 +50,7 @@ class SchemeSpec:
     layers: int = 30
     alpha: float = 1.2
     variant: str = Variant.WORLDCUP.value
+    version: str = "worldcup-v1"
 
     @property
     def watermarked(self) -> bool:
@@ -51,10 +58,15 @@ class SchemeSpec:
 
     @property
     def is_ablation(self) -> bool:
-        return self.kind == "worldcup" and self.variant != Variant.WORLDCUP.value
+        return self.kind == "worldcup" and self.variant in ABLATIONS
 
     def describe(self) -> dict[str, Any]:
-        return asdict(self)
+        """What cache keys hash. ``version`` appears only when it is not v1, so the cache
+        written before scheme v2 existed keeps hitting."""
+        out = asdict(self)
+        if out["version"] == "worldcup-v1":
+            del out["version"]
+        return out
 
 
 def scheme_spec(name: str, layers: int = 30, alpha: float = 1.2) -> SchemeSpec:
@@ -63,14 +75,23 @@ def scheme_spec(name: str, layers: int = 30, alpha: float = 1.2) -> SchemeSpec:
         return SchemeSpec(name, "none")
     if name == "mpac":
         return SchemeSpec(name, "mpac", groups=1, layers=1, alpha=0.0)
+    version = "worldcup-v1"
+    rest = name
+    if name.startswith("worldcup-v2-"):
+        version, rest = "worldcup-v2", "worldcup-" + name.removeprefix("worldcup-v2-")
     for k in (1, 2):
         base = f"worldcup-k{k}"
-        if name == base:
-            return SchemeSpec(name, "worldcup", groups=k, layers=layers, alpha=alpha)
-        if name.startswith(base + "-") and name.removeprefix(base + "-") in ABLATIONS:
-            variant = name.removeprefix(base + "-")
-            return SchemeSpec(name, "worldcup", k, layers, alpha, variant)
-    known = ", ".join(MAIN_SCHEMES + tuple(f"{ABLATION_BASE}-{a}" for a in ABLATIONS))
+        if rest == base:
+            return SchemeSpec(name, "worldcup", k, layers, alpha, version=version)
+        if rest.startswith(base + "-") and rest.removeprefix(base + "-") in ABLATIONS + PRESETS:
+            variant = rest.removeprefix(base + "-")
+            return SchemeSpec(name, "worldcup", k, layers, alpha, variant, version)
+    known = ", ".join(
+        MAIN_SCHEMES
+        + ("worldcup-v2-k1", "worldcup-v2-k2")
+        + tuple(f"worldcup{v}-k{k}-{p}" for v in ("", "-v2") for k in (1, 2) for p in PRESETS)
+        + tuple(f"{ABLATION_BASE}-{a}" for a in ABLATIONS)
+    )
     raise ValueError(f"unknown scheme {name!r}; known: {known}")
 
 
@@ -209,7 +230,11 @@ class EvalConfig:
 
     def watermark_config(self, spec: SchemeSpec) -> WatermarkConfig:
         return WatermarkConfig(
-            groups=spec.groups, layers=spec.layers, alpha=spec.alpha, variant=Variant(spec.variant)
+            groups=spec.groups,
+            layers=spec.layers,
+            alpha=spec.alpha,
+            variant=Variant(spec.variant),
+            version=spec.version,
         )
 
     def to_dict(self) -> dict[str, Any]:

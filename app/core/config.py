@@ -12,7 +12,7 @@ import secrets
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     admin_token_file: Path | None = None
 
     # watermark defaults (per key version, frozen at creation)
+    # the scheme of new key versions; existing versions keep theirs (decode dispatches)
+    scheme: Literal["worldcup-v1", "worldcup-v2"] = "worldcup-v2"
     groups: Annotated[int, Field(ge=1, le=8)] = 2
     layers: Annotated[int, Field(ge=1, le=64)] = 30
     alpha: Annotated[float, Field(ge=0, le=10)] = 1.2

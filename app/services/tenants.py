@@ -170,6 +170,7 @@ class TenantService:
                 layers=r.layers,
                 alpha=r.alpha,
                 context_width=r.context_width,
+                scheme=r.scheme,
             )
             for r in stale
         ]
@@ -200,6 +201,7 @@ class TenantService:
             layers=cfg.layers,
             alpha=cfg.alpha,
             context_width=cfg.context_width,
+            scheme=cfg.version,
         )
 
     # keys -------------------------------------------------------------------
@@ -235,6 +237,7 @@ class TenantService:
                 layers=record.layers,
                 alpha=record.alpha,
                 context_width=record.context_width,
+                version=record.scheme,
             )
             scheme = WorldCup(WatermarkKey(secret), config)
             self._schemes[cache_key] = scheme

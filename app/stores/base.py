@@ -65,6 +65,7 @@ class KeyRecord:
     layers: int
     alpha: float
     context_width: int = 2
+    scheme: str = "worldcup-v1"  # the PRF/scoring version this key's texts were issued under
 
     def __repr__(self) -> str:
         return f"KeyRecord(tenant_id={self.tenant_id!r}, version={self.version})"

@@ -154,6 +154,7 @@ def _key_to_json(key: KeyRecord) -> str:
             "layers": key.layers,
             "alpha": key.alpha,
             "context_width": key.context_width,
+            "scheme": key.scheme,
         }
     )
 
@@ -169,6 +170,7 @@ def _key_from_json(tenant_id: str, raw: str) -> KeyRecord:
         layers=int(d["layers"]),
         alpha=float(d["alpha"]),
         context_width=int(d["context_width"]),
+        scheme=str(d.get("scheme", "worldcup-v1")),  # records written before v2 existed
     )
 
 

@@ -56,6 +56,7 @@ CREATE TABLE IF NOT EXISTS keys (
     layers        INTEGER NOT NULL,
     alpha         REAL NOT NULL,
     context_width INTEGER NOT NULL,
+    scheme        TEXT NOT NULL DEFAULT 'worldcup-v1',
     PRIMARY KEY (tenant_id, version)
 );
 CREATE TABLE IF NOT EXISTS messages (
@@ -99,6 +100,13 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a file written by an older release up to the current schema."""
+    columns = {row["name"] for row in conn.execute("PRAGMA table_info(keys)")}
+    if "scheme" not in columns:  # key versions created before scheme worldcup-v2 existed
+        conn.execute("ALTER TABLE keys ADD COLUMN scheme TEXT NOT NULL DEFAULT 'worldcup-v1'")
+
+
 def _tenant(row: sqlite3.Row | None) -> TenantRecord | None:
     if row is None:
         return None
@@ -121,6 +129,7 @@ def _key(row: sqlite3.Row) -> KeyRecord:
         layers=row["layers"],
         alpha=row["alpha"],
         context_width=row["context_width"],
+        scheme=row["scheme"],
     )
 
 
@@ -161,6 +170,7 @@ class SQLiteStore:
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.executescript(_SCHEMA)
+            _migrate(conn)
         except BaseException:
             conn.close()
             raise
@@ -229,7 +239,8 @@ class SQLiteStore:
     @staticmethod
     def _insert_key(c: sqlite3.Connection, key: KeyRecord) -> None:
         c.execute(
-            "INSERT INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO keys (tenant_id, version, wrapped_key, created_at, groups, layers,"
+            " alpha, context_width, scheme) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 key.tenant_id,
                 key.version,
@@ -239,6 +250,7 @@ class SQLiteStore:
                 key.layers,
                 key.alpha,
                 key.context_width,
+                key.scheme,
             ),
         )
 

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from app.api.deps import RuntimeDep
 from app.api.errors import error_response
 from app.stores.base import StoreUnavailable
-from worldcup_core import SCHEME_VERSION, __version__
+from worldcup_core import SCHEME_VERSIONS, __version__
 
 router = APIRouter(tags=["ops"])
 
@@ -43,7 +43,8 @@ async def metrics(runtime: RuntimeDep) -> Response:
 async def version(runtime: RuntimeDep) -> dict[str, str]:
     return {
         "app_version": __version__,
-        "scheme_version": SCHEME_VERSION,
+        "scheme_version": runtime.settings.scheme,  # of new key versions
+        "schemes_supported": ", ".join(SCHEME_VERSIONS),
         "model_id": runtime.model_id,
         "role": runtime.settings.role.value,
     }

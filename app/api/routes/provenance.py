@@ -28,7 +28,6 @@ from app.schemas.watermark import (
 from app.services.tenants import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
-from worldcup_core.prf import ScoredItems
 
 router = APIRouter(tags=["trust and safety"])
 
@@ -37,11 +36,10 @@ def _token_scores(scheme: WorldCup, ids: list[int]) -> list[TokenScore]:
     """Mean g per group of each scored token under the matching key (admin only:
     per-token scores show an attacker exactly which tokens carry the watermark)."""
     evidence = scheme.evidence(ids)
-    items = ScoredItems.of(ids, scheme.config.context_width)
     means = np.asarray(evidence.ones, dtype=np.float64) / evidence.trials_per_token
     return [
         TokenScore(index=i, g_mean=[round(float(x), 4) for x in row])
-        for i, row in zip(items.indices, means, strict=True)
+        for i, row in zip(scheme.scored_indices(ids), means, strict=True)
     ]
 
 
