@@ -133,7 +133,7 @@ def requests_mixing_schemes(tiny: LoadedModel) -> list[GenerationRequest]:
     prompt = tiny.tokenizer("The storm hit the coast", add_special_tokens=False).input_ids
     key = WatermarkKey(bytes(range(32)))
     v2 = WorldCup(key, WatermarkConfig(version=V2))
-    v1 = WorldCup(key, WatermarkConfig())
+    v1 = WorldCup(key, WatermarkConfig(version="worldcup-v1"))
     sampling = [SamplingConfig(max_new_tokens=24, min_new_tokens=24, seed=s) for s in range(5)]
     return [
         GenerationRequest(prompt, sampling[0], v2, Payload("1011001110001111")),
