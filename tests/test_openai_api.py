@@ -22,10 +22,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from servers import LiveServer, free_port
 
 import app.services.tenants as tenants_module
 from app.core.config import Settings
+from app.main import create_app
 
 ADMIN_TOKEN = "openai-admin-token-0123456789"
 MASTER_KEY = "ef" * 32
@@ -33,7 +35,7 @@ MODEL = "tiny-worldcup"
 BITS16 = "0110100110010110"
 
 
-def make_settings(model_dir: Path, db_dir: Path) -> Settings:
+def make_settings(model_dir: Path, db_dir: Path, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "env": "prod",
         "port": free_port(),
@@ -52,6 +54,7 @@ def make_settings(model_dir: Path, db_dir: Path) -> Settings:
         "default_num_bits": 16,
         "request_timeout_s": 60.0,
         "drain_timeout_s": 2.0,
+        **overrides,
     }
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
@@ -204,7 +207,7 @@ def test_chat_explicit_payload_stream_equals_text(
         "messages": MESSAGES,
         "max_completion_tokens": 80,
         "seed": 9,
-        "extra_body": {"watermark": {"payload": {"bits": BITS16}, "top_k": 0}},
+        "extra_body": {"watermark": {"payload": {"bits": BITS16}, "top_k": 20}},
     }
     plain = client.chat.completions.create(**kw)
     chunks = list(
@@ -402,3 +405,27 @@ def test_disconnect_mid_stream_cancels_generation(
     time.sleep(0.3)
     assert counter._value.get() - before == made  # nothing more was generated
     assert made < 2000, made
+
+
+# --------------------------------------------------------------------------- rate limit
+def test_rate_limit_charges_one_token_per_sample(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The tenant's token bucket of /generate; a request costs one token per choice."""
+    settings = make_settings(tiny_model_dir, tmp_path, rate_limit_per_s=0.01, rate_limit_burst=3)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as tc:
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        created = tc.post("/admin/tenants", json={"name": "limited"}, headers=admin)
+        assert created.status_code == 201, created.text
+        # the SDK over the in-process app (TestClient is an httpx.Client)
+        sdk = openai.OpenAI(
+            base_url="http://testserver/v1",
+            api_key=created.json()["api_key"],
+            http_client=tc,
+            max_retries=0,
+        )
+        out = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=2)
+        assert len(out.choices) == 2  # two tokens of three
+        assert [m.id for m in sdk.models.list().data] == [MODEL]  # the third
+        with pytest.raises(openai.RateLimitError) as err:
+            sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert err.value.code == "rate_limited"
+    assert int(err.value.response.headers["retry-after"]) >= 1

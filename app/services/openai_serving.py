@@ -349,10 +349,13 @@ async def complete(run: Run, request: Request, batcher: Batcher) -> ChatCompleti
     stops = run.pending.body.stops()
     jobs = [s.job for s in run.samples]
     watcher = asyncio.create_task(gen.watch_disconnect(request, batcher, jobs))
+    tasks = [asyncio.create_task(_outcome(follow(s, batcher, stops))) for s in run.samples]
     try:
-        outcomes = await asyncio.gather(*(_outcome(follow(s, batcher, stops)) for s in run.samples))
+        outcomes = await asyncio.gather(*tasks)
     finally:
         watcher.cancel()
+        for task in tasks:  # one choice failed: the others have nobody to answer
+            task.cancel()
         for job in jobs:
             if not job.done:
                 batcher.cancel(job)
@@ -373,7 +376,7 @@ async def _merge(
         try:
             async for piece in stream:
                 await queue.put((index, piece))
-        except BaseException as exc:  # noqa: B036 - handed to the consumer
+        except Exception as exc:  # handed to the consumer, which raises it
             await queue.put((index, exc))
             return
         await queue.put((index, _DONE))
@@ -385,7 +388,7 @@ async def _merge(
             index, item = await queue.get()
             if item is _DONE:
                 left -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 assert isinstance(item, Piece)
