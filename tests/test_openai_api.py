@@ -319,6 +319,8 @@ def test_wrong_key_is_authentication_error(server: LiveServer) -> None:
         ({"watermark": {"enabled": False}}, "watermark.enabled"),
         ({"watermark": {"payload": {"bits": "012"}}}, "watermark.payload"),
         ({"watermark": {"metadata": {"a": 1}, "payload": {"bits": "1"}}}, "watermark"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"stop": ""}, "stop"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ],

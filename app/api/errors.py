@@ -84,16 +84,24 @@ def error_response(
 
 
 def _param(exc: RequestValidationError) -> str | None:
-    """The field a validation error is about, OpenAI style (``messages.0.role``)."""
+    """The field a validation error is about, OpenAI style (``messages.0.role``).
+
+    Pydantic puts the branch of a union into the location (``stop.constrained-str``,
+    ``content.list[TextPart].0.type``): those parts are not fields and are dropped.
+    """
     for err in exc.errors()[:1]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        # a union's branch names (str, list[...]) and validator tags are not fields
-        fields = [p for p in loc if not any(c in p for c in "[]( ") and p not in _UNION_TAGS]
+        if err.get("type") == "json_invalid":
+            return None
+        fields = []
+        for part in (str(p) for p in err.get("loc", ()) if p != "body"):
+            if any(c in part for c in "[]()-") or part in _UNION_TAGS:
+                continue
+            fields.append(part)
         return ".".join(fields) or None
     return None
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after"}
+_UNION_TAGS = {"str", "list", "dict", "bool", "float"}  # not "int": payload.int is a field
 
 
 def _describe(exc: RequestValidationError) -> str:

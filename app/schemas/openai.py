@@ -207,11 +207,12 @@ class _Sampling(OpenAIRequestModel):
     stream_options: StreamOptions | None = None
     watermark: WatermarkRequest | None = None
 
-    @model_validator(mode="after")
-    def _options(self) -> Self:
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # stream is declared before
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return value
 
     def stops(self) -> list[str]:
         if self.stop is None:

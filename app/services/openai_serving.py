@@ -429,7 +429,13 @@ class Chunks:
             )  # fmt: skip
         # OpenAI sends "usage" (null until the last chunk) only when it was asked for
         exclude = None if self.include_usage else {"usage"}
-        return _sse(chunk.model_dump(mode="json", exclude=exclude))
+        data = chunk.model_dump(mode="json", exclude=exclude)
+        for choice in data["choices"]:  # as OpenAI: deltas without nulls
+            if choice.get("watermark") is None:
+                del choice["watermark"]  # only the choice's last chunk carries it
+            if "delta" in choice:
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return _sse(data)
 
     def choice(
         self,
