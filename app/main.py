@@ -17,13 +17,14 @@ from fastapi import FastAPI
 
 from app.api.deps import Runtime
 from app.api.errors import install_error_handlers
-from app.api.middleware import BodySizeLimit, RequestContext
+from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.routes import admin, detection, generate, health, provenance
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.security import KeyWrapper
 from app.services.batcher import Batcher
+from app.services.cpu import CpuPool
 from app.services.tenants import TenantService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             alpha=settings.alpha,
             version=settings.scheme,
         )
+        cpu = CpuPool(settings.cpu_workers, settings.cpu_max_pending)
         runtime = Runtime(
             settings=settings,
             metrics=metrics,
@@ -90,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
                 defaults,
                 settings.cache_ttl_s,
+                cpu,
             ),
             tokenizer=tokenizer,
             model_id=model_id,
@@ -111,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     logger.warning("drain timeout: cancelling unfinished generations")
                 batcher.stop()
             await store.close()
+            cpu.close()
 
     app = FastAPI(
         title="WorldCup watermarking service",
@@ -132,6 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         max_batch_bytes=settings.max_batch_body_bytes,
     )
+    app.add_middleware(SingleAuthorization)
     app.add_middleware(RequestContext, metrics=metrics)
     return app
 

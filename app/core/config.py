@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     cache_ttl_s: Annotated[float, Field(ge=0)] = 5.0  # tenant and key-version lookups
 
+    # CPU work (tokenising, scoring, decoding) runs in a bounded thread pool, off
+    # the event loop; beyond cpu_max_pending admitted jobs a request gets 503 at once
+    cpu_workers: Annotated[int, Field(ge=1, le=64)] = 4
+    cpu_max_pending: Annotated[int, Field(ge=1)] = 64
+
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000
     max_batch_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1_048_576

@@ -12,13 +12,14 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from scipy import special
 
 from app.core.security import KeyWrapper, hash_api_key, new_api_key, verify_api_key
+from app.services.cpu import CpuPool
 from app.stores.base import KeyRecord, RegistryEntry, RegistryFull, Store, TenantRecord
 from worldcup_core import (
     DecodeResult,
@@ -32,9 +33,7 @@ from worldcup_core.decoder import RegistryMatch
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 
-# Above this many texts a bulk call runs its hashing in a worker thread, so one
-# big batch does not stall every other request on the event loop.
-_OFFLOAD_TEXTS = 8
+T = TypeVar("T")
 
 
 class UnknownTenant(LookupError):
@@ -98,8 +97,10 @@ class TenantService:
         wrapper: KeyWrapper,
         defaults: WatermarkConfig,
         cache_ttl_s: float = 5.0,
+        cpu: CpuPool | None = None,
     ) -> None:
         self.store = store
+        self.cpu = cpu
         self.wrapper = wrapper
         self.defaults = defaults
         self.cache_ttl_s = cache_ttl_s
@@ -112,6 +113,13 @@ class TenantService:
         self._bank: _Bank | None = None
         self._bank_lock = asyncio.Lock()
         self.provenance_refresh_s = 30.0
+
+    async def offload(self, fn: Callable[[], T]) -> T:
+        """Run scoring work off the event loop: in the bounded CPU pool (which may
+        refuse it with Overloaded), or in a plain thread when there is none."""
+        if self.cpu is not None:
+            return await self.cpu.run(fn)
+        return await asyncio.to_thread(fn)
 
     async def tenant_for_api_key(self, api_key: str) -> TenantRecord | None:
         digest = hash_api_key(api_key)
@@ -311,10 +319,7 @@ class TenantService:
                 out.append((DecodeOutcome(best.key_version, best.result, match, None), message_id))
             return out
 
-        if len(texts) > _OFFLOAD_TEXTS:
-            decoded = await asyncio.to_thread(work)
-        else:
-            decoded = work()
+        decoded = await self.offload(work)
         outcomes = []
         for outcome, message_id in decoded:
             entry = None
@@ -346,9 +351,7 @@ class TenantService:
             z = float(-special.ndtri_exp(min(log_p, -1e-16)))
             return DetectOutcome(version if p_value < significance else None, best, p_value, z)
 
-        if len(texts) > _OFFLOAD_TEXTS:
-            return await asyncio.to_thread(lambda: [one(t) for t in texts])
-        return [one(t) for t in texts]
+        return await self.offload(lambda: [one(t) for t in texts])
 
     # provenance -------------------------------------------------------------
     async def key_bank(self) -> tuple[KeyBank, list[tuple[str, int]]]:
@@ -379,7 +382,7 @@ class TenantService:
         """Which tenant and key version watermarked this text, and for which registry entry?"""
         bank, refs = await self.key_bank()
         started = time.perf_counter()
-        result = await asyncio.to_thread(bank.search, token_ids)
+        result = await self.offload(lambda: bank.search(token_ids))
         elapsed = time.perf_counter() - started
         num_tenants = len({t for t, _ in refs})
         candidates = [(*refs[c.index], c.log10_p_value) for c in result.top]

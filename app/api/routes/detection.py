@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter
 
@@ -32,8 +32,8 @@ from worldcup_core.message import MessageIdCodec
 router = APIRouter(tags=["watermark"])
 
 
-def token_ids(runtime: Runtime, text: str) -> list[int]:
-    """Tokenise a text to score, or raise a 422 that says what is wrong with it."""
+def check_text(runtime: Runtime, text: str) -> None:
+    """Raise a 422 that says what is wrong with a text to score (cheap: no tokenising)."""
     limit = runtime.settings.max_text_chars
     if len(text) > limit:
         raise APIError(
@@ -41,8 +41,23 @@ def token_ids(runtime: Runtime, text: str) -> list[int]:
         )
     if not text.strip():
         raise APIError(422, "text is empty", "empty_text")
-    ids: list[int] = runtime.tokenizer(text, add_special_tokens=False).input_ids
-    return ids
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of many texts in one call. Runs in a worker thread: the fast
+    tokenizer's Rust backend encodes the batch with the GIL released."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [list(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
+
+
+async def token_ids(runtime: Runtime, text: str) -> list[int]:
+    """Tokenise one text off the event loop, or raise a 422 about it."""
+    check_text(runtime, text)
+    return (await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
 
 
 def registry_match(
@@ -119,19 +134,21 @@ def _check_batch(runtime: Runtime, texts: list[str]) -> None:
         )
 
 
-def _tokenise_all(
+async def _tokenise_all(
     runtime: Runtime, texts: list[str]
 ) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
-    """(indices of good texts, their token ids, errors by index)."""
+    """(indices of good texts, their token ids, errors by index); the tokenising
+    runs in one worker job."""
     good: list[int] = []
-    ids: list[list[int]] = []
     errors: dict[int, BatchItemError] = {}
     for i, text in enumerate(texts):
         try:
-            ids.append(token_ids(runtime, text))
+            check_text(runtime, text)
             good.append(i)
         except APIError as exc:
             errors[i] = BatchItemError(code=exc.code, message=exc.message)
+    chosen = [texts[i] for i in good]
+    ids = await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, chosen))
     return good, ids, errors
 
 
@@ -150,7 +167,7 @@ def _assemble(
 @router.post("/decode", response_model=DecodeResponse, responses=ERROR_RESPONSES)
 async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DecodeResponse:
     """Recover the payload and, if it was issued from the registry, whose it is."""
-    ids = token_ids(runtime, body.text)
+    ids = await token_ids(runtime, body.text)
     num_bits = body.num_bits or runtime.settings.default_num_bits
     try:
         outcome = await runtime.tenants.decode(tenant.tenant_id, ids, num_bits, body.key_version)
@@ -163,7 +180,7 @@ async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant
 @router.post("/detect", response_model=DetectResponse, responses=ERROR_RESPONSES)
 async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DetectResponse:
     """Is this text watermarked with any of my keys? A calibrated, message-free test."""
-    ids = token_ids(runtime, body.text)
+    ids = await token_ids(runtime, body.text)
     outcome = await runtime.tenants.detect(tenant.tenant_id, ids, runtime.settings.significance)
     return _detect_response(runtime, outcome)
 
@@ -176,7 +193,7 @@ async def decode_batch(
     _check_batch(runtime, body.texts)
     await charge(runtime, tenant, len(body.texts))
     num_bits = body.num_bits or runtime.settings.default_num_bits
-    good, ids, errors = _tokenise_all(runtime, body.texts)
+    good, ids, errors = await _tokenise_all(runtime, body.texts)
     try:
         outcomes = await runtime.tenants.decode_many(
             tenant.tenant_id, ids, num_bits, body.key_version
@@ -200,7 +217,7 @@ async def detect_batch(
     """Bulk /detect. Rate-limited per text; an invalid text fails only its own item."""
     _check_batch(runtime, body.texts)
     await charge(runtime, tenant, len(body.texts))
-    good, ids, errors = _tokenise_all(runtime, body.texts)
+    good, ids, errors = await _tokenise_all(runtime, body.texts)
     outcomes = await runtime.tenants.detect_many(
         tenant.tenant_id, ids, runtime.settings.significance
     )

@@ -144,7 +144,7 @@ async def generate(
             return _replay_or_refuse(stored, body_hash, body.stream)
     if batcher.queue_depth >= batcher.max_queue:  # refuse before allocating a message id
         raise _queue_full(runtime)
-    prompt_ids = _prompt_ids(runtime, body)
+    prompt_ids = await runtime.tenants.offload(lambda: _prompt_ids(runtime, body))
     if settings.debug_log_prompts:  # off by default: prompts are user data
         logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
     key = await runtime.tenants.version(tenant.tenant_id, None)
