@@ -18,13 +18,14 @@ from fastapi import FastAPI
 from app.api.deps import Runtime
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
-from app.api.routes import admin, detection, generate, health, provenance
+from app.api.routes import admin, api_keys, detection, generate, health, provenance
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.security import KeyWrapper
 from app.services.batcher import Batcher
 from app.services.cpu import CpuPool
+from app.services.probes import ProbeAccountant, probe_secret
 from app.services.tenants import TenantService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
@@ -97,6 +98,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             tokenizer=tokenizer,
             model_id=model_id,
             batcher=batcher,
+            probes=ProbeAccountant(
+                store,
+                probe_secret(settings.master_key_bytes),
+                metrics,
+                settings.probe_window_s,
+                settings.probe_budget_full,
+                settings.probe_budget_verdict,
+            ),
         )
         runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
         app.state.runtime = runtime
@@ -129,7 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (generate, detection, provenance, admin, health):
+    for module in (generate, detection, provenance, admin, api_keys, health):
         app.include_router(module.router)
     app.add_middleware(
         BodySizeLimit,
