@@ -385,3 +385,30 @@ def test_sketches_find_near_duplicates_and_only_them() -> None:
     s1, s2 = sketch_tokens(base, keys), sketch_tokens(base, other_keys)
     assert s1 is not None and s2 is not None and s1.similarity(s2.values.tobytes()) < 0.2
     assert sketch_tokens([1, 2], keys) is None
+
+
+# --------------------------------------------------------------------------- attack bench
+def test_attack_bench_budgets_stop_the_attack(model_dir: Path) -> None:
+    """The removal-attack benchmark on the tiny model (a smoke run of the SECURITY.md
+    table): with budgets on, no key gets more answers about the text than its budget."""
+    from worldcup_cli.attack_bench import format_attack_bench, run_attack_bench
+
+    result = run_attack_bench(model=str(model_dir), max_queries=400)
+    runs = {(r["key"], r["budgets"]): r for r in result["runs"]}
+    assert set(runs) == {("full", False), ("verdict", False), ("full", True), ("verdict", True)}
+    assert result["initial_p_value"] < 1e-6 and result["text_words"] > 20
+    assert result["budgets"] == {"full": 200, "verdict": 20, "window_s": 3600.0}
+    for key, budget in (("full", 200), ("verdict", 20)):
+        on, off = runs[(key, True)], runs[(key, False)]
+        assert off["refused"] == 0
+        answered = on["queries"] - on["refused"]
+        assert answered <= budget, on
+        assert on["words_deleted"] <= off["words_deleted"]
+        if on["outcome"] == "blocked by probe budget":
+            assert on["refused"] > 0
+    # a verdict key's answers carry no gradient: it never gets past the first round
+    # of 20 answers with budgets on, and the watermark survives that
+    assert runs[("verdict", True)]["words_deleted"] <= 1
+    assert runs[("verdict", True)]["survived"]
+    table = format_attack_bench(result)
+    assert table.count("\n| ") == 5 and "blocked by probe budget" in table
