@@ -1,7 +1,8 @@
 """Engines: where the per-part function runs. Both yield ``(part, rows)`` as parts finish.
 
 * ``local``: a process pool (``spawn``), one :class:`Scanner` per process, made
-  by the pool's initializer, so the tokenizer and key bank load once per core.
+  by the pool's initializer, so the tokenizer and key bank load once per core
+  (one worker scans in the driver process itself).
 * ``ray``: a Ray Data pipeline over the pending parts; ``map_batches`` runs
   :class:`RayScanner`, a stateful callable class, in an actor pool
   (``concurrency`` actors, one CPU each), so each actor loads the tokenizer and
@@ -38,8 +39,16 @@ def _scan_in_worker(part: Part) -> list[dict[str, Any]]:
 def run_local(
     spec: ScanSpec, parts: Sequence[Part], workers: int
 ) -> Iterator[tuple[Part, list[dict[str, Any]]]]:
-    """Scan ``parts`` in ``workers`` processes; at most 2 parts in flight per worker."""
+    """Scan ``parts`` in ``workers`` processes; at most 2 parts in flight per worker.
+
+    One worker runs in this process: no start-up of a second interpreter.
+    """
     if not parts:
+        return
+    if workers == 1:
+        scanner = Scanner(spec)
+        for part in parts:
+            yield part, scanner.scan_part(part)
         return
     ctx = multiprocessing.get_context("spawn")  # torch and tokenizers threads do not fork well
     with ProcessPoolExecutor(

@@ -230,8 +230,15 @@ def _read_jsonl(part: Part, fields: Fields) -> Iterator[RawRow]:
             line = f.readline()
             try:
                 decoded = line.decode("utf-8")
-            except UnicodeDecodeError:
-                yield _row(part, row, "non_utf8: the line is not valid UTF-8", fields)
+            except UnicodeDecodeError:  # keep the row's id if the rest of the line parses
+                try:
+                    record = json.loads(line.decode("utf-8", errors="surrogateescape"))
+                except ValueError:
+                    record = None
+                if isinstance(record, dict):
+                    yield _row(part, row, record, fields)
+                else:
+                    yield _row(part, row, "non_utf8: the line is not valid UTF-8", fields)
                 continue
             if not decoded.strip():
                 yield _row(part, row, "empty: blank line", fields)
