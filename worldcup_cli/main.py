@@ -351,6 +351,17 @@ def bench_provenance(
     _emit(as_json, result, format_provenance_bench(result))
 
 
+def _register_scan() -> None:
+    """``scan`` and ``bench-scan`` live in worldcup_scan (a Ray worker imports it too)."""
+    from worldcup_scan.cli import bench_scan, scan
+
+    app.command("scan")(scan)
+    app.command("bench-scan")(bench_scan)
+
+
+_register_scan()
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option("--host", help="Default: WORLDCUP_HOST.")] = None,
