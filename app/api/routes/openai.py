@@ -39,14 +39,9 @@ def _streamed(chunk: type[Any], example: str) -> dict[int | str, dict[str, Any]]
     return {
         **OPENAI_ERROR_RESPONSES,
         200: {
-            "content": {
-                "text/event-stream": {
-                    "schema": {"type": "string"},
-                    "example": example,
-                    "x-chunk-schema": chunk.__name__,
-                }
-            },
-            "description": "JSON, or OpenAI's Server-Sent Events chunks when stream is true.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}, "example": example}},
+            "description": "JSON, or when stream is true OpenAI's Server-Sent Events: one "
+            f"{chunk.__name__} per `data:` event, then `data: [DONE]`.",
         },
     }
 
