@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.core.security import KeyUnwrapError
+from app.services.cpu import Overloaded
 from app.stores.base import StoreUnavailable
 
 logger = logging.getLogger("worldcup.api")
@@ -145,6 +146,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             503, "the registry store is unavailable; retry shortly", "store_unavailable",
             {"Retry-After": "2"}, path=request.url.path,
+        )  # fmt: skip
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        # Shed at once: a job admitted now would wait behind max_pending others.
+        request.app.state.metrics.rejections.labels("overloaded").inc()
+        return error_response(
+            503, "the server is at capacity; retry shortly", "overloaded",
+            {"Retry-After": str(exc.retry_after_s)},
         )  # fmt: skip
 
     @app.exception_handler(KeyUnwrapError)

@@ -33,6 +33,28 @@ async def _send_error(send: Send, status: int, message: str, code: str, path: st
     await send({"type": "http.response.body", "body": body})
 
 
+class SingleAuthorization:
+    """400 for a request with more than one ``Authorization`` header.
+
+    Starlette would silently use the first; a proxy or client in between might
+    use the last. Refusing the ambiguity keeps everyone reading the same
+    credential (and the error never echoes either value).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            count = sum(1 for name, _ in scope.get("headers", []) if name == b"authorization")
+            if count > 1:
+                await _send_error(
+                    send, 400, "more than one Authorization header", "duplicate_authorization"
+                )
+                return
+        await self.app(scope, receive, send)
+
+
 class BodySizeLimit:
     """413 before the app reads a body larger than ``max_bytes``.
 

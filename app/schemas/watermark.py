@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from app.schemas.common import StrictModel
+from app.schemas.exposure import DecodeVerdict, DetectVerdict
 
 MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 4
@@ -229,7 +230,7 @@ class DecodeBatchRequest(StrictModel):
 
 class DecodeBatchItem(StrictModel):
     index: int
-    result: DecodeResponse | None
+    result: DecodeResponse | DecodeVerdict | None
     error: BatchItemError | None
 
 
@@ -252,7 +253,7 @@ class DetectBatchRequest(StrictModel):
 
 class DetectBatchItem(StrictModel):
     index: int
-    result: DetectResponse | None
+    result: DetectResponse | DetectVerdict | None
     error: BatchItemError | None
 
 

@@ -79,7 +79,9 @@ async def generate(
             return _replay(stored, body.stream)
     gen.ensure_queue_room(runtime, batcher)  # refuse before allocating a message id
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-    prompt_ids = gen.prompt_ids(runtime, body.prompt, messages)
+    prompt_ids = await runtime.tenants.offload(
+        lambda: gen.prompt_ids(runtime, body.prompt, messages)
+    )
     if settings.debug_log_prompts:  # off by default: prompts are user data
         logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
     key = await runtime.tenants.version(tenant.tenant_id, None)
