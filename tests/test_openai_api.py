@@ -354,6 +354,23 @@ def test_ignored_fields_and_no_op_values_are_accepted(client: openai.OpenAI) -> 
     assert out.choices[0].finish_reason in ("length", "stop")
 
 
+def test_key_without_generate_scope_is_permission_denied(
+    server: LiveServer, http: httpx.Client, tenant: dict[str, str]
+) -> None:
+    r = http.post(
+        f"/admin/tenants/{tenant['id']}/api-keys",
+        json={"name": "detector", "scopes": ["detect"]},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    assert r.status_code == 201, r.text
+    key = r.json()["api_key"]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0) as detect_only:
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            detect_only.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert err.value.code == "missing_scope" and "generate" in err.value.message
+    assert key not in str(err.value.body)
+
+
 def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)

@@ -435,6 +435,7 @@ OPENAI_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for code, text in {
         400: "Invalid request (param names the field)",
         401: "Missing or invalid API key",
+        403: "The API key lacks the 'generate' scope",
         404: "Unknown model",
         409: "Idempotency conflict, or the registry is full",
         413: "Request body too large",

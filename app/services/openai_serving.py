@@ -116,7 +116,7 @@ class Pending:
         return len(self.prompts) * self.n
 
 
-def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> Pending:
+async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> Pending:
     """Check the model and the limits, tokenise; 400 naming the field otherwise."""
     settings = runtime.settings
     check_model(runtime, body.model)
@@ -141,10 +141,10 @@ def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> P
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in body.messages
         ]
-        prompts = [_tokenise(runtime, None, messages, "messages")]
+        prompts = [await _tokenise(runtime, None, messages, "messages")]
     else:
         kind = "completion"
-        prompts = [_tokenise(runtime, p, None, "prompt") for p in body.prompts()]
+        prompts = [await _tokenise(runtime, p, None, "prompt") for p in body.prompts()]
     n = body.n or 1
     if len(prompts) * n > MAX_CHOICES_TOTAL:
         raise APIError(
@@ -172,11 +172,12 @@ def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> P
 MAX_CHOICES_TOTAL = 16
 
 
-def _tokenise(
+async def _tokenise(
     runtime: Runtime, prompt: str | None, messages: list[dict[str, str]] | None, param: str
 ) -> list[int]:
+    """Off the event loop, in the CPU pool, as /generate does."""
     try:
-        return gen.prompt_ids(runtime, prompt, messages)
+        return await runtime.tenants.offload(lambda: gen.prompt_ids(runtime, prompt, messages))
     except APIError as exc:
         exc.param = param
         raise

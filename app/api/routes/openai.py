@@ -54,7 +54,7 @@ async def _serve(
     batcher: BatcherDep,
     idempotency_key: str | None,
 ) -> Any:
-    pending = serving.plan(runtime, body)
+    pending = await serving.plan(runtime, body)
     digest = serving.body_hash(pending)
     streamed = bool(body.stream)
     if idempotency_key is not None:
