@@ -10,6 +10,7 @@ stream closing are what is tested. Every generated text is decoded back with
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -449,3 +450,46 @@ def test_rate_limit_charges_one_token_per_sample(tiny_model_dir: Path, tmp_path:
             sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert err.value.code == "rate_limited"
     assert int(err.value.response.headers["retry-after"]) >= 1
+
+
+def test_disconnect_without_stream_cancels_generation(
+    server: LiveServer, tenant: dict[str, str]
+) -> None:
+    runtime = server.app.state.runtime
+    counter = runtime.metrics.generated_tokens
+    before = counter._value.get()
+    with openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=tenant["key"], max_retries=0, timeout=0.5
+    ) as impatient:
+        with pytest.raises(openai.APITimeoutError):  # the client gives up and hangs up
+            impatient.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000)
+    deadline = time.monotonic() + 10
+    while runtime.batcher.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runtime.batcher.in_flight == 0, "the generation kept running after the disconnect"
+    assert counter._value.get() - before < 2000
+
+
+def test_idempotent_stream_replays_as_chunks(http: httpx.Client, tenant: dict[str, str]) -> None:
+    headers = {"Authorization": f"Bearer {tenant['key']}", "Idempotency-Key": uuid.uuid4().hex}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "n": 2, "stream": True}
+
+    def texts(r: httpx.Response) -> tuple[list[str], list[Any]]:
+        assert r.status_code == 200, r.text
+        events = [line.removeprefix("data: ") for line in r.text.split("\n") if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        out = ["", ""]
+        marks = []
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                out[choice["index"]] += choice["delta"].get("content") or ""
+                if choice.get("watermark"):
+                    marks.append(choice["watermark"])
+        return out, marks
+
+    first = http.post("/v1/chat/completions", json=body, headers=headers)
+    again = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert texts(again) == texts(first)
+    assert len({m["message_id"] for m in texts(first)[1]}) == 2
