@@ -521,8 +521,13 @@ def stream(
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def replay(stored: IdempotencyRecord, streamed: bool) -> JSONResponse | StreamingResponse:
-    """A stored response again (same Idempotency-Key and body); a stream as chunks."""
+def replay(
+    stored: IdempotencyRecord, body: ChatCompletionRequest | CompletionRequest
+) -> JSONResponse | StreamingResponse:
+    """A stored response again (same Idempotency-Key and body); a stream as one chunk
+    per choice (and the usage chunk if the request asked for it)."""
+    streamed = bool(body.stream)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     headers = {"Idempotent-Replayed": "true"}
     if not streamed:
         return JSONResponse(stored.response, status_code=stored.status_code, headers=headers)
@@ -541,7 +546,8 @@ def replay(stored: IdempotencyRecord, streamed: bool) -> JSONResponse | Streamin
             last = {**out, "logprobs": None, "finish_reason": choice["finish_reason"]}
             last["watermark"] = choice["watermark"]
             yield _sse({**head, "object": kind, "choices": [last]})
-        yield _sse({**head, "object": kind, "choices": [], "usage": response["usage"]})
+        if include_usage:
+            yield _sse({**head, "object": kind, "choices": [], "usage": response["usage"]})
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

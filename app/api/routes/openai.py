@@ -60,13 +60,13 @@ async def _serve(
     if idempotency_key is not None:
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
         if stored is not None:
-            return serving.replay(stored, streamed)
+            return serving.replay(stored, body)
     gen.ensure_queue_room(runtime, batcher, pending.choices)  # before allocating
     claim = None
     if idempotency_key is not None:
         claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
         if isinstance(claimed, IdempotencyRecord):
-            return serving.replay(claimed, streamed)
+            return serving.replay(claimed, body)
         claim = claimed
     try:
         run = await serving.start(runtime, batcher, tenant_id, pending)
