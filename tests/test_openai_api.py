@@ -339,6 +339,15 @@ def test_bad_field_is_bad_request_naming_it(
     assert param.split(".")[0] in err.value.message
 
 
+def test_completion_choices_are_bounded(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["Tides"] * 9, n=2, max_tokens=2)
+    assert err.value.param == "n" and "16" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Tides", echo=True, max_tokens=2)
+    assert err.value.param == "echo"
+
+
 def test_ignored_fields_and_no_op_values_are_accepted(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.api.deps import Runtime
 from app.api.errors import APIError, openai_envelope
 from app.schemas.openai import (
+    MAX_CHOICES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -146,9 +147,9 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
         kind = "completion"
         prompts = [await _tokenise(runtime, p, None, "prompt") for p in body.prompts()]
     n = body.n or 1
-    if len(prompts) * n > MAX_CHOICES_TOTAL:
+    if len(prompts) * n > MAX_CHOICES:
         raise APIError(
-            400, f"n times the number of prompts may be at most {MAX_CHOICES_TOTAL}",
+            400, f"n times the number of prompts may be at most {MAX_CHOICES}",
             "too_many_choices", param="n",
         )  # fmt: skip
     wm = body.watermark
@@ -167,9 +168,6 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
         for i in range(len(prompts) * n)
     ]
     return Pending(kind, body, prompts, sampling)
-
-
-MAX_CHOICES_TOTAL = 16
 
 
 async def _tokenise(
