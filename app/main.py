@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from app.api.deps import Runtime
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext
+from app.api.openapi import install_openapi
 from app.api.routes import admin, detection, generate, health, provenance
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
@@ -125,6 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_openapi(app, settings)
     for module in (generate, detection, provenance, admin, health):
         app.include_router(module.router)
     app.add_middleware(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import TypeVar
 
 from fastapi import APIRouter
 
 from app.api.deps import CurrentTenant, Runtime, RuntimeDep, UnchargedTenant, charge
 from app.api.errors import APIError
-from app.schemas.common import ERROR_RESPONSES
+from app.schemas.common import error_responses
 from app.schemas.watermark import (
     BatchItemError,
     BitConfidence,
@@ -24,25 +25,53 @@ from app.schemas.watermark import (
     DetectRequest,
     DetectResponse,
     RegistryMatchOut,
+    check_metadata,
 )
 from app.services.tenants import DecodeOutcome, DetectOutcome, UnknownKeyVersion
 from worldcup_core import WorldCup
+from worldcup_core.detector import z_from_log_p
 from worldcup_core.message import MessageIdCodec
+from worldcup_core.scoring import sidak_log_p
 
 router = APIRouter(tags=["watermark"])
 
 
 def token_ids(runtime: Runtime, text: str) -> list[int]:
-    """Tokenise a text to score, or raise a 422 that says what is wrong with it."""
+    """Tokenise a text to score, or raise a 422 if it is over the (published) limit.
+
+    Whitespace-only text is scored like any other (JSON Schema cannot say "not only
+    whitespace"): nothing in it is scored, so the answer is an ordinary "not
+    watermarked" with p = 1 and z = 0.
+    """
     limit = runtime.settings.max_text_chars
     if len(text) > limit:
         raise APIError(
             422, f"text is {len(text)} characters; the limit is {limit}", "text_too_long"
         )
-    if not text.strip():
-        raise APIError(422, "text is empty", "empty_text")
     ids: list[int] = runtime.tokenizer(text, add_special_tokens=False).input_ids
     return ids
+
+
+def readable_metadata(metadata: dict[str, object], message_id: int) -> dict[str, object]:
+    """Stored metadata, or a clear 409 if an entry written before metadata was checked
+    holds something that cannot be returned exactly (a lone surrogate, NaN)."""
+    try:
+        check_metadata(metadata)
+    except ValueError:
+        raise APIError(
+            409,
+            f"registry entry {message_id} holds metadata that cannot be returned exactly "
+            "(written before metadata was validated)",
+            "registry_entry_unreadable",
+        ) from None
+    return metadata
+
+
+def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float]:
+    """(p, z) of the best of ``tests`` key versions, Šidák-corrected: exact and uniform
+    under H0 (independent keys), so z is standard normal there, never clipped."""
+    log_p = sidak_log_p(log10_p * math.log(10.0), tests)
+    return math.exp(log_p), z_from_log_p(log_p, num_scored)
 
 
 def registry_match(
@@ -61,7 +90,7 @@ def registry_match(
     exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
     return RegistryMatchOut(
         message_id=entry.message_id,
-        metadata=entry.metadata,
+        metadata=readable_metadata(entry.metadata, entry.message_id),
         issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
         num_bits=entry.num_bits,
         confidence=found.posterior,
@@ -74,7 +103,9 @@ def _decode_response(
     runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
 ) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
-    runtime.metrics.detections.labels("watermarked" if det.is_watermarked else "clean").inc()
+    p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
+    watermarked = p_value < runtime.settings.significance
+    runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
     return DecodeResponse(
         bits=result.bits,
         bit_confidence=[
@@ -82,9 +113,9 @@ def _decode_response(
             for z, p in zip(result.bit_z, result.bit_p_values, strict=True)
         ],
         erasures=list(result.erasures),
-        p_value=det.p_value,
-        z_score=det.z_score,
-        is_watermarked=det.is_watermarked,
+        p_value=p_value,
+        z_score=z_score,
+        is_watermarked=watermarked,
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
@@ -147,7 +178,17 @@ def _assemble(
     return items, sum(a.is_watermarked for a in answers)
 
 
-@router.post("/decode", response_model=DecodeResponse, responses=ERROR_RESPONSES)
+_SCORING_ERRORS = (400, 401, 403, 413, 422, 429, 503)
+_UNREADABLE = "A registry entry that cannot be returned exactly (`registry_entry_unreadable`)"
+
+
+@router.post(
+    "/decode",
+    response_model=DecodeResponse,
+    responses=error_responses(
+        *_SCORING_ERRORS, 404, 409, e404="No such key version", e409=_UNREADABLE
+    ),
+)
 async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DecodeResponse:
     """Recover the payload and, if it was issued from the registry, whose it is."""
     ids = token_ids(runtime, body.text)
@@ -160,7 +201,7 @@ async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant
     return _decode_response(runtime, schemes, num_bits, outcome)
 
 
-@router.post("/detect", response_model=DetectResponse, responses=ERROR_RESPONSES)
+@router.post("/detect", response_model=DetectResponse, responses=error_responses(*_SCORING_ERRORS))
 async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DetectResponse:
     """Is this text watermarked with any of my keys? A calibrated, message-free test."""
     ids = token_ids(runtime, body.text)
@@ -168,7 +209,11 @@ async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant
     return _detect_response(runtime, outcome)
 
 
-@router.post("/decode/batch", response_model=DecodeBatchResponse, responses=ERROR_RESPONSES)
+@router.post(
+    "/decode/batch",
+    response_model=DecodeBatchResponse,
+    responses=error_responses(*_SCORING_ERRORS, 404, e404="No such key version"),
+)
 async def decode_batch(
     body: DecodeBatchRequest, runtime: RuntimeDep, tenant: UnchargedTenant
 ) -> DecodeBatchResponse:
@@ -184,8 +229,15 @@ async def decode_batch(
     except UnknownKeyVersion:
         raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
     schemes = await _schemes(runtime, tenant.tenant_id)
-    answers = [_decode_response(runtime, schemes, num_bits, o) for o in outcomes]
-    results, watermarked = _assemble(len(body.texts), good, answers, errors)
+    answers: list[DecodeResponse] = []
+    answered: list[int] = []
+    for i, outcome in zip(good, outcomes, strict=True):
+        try:
+            answers.append(_decode_response(runtime, schemes, num_bits, outcome))
+            answered.append(i)
+        except APIError as exc:  # an unreadable registry entry fails only its item
+            errors[i] = BatchItemError(code=exc.code, message=exc.message)
+    results, watermarked = _assemble(len(body.texts), answered, answers, errors)
     return DecodeBatchResponse(
         results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in results],
         num_watermarked=watermarked,
@@ -193,7 +245,9 @@ async def decode_batch(
     )
 
 
-@router.post("/detect/batch", response_model=DetectBatchResponse, responses=ERROR_RESPONSES)
+@router.post(
+    "/detect/batch", response_model=DetectBatchResponse, responses=error_responses(*_SCORING_ERRORS)
+)
 async def detect_batch(
     body: DetectBatchRequest, runtime: RuntimeDep, tenant: UnchargedTenant
 ) -> DetectBatchResponse:
