@@ -9,7 +9,9 @@ generations drain up to ``drain_timeout_s`` and closes the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -97,6 +99,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             batcher=batcher,
         )
         runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
+        with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
+            runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
         app.state.runtime = runtime
         if batcher is not None:
             batcher.start()

@@ -33,6 +33,7 @@ class Runtime:
     batcher: Batcher | None = None  # None in the detector role
     warm: bool = False
     draining: bool = False
+    marker: str | None = None  # the store's marker, once seen (see /ready)
 
 
 def get_runtime(request: Request) -> Runtime:

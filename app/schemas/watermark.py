@@ -39,6 +39,13 @@ def _not_null(*fields: str) -> dict[str, Any]:
     return {"required": list(fields), "properties": {f: {"not": {"type": "null"}} for f in fields}}
 
 
+def _only(*fields: str, others: tuple[str, ...]) -> dict[str, Any]:
+    """A ``oneOf`` branch: these fields given and not null, the others absent or null."""
+    branch = _not_null(*fields)
+    branch["properties"].update({f: {"type": "null"} for f in others})
+    return branch
+
+
 def _exactly_one(*fields: str) -> list[Any]:
     """``oneOf`` branches: exactly one of these (nullable) fields is given, not null."""
     return [_not_null(f) for f in fields]
@@ -158,12 +165,9 @@ class PayloadIn(StrictRequest):
         strict=True,
         json_schema_extra={
             "oneOf": [
-                {
-                    "required": ["bits"],
-                    "properties": {"bits": {"type": "string"}, "num_bits": {"type": "null"}},
-                },
-                _not_null("hex"),
-                _not_null("int", "num_bits"),
+                _only("bits", others=("hex", "int", "num_bits")),
+                _only("hex", others=("bits", "int")),
+                _only("int", "num_bits", others=("bits", "hex")),
             ],
         },
     )
@@ -226,15 +230,9 @@ class GenerateRequest(StrictRequest):
                 {"oneOf": _exactly_one("prompt", "messages")},
                 {
                     "oneOf": [
-                        {
-                            "required": ["payload"],
-                            "properties": {
-                                "payload": {"not": {"type": "null"}},
-                                "num_bits": {"type": "null"},
-                            },
-                        },
-                        _not_null("metadata"),
-                    ]  # fmt: skip
+                        _only("payload", others=("metadata", "num_bits")),
+                        _only("metadata", others=("payload",)),
+                    ]
                 },
             ],
             "examples": [
