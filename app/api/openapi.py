@@ -79,7 +79,11 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
     info["description"] = (
         info.get("description", "")
         + "\n\nEvery rule the server enforces on a request is in this schema, with this "
-        "server's limits, except these (a 422 with the `code` named):\n\n" + rules
+        "server's limits, except these (a 422 with the `code` named):\n\n"
+        + rules
+        + "\n\nAnd a request body over the server's byte limit "
+        "(`WORLDCUP_MAX_BODY_BYTES`, `WORLDCUP_MAX_BATCH_BODY_BYTES` on `/…/batch`) "
+        "is refused with 413 `request_too_large`, whatever it holds."
     )
 
 
