@@ -76,7 +76,7 @@ def _metadata_object(values: dict[str, Any]) -> dict[str, Any]:
 
 
 METADATA_SCHEMA: dict[str, Any] = {
-    **_metadata_object(_metadata_value(MAX_METADATA_DEPTH - 1)),
+    "anyOf": [_metadata_object(_metadata_value(MAX_METADATA_DEPTH - 1)), {"type": "null"}],
     "description": (
         "A JSON object, stored with the message id and returned exactly as sent by "
         "/decode, /provenance and the admin registry route. Finite numbers, valid "
