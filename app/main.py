@@ -19,14 +19,16 @@ from fastapi import FastAPI
 
 from app.api.deps import Runtime
 from app.api.errors import install_error_handlers
-from app.api.middleware import BodySizeLimit, RequestContext
+from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.openapi import install_openapi
-from app.api.routes import admin, detection, generate, health, provenance
+from app.api.routes import admin, api_keys, detection, generate, health, openai, provenance
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.security import KeyWrapper
 from app.services.batcher import Batcher
+from app.services.cpu import CpuPool
+from app.services.probes import ProbeAccountant, probe_secret
 from app.services.tenants import TenantService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
@@ -84,6 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             alpha=settings.alpha,
             version=settings.scheme,
         )
+        cpu = CpuPool(settings.cpu_workers, settings.cpu_max_pending)
         runtime = Runtime(
             settings=settings,
             metrics=metrics,
@@ -93,10 +96,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
                 defaults,
                 settings.cache_ttl_s,
+                cpu,
             ),
             tokenizer=tokenizer,
             model_id=model_id,
             batcher=batcher,
+            probes=ProbeAccountant(
+                store,
+                probe_secret(settings.master_key_bytes),
+                metrics,
+                settings.probe_window_s,
+                settings.probe_budget_full,
+                settings.probe_budget_verdict,
+            ),
         )
         runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
         with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
@@ -116,6 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     logger.warning("drain timeout: cancelling unfinished generations")
                 batcher.stop()
             await store.close()
+            cpu.close()
 
     app = FastAPI(
         title="WorldCup watermarking service",
@@ -131,13 +144,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     install_openapi(app, settings)
-    for module in (generate, detection, provenance, admin, health):
+    for module in (generate, detection, provenance, admin, api_keys, health, openai):
         app.include_router(module.router)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
         max_batch_bytes=settings.max_batch_body_bytes,
     )
+    app.add_middleware(SingleAuthorization)
     app.add_middleware(RequestContext, metrics=metrics)
     return app
 

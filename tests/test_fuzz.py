@@ -62,11 +62,13 @@ from schemathesis.specs.openapi.checks import (
 from app.core.config import Settings
 from app.main import create_app
 from app.schemas.common import ErrorEnvelope
+from app.schemas.openai import ChatCompletionChunk, CompletionChunk, OpenAIErrorEnvelope
 from app.schemas.watermark import UNSTATED_RULES, GenerateResponse, PayloadIn
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ADMIN_TOKEN = "fuzz-admin-token-0123456789abcdef"
 MASTER_KEY = "cd" * 32
+SERVED_MODEL = "fuzz-model"
 EXAMPLES = int(os.environ.get("WORLDCUP_FUZZ_EXAMPLES", "25"))
 # ``make fuzz``: a random seed per run (printed, to replay with WORLDCUP_FUZZ_SEED)
 RANDOM = os.environ.get("WORLDCUP_FUZZ_RANDOM", "") == "1"
@@ -128,6 +130,7 @@ def make_settings(model_dir: Path, db_dir: Path, prefix: str) -> Settings:
         "request_timeout_s": 60.0,
         "drain_timeout_s": 2.0,
         "rate_limit_per_s": 0,  # disabled: the fuzzer is one very busy tenant
+        "served_model_name": SERVED_MODEL,
     }
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
@@ -168,6 +171,8 @@ def event_stream_conformance(ctx: Any, response: Any, case: Any) -> bool | None:
     assert response.status_code == 200, response.status_code
     events = sse_events(response.text)
     assert events and events[-1] == (None, "[DONE]"), events[-2:]
+    if str(case.operation.path).startswith("/v1/"):
+        return openai_stream_conformance(case, events[:-1])
     *deltas, (last_event, last_data) = events[:-1]
     for event, data in deltas:
         assert event is None, (event, data)
@@ -178,6 +183,19 @@ def event_stream_conformance(ctx: Any, response: Any, case: Any) -> bool | None:
     assert last_event in ("result", "error"), (last_event, last_data)
     model = GenerateResponse if last_event == "result" else ErrorEnvelope
     model.model_validate_json(last_data, strict=True)
+    return True
+
+
+def openai_stream_conformance(case: Any, events: list[tuple[str | None, str]]) -> bool:
+    """OpenAI's SSE: unnamed ``data:`` chunks (an error as ``{"error": ...}``), then [DONE]."""
+    chunk = ChatCompletionChunk if "chat" in str(case.operation.path) else CompletionChunk
+    for event, data in events:
+        assert event is None, (event, data)
+        body = json.loads(data)
+        if "error" in body:
+            OpenAIErrorEnvelope.model_validate(body, strict=True)
+        else:
+            chunk.model_validate(body, strict=True)
     return True
 
 
@@ -271,6 +289,26 @@ def servable(case: Any) -> Any:
             body["payload"] = {"bits": "1011"}
     body["max_new_tokens"] = 1 + int(body.get("max_new_tokens", 8)) % 16
     body["min_new_tokens"] = min(int(body.get("min_new_tokens", 0)), body["max_new_tokens"])
+    case.body = body
+    return case
+
+
+def servable_openai(case: Any) -> Any:
+    """Bend a schema-valid /v1 body into one the server runs: the served model, a short
+    prompt, few tokens and choices; sampling, stop, stream and watermark stay fuzzed."""
+    body = case.body
+    if not isinstance(body, dict):
+        return case
+    body = {**body, "model": SERVED_MODEL}
+    if "messages" in body or "chat" in str(case.operation.path):
+        body["messages"] = [{"role": "user", "content": "Tides"}]
+    else:
+        body["prompt"] = "Tides"
+    body["n"] = 1 + int(body.get("n") or 1) % 2
+    for field in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(field), int):
+            body[field] = 1 + body[field] % 8
+    body.setdefault("max_tokens", 4)
     case.body = body
     return case
 
@@ -398,6 +436,8 @@ def test_fuzz_openapi_schema(
                 fuzzer.fuzz(operation, "negative", auth, mode=GenerationMode.NEGATIVE)
             if operation.label == "POST /generate":
                 fuzzer.fuzz(operation, "servable", auth, transform=servable)
+            if operation.label in ("POST /v1/chat/completions", "POST /v1/completions"):
+                fuzzer.fuzz(operation, "servable", auth, transform=servable_openai)
             if "{tenant_id}" in operation.path:
                 # a real tenant: registry hits for small message ids, real key rotations
                 fuzzer.fuzz(operation, "tenant", auth, path_parameters={"tenant_id": target_id})
@@ -479,6 +519,21 @@ def seeded_cases(fuzzer: Fuzzer, target_id: str, target: dict[str, str]) -> None
     fuzzer.explicit("POST", rotate, admin, path_parameters={"tenant_id": target_id})
     for public in ("/health", "/ready", "/version"):
         fuzzer.explicit("GET", public, None)
+    # the OpenAI routes: a streamed chat with usage, a completion, the model list
+    chat = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 6,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "watermark": {"metadata": {"u": 2}},
+    }
+    fuzzer.explicit("POST", "/v1/chat/completions", tenant, body=chat)
+    plain = {"model": SERVED_MODEL, "prompt": ["Tides", "Waves"], "max_tokens": 4, "stop": "."}
+    fuzzer.explicit("POST", "/v1/completions", tenant, body=plain)
+    fuzzer.explicit("GET", "/v1/models", tenant)
+    fuzzer.explicit("GET", "/v1/models/{model}", tenant, path_parameters={"model": SERVED_MODEL})
 
 
 # --------------------------------------------------------------------------- found bugs

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 
 from app.core.config import Settings
 from app.stores.base import (
+    ApiKeyRecord,
     AuditRecord,
     Conflict,
     IdempotencyRecord,
@@ -782,3 +783,108 @@ async def test_allocation_stops_at_max_id_without_writing(store: Store) -> None:
     assert await store.registry_entry(tid, 4) is None
     # another payload length with room left still allocates after the refusal
     assert (await store.allocate_message(tid, 1, 8, {}, 0.0, max_id=255)).message_id == 4
+
+
+# -- API keys and probe accounting (issue 15) ---------------------------------
+
+
+def api_key_record(tid: str, key_id: str, **kw: object) -> ApiKeyRecord:
+    values: dict[str, object] = {
+        "key_id": key_id,
+        "tenant_id": tid,
+        "key_hash": uuid.uuid4().hex * 2,
+        "name": f"key {key_id}",
+        "scopes": ("detect",),
+        "detail": "verdict",
+        "created_at": 1_700_000_000.5 + len(key_id),
+    }
+    values.update(kw)
+    return ApiKeyRecord(**values)  # type: ignore[arg-type]
+
+
+async def test_api_keys_add_lookup_list_revoke(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    other, other_key = tenant_records("other")
+    await store.create_tenant(tenant, key)
+    await store.create_tenant(other, other_key)
+    tid = tenant.tenant_id
+    a = api_key_record(tid, "a", scopes=("detect", "decode"), detail="full")
+    b = api_key_record(tid, "bb", scopes=())
+    assert await store.add_api_key(a) and await store.add_api_key(b)
+    assert await store.api_key_by_hash(a.key_hash) == a  # scopes, detail, times round-trip
+    assert (await store.api_key_by_hash(b.key_hash)) == b
+    assert await store.api_key_by_hash("0" * 64) is None
+    # the same key id again writes nothing; another key's hash is a conflict
+    assert not await store.add_api_key(api_key_record(tid, "a"))
+    with pytest.raises(Conflict):
+        await store.add_api_key(api_key_record(tid, "c", key_hash=a.key_hash))
+    assert await store.api_keys(tid) == [a, b]
+    assert await store.api_keys(other.tenant_id) == []
+    # revocation: only that key, the first time stays, other tenants cannot reach it
+    assert await store.revoke_api_key(other.tenant_id, "a", 5.0) is None
+    revoked = await store.revoke_api_key(tid, "a", 1_700_000_100.25)
+    assert revoked is not None and revoked.revoked_at == 1_700_000_100.25
+    again = await store.revoke_api_key(tid, "a", 1_700_000_200.0)
+    assert again is not None and again.revoked_at == 1_700_000_100.25
+    assert (await store.api_key_by_hash(a.key_hash)) == revoked
+    assert (await store.api_key_by_hash(b.key_hash)) == b
+    assert await store.revoke_api_key(tid, "missing", 1.0) is None
+
+
+async def test_probe_budget_counts_per_cluster_and_key(store: Store, clock: FakeClock) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    sketch = os.urandom(512)
+    assert await store.probe_candidates(tid, "k1", ["0:aa", "1:bb"]) == []
+    first = await store.probe_hit(tid, "k1", "c1", sketch, ["0:aa", "1:bb"], 60.0, 3)
+    assert first.allowed and first.count == 1
+    # a band of the cluster finds it (with its sketch); unknown bands and other keys do not
+    assert await store.probe_candidates(tid, "k1", ["1:bb", "9:zz"]) == [("c1", sketch)]
+    assert await store.probe_candidates(tid, "k2", ["0:aa"]) == []
+    assert await store.probe_candidates(tid, "k1", []) == []
+    decisions = [await store.probe_hit(tid, "k1", "c1", None, [], 60.0, 3) for _ in range(3)]
+    assert [d.allowed for d in decisions] == [True, True, False]
+    assert [d.count for d in decisions] == [2, 3, 3]
+    assert 0 < decisions[-1].retry_after_s <= 60.0
+    # another cluster, and the same cluster id under another key, have their own budgets
+    assert (await store.probe_hit(tid, "k1", "c2", sketch, ["0:cc"], 60.0, 3)).allowed
+    assert (await store.probe_hit(tid, "k2", "c1", sketch, ["0:aa"], 60.0, 3)).allowed
+    # a new sketch moves the cluster: its bands point to it
+    moved = os.urandom(512)
+    assert (await store.probe_hit(tid, "k2", "c1", moved, ["5:ee"], 60.0, 3)).allowed
+    assert await store.probe_candidates(tid, "k2", ["5:ee"]) == [("c1", moved)]
+
+
+async def test_probe_window_slides(store: Store, clock: FakeClock) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    sketch = os.urandom(16)
+    assert (await store.probe_hit(tid, "k", "c", sketch, ["0:a"], 0.5, 1)).allowed
+    refused = await store.probe_hit(tid, "k", "c", None, [], 0.5, 1)
+    assert not refused.allowed and refused.retry_after_s <= 0.5
+    await advance(store, clock, 0.6)
+    assert (await store.probe_hit(tid, "k", "c", sketch, ["0:a"], 0.5, 1)).allowed
+
+
+async def test_concurrent_probes_never_exceed_the_budget(store: Store) -> None:
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    sketch = os.urandom(16)
+    results = await asyncio.gather(
+        *(store.probe_hit(tenant.tenant_id, "k", "c", sketch, ["0:a"], 60.0, 7) for _ in range(30))
+    )
+    assert sum(r.allowed for r in results) == 7
+
+
+async def test_redis_probe_budget_is_shared_by_replicas() -> None:
+    async with two_replicas() as (a, b):
+        tenant, key = tenant_records("acme")
+        await a.create_tenant(tenant, key)
+        tid = tenant.tenant_id
+        sketch = os.urandom(16)
+        assert (await a.probe_hit(tid, "k", "c", sketch, ["0:a"], 60.0, 2)).allowed
+        assert await b.probe_candidates(tid, "k", ["0:a"]) == [("c", sketch)]
+        assert (await b.probe_hit(tid, "k", "c", None, [], 60.0, 2)).allowed
+        assert not (await a.probe_hit(tid, "k", "c", None, [], 60.0, 2)).allowed

@@ -354,6 +354,17 @@ def bench_provenance(
     _emit(as_json, result, format_provenance_bench(result))
 
 
+def _register_scan() -> None:
+    """``scan`` and ``bench-scan`` live in worldcup_scan (a Ray worker imports it too)."""
+    from worldcup_scan.cli import bench_scan, scan
+
+    app.command("scan")(scan)
+    app.command("bench-scan")(bench_scan)
+
+
+_register_scan()
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option("--host", help="Default: WORLDCUP_HOST.")] = None,
@@ -404,6 +415,36 @@ def bench_service(
 
     result = run_service_bench(device=device, detect_seconds=detect_seconds, progress=progress)
     _emit(as_json, result, format_service_bench(result))
+
+
+@app.command("bench-attack")
+def bench_attack(
+    model: Annotated[
+        str | None, typer.Option("--model", help="Local HF model directory (default: embedded).")
+    ] = None,
+    max_queries: Annotated[
+        int, typer.Option("--max-queries", help="Query cap per attack run.")
+    ] = 6000,
+    as_json: JsonOpt = False,
+) -> None:
+    """Greedy leave-one-word-out removal through /detect/batch: full and verdict keys,
+    with and without probe budgets (the SECURITY.md table)."""
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from worldcup_cli.attack_bench import format_attack_bench, run_attack_bench
+    except ImportError as exc:
+        fail(f"the service extras are not installed ({exc.name}): pip install 'worldcup[service]'")
+    if max_queries <= 0:
+        fail(f"--max-queries must be positive, got {max_queries}")
+
+    def progress(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    result = run_attack_bench(model=model, max_queries=max_queries, progress=progress)
+    _emit(as_json, result, format_attack_bench(result))
 
 
 @app.command("eval")

@@ -14,8 +14,15 @@ the load. Measured:
    after another against the same 8 sent at once; every generated text is
    sent back to ``/decode`` and must give back its own payload;
 3. detection: ``/detect`` requests/s and latency percentiles for 256-token
-   texts from 16 concurrent clients for about ten seconds (plus the latency
-   of one client alone, for scale).
+   texts from 16 and from 200 concurrent clients for about ten seconds each
+   (plus the latency of one client alone, for scale);
+4. probes under bulk load: ``/health`` and ``/ready`` latency (p50, p99, max)
+   from their own process while other clients keep ``/decode/batch`` busy at
+   full rate (three clients with 100 texts of ~256 tokens per batch, one with
+   30 texts of 100 000 characters), and how many bulk requests were shed.
+
+Rate limits and probe budgets are off here: the benchmark measures capacity,
+and it sends the same texts again and again.
 
 The generation load runs in the main thread: next to a forward pass its cost
 is noise. The detection load runs in a child process: a request there costs
@@ -49,6 +56,13 @@ PAYLOAD_BITS = 16
 CONCURRENCY_LEVELS = (1, 4, 8)
 SEQUENTIAL_N = 8
 DETECT_CLIENTS = 16
+DETECT_CLIENTS_MANY = 200
+BULK_SMALL_CLIENTS = 3
+BULK_SMALL_TEXTS = 100
+BULK_BIG_TEXTS = 30
+BULK_BIG_CHARS = 100_000
+PROBE_INTERVAL_S = 0.02
+TARGET_PROBE_P99_MS = 100.0
 DETECT_TOKENS = 256
 DETECT_SECONDS = 10.0
 TARGET_SPEEDUP = 3.0  # N concurrent against N sequential, N = 8
@@ -276,26 +290,111 @@ async def _bench_detect(
 
 def _detect_client(
     base_url: str, api_key: str, texts: list[str], seconds: float
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Runs in the child process: one client alone, then DETECT_CLIENTS at once."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Runs in the child process: one client alone, then 16, then 200 at once."""
     import httpx
 
-    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        n = DETECT_CLIENTS_MANY + 8
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
             single = await _bench_detect(client, api_key, texts, 1, min(2.0, seconds))
             loaded = await _bench_detect(client, api_key, texts, DETECT_CLIENTS, seconds)
-        return single, loaded
+            many = await _bench_detect(client, api_key, texts, DETECT_CLIENTS_MANY, seconds)
+        return single, loaded, many
 
     return asyncio.run(main())
 
 
 def _detect_in_child(
     base_url: str, api_key: str, texts: list[str], seconds: float
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process running torch threads
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         return pool.submit(_detect_client, base_url, api_key, texts, seconds).result()
+
+
+def _bulk_client(base_url: str, api_key: str, texts: list[str], seconds: float) -> dict[str, Any]:
+    """Child process: keep /decode/batch busy for ``seconds`` (small and huge batches)."""
+    import httpx
+
+    auth = {"Authorization": f"Bearer {api_key}"}
+    small = [texts[i % len(texts)] for i in range(BULK_SMALL_TEXTS)]
+    big_text = (" ".join(texts) * (BULK_BIG_CHARS // max(1, len(" ".join(texts))) + 1))[
+        :BULK_BIG_CHARS
+    ]
+    big = [big_text] * BULK_BIG_TEXTS
+    counts: dict[str, int] = {"ok": 0, "shed": 0, "other": 0, "texts": 0}
+
+    async def main() -> None:
+        stop_at = time.perf_counter() + seconds
+
+        async def worker(batch: list[str]) -> None:
+            async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+                while time.perf_counter() < stop_at:
+                    r = await client.post("/decode/batch", json={"texts": batch}, headers=auth)
+                    if r.status_code == 200:
+                        counts["ok"] += 1
+                        counts["texts"] += len(batch)
+                    elif r.status_code in (429, 503):
+                        counts["shed"] += 1
+                        await asyncio.sleep(float(r.headers.get("Retry-After", "1")) / 10)
+                    else:
+                        counts["other"] += 1
+
+        await asyncio.gather(*(worker(small) for _ in range(BULK_SMALL_CLIENTS)), worker(big))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    elapsed = time.perf_counter() - start
+    return {
+        "seconds": round(elapsed, 2),
+        "batches_ok": counts["ok"],
+        "batches_shed": counts["shed"],
+        "batches_failed": counts["other"],
+        "texts_per_s": round(counts["texts"] / elapsed, 1),
+        "big_batch_mb": round(BULK_BIG_TEXTS * BULK_BIG_CHARS / 1e6, 1),
+    }
+
+
+def _probe_client(base_url: str, seconds: float, delay_s: float) -> dict[str, Any]:
+    """Child process: /health and /ready every PROBE_INTERVAL_S while the bulk load runs."""
+    import httpx
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, list[float]] = {"/health": [], "/ready": []}
+        failures = 0
+        await asyncio.sleep(delay_s)  # let the bulk load get going
+        stop_at = time.perf_counter() + seconds
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+            while time.perf_counter() < stop_at:
+                for path, samples in out.items():
+                    start = time.perf_counter()
+                    r = await client.get(path)
+                    samples.append(time.perf_counter() - start)
+                    failures += r.status_code != 200
+                await asyncio.sleep(PROBE_INTERVAL_S)
+        result: dict[str, Any] = {"failures": failures}
+        for path, samples in out.items():
+            result[path] = {
+                "samples": len(samples),
+                "p50_ms": round(1e3 * _percentile(samples, 50), 2),
+                "p99_ms": round(1e3 * _percentile(samples, 99), 2),
+                "max_ms": round(1e3 * max(samples), 2),
+            }
+        return result
+
+    return asyncio.run(main())
+
+
+def _probes_under_bulk_load(
+    base_url: str, api_key: str, texts: list[str], seconds: float
+) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        bulk = pool.submit(_bulk_client, base_url, api_key, texts, seconds + 2.0)
+        probes = pool.submit(_probe_client, base_url, seconds, 1.0)
+        return {"probes": probes.result(), "bulk": bulk.result()}
 
 
 async def _drive(
@@ -350,12 +449,17 @@ async def _drive(
         texts = _detect_texts(tokenizer, articles, 64)
         token_counts = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
         progress(f"detect: {DETECT_CLIENTS} clients for {detect_seconds:.0f} s")
-        single, loaded = await asyncio.to_thread(
+        single, loaded, many = await asyncio.to_thread(
             _detect_in_child, base_url, api_key, texts, detect_seconds
         )
         loaded["text_tokens_median"] = int(statistics.median(token_counts))
         loaded["single_client_p50_ms"] = single["p50_ms"]
         loaded["single_client_requests_per_s"] = single["requests_per_s"]
+        loaded["many_clients"] = many
+        progress(f"/health and /ready under bulk /decode/batch load for {detect_seconds:.0f} s")
+        bulk = await asyncio.to_thread(
+            _probes_under_bulk_load, base_url, api_key, texts, detect_seconds
+        )
         metrics = (await client.get("/metrics")).text
 
     n = len(load.generated)
@@ -387,6 +491,7 @@ async def _drive(
             },
         },
         "detection": loaded,
+        "probes_under_bulk_load": bulk,
         "server_generated_tokens_total": _metric(metrics, "worldcup_generated_tokens_total"),
         "targets": {
             "speedup_8_concurrent": {
@@ -403,6 +508,11 @@ async def _drive(
                 "measured": loaded["requests_per_s"],
                 "target": f">= {TARGET_DETECT_RPS}",
                 "passed": loaded["requests_per_s"] >= TARGET_DETECT_RPS,
+            },
+            "health_p99_ms_under_bulk_load": {
+                "measured": bulk["probes"]["/health"]["p99_ms"],
+                "target": f"<= {TARGET_PROBE_P99_MS:g}",
+                "passed": bulk["probes"]["/health"]["p99_ms"] <= TARGET_PROBE_P99_MS,
             },
             "every_payload_decoded": {
                 "measured": f"{exact}/{n}",
@@ -461,6 +571,9 @@ def run_service_bench(
             admin_token=SecretStr(admin_token),
             admin_token_file=None,
             log_level="WARNING",
+            rate_limit_per_s=0,  # capacity, not the per-tenant budget
+            probe_budget_full=0,  # the detect load repeats its 64 texts
+            probe_budget_verdict=0,
         )
         say(f"starting the service on 127.0.0.1:{port} ({device})")
         t_start = time.perf_counter()
@@ -497,6 +610,7 @@ def run_service_bench(
 def format_service_bench(result: dict[str, Any]) -> str:
     """A plain-text report of :func:`run_service_bench`'s dict."""
     env, gen, det = result["environment"], result["generation"], result["detection"]
+    many, bulk = det["many_clients"], result["probes_under_bulk_load"]
     svc = gen["sequential_vs_concurrent"]
     dec = gen["decoded"]
     lines = [
@@ -537,6 +651,21 @@ def format_service_bench(result: dict[str, Any]) -> str:
         f"p90 {det['p90_ms']:.2f} ms  p99 {det['p99_ms']:.2f} ms",
         f"  one client alone: p50 {det['single_client_p50_ms']:.2f} ms, "
         f"{det['single_client_requests_per_s']:.1f} req/s",
+        f"  {many['clients']} clients: {many['requests']} requests ({many['errors']} errors)  "
+        f"{many['requests_per_s']:.1f} req/s  p50 {many['p50_ms']:.2f} ms  "
+        f"p99 {many['p99_ms']:.2f} ms",
+        "",
+        f"probes under bulk load (/decode/batch: {BULK_SMALL_CLIENTS} clients x "
+        f"{BULK_SMALL_TEXTS} texts, 1 client x {bulk['bulk']['big_batch_mb']} MB; "
+        f"{bulk['bulk']['texts_per_s']:.0f} texts/s, {bulk['bulk']['batches_ok']} batches ok, "
+        f"{bulk['bulk']['batches_shed']} shed)",
+        *(
+            f"  {path:<8} p50 {bulk['probes'][path]['p50_ms']:.2f} ms  "
+            f"p99 {bulk['probes'][path]['p99_ms']:.2f} ms  "
+            f"max {bulk['probes'][path]['max_ms']:.2f} ms  "
+            f"({bulk['probes'][path]['samples']} samples)"
+            for path in ("/health", "/ready")
+        ),
         "",
         "targets",
     ]

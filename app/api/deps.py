@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -14,8 +15,11 @@ from app.core.config import Role, Settings
 from app.core.metrics import Metrics  # noqa: F401  (Runtime field type)
 from app.core.security import tokens_equal
 from app.services.batcher import Batcher
-from app.services.tenants import TenantService
+from app.services.probes import ProbeAccountant
+from app.services.tenants import Principal, TenantService
 from app.stores.base import Store, TenantRecord
+
+PROVENANCE_SCOPE = "provenance"
 
 bearer = HTTPBearer(auto_error=False, description="Tenant API key, or the admin token")
 
@@ -31,6 +35,7 @@ class Runtime:
     tokenizer: Any
     model_id: str
     batcher: Batcher | None = None  # None in the detector role
+    probes: ProbeAccountant | None = None
     warm: bool = False
     draining: bool = False
     marker: str | None = None  # the store's marker, once seen (see /ready)
@@ -49,14 +54,42 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
-async def get_current_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+async def get_principal(runtime: RuntimeDep, credentials: Credentials) -> Principal:
     """The tenant comes only from the API key, never from the request body."""
     if credentials is None:
         raise _unauthorized("missing Authorization: Bearer <api key>")
-    tenant = await runtime.tenants.tenant_for_api_key(credentials.credentials)
-    if tenant is None:
-        raise _unauthorized("invalid API key")
-    return tenant
+    principal = await runtime.tenants.authenticate(credentials.credentials)
+    if principal is None:
+        raise _unauthorized("invalid or revoked API key")
+    return principal
+
+
+def _check_scope(principal: Principal, scope: str) -> None:
+    if scope not in principal.scopes:
+        hint = " (and the tenant's grant)" if scope == PROVENANCE_SCOPE else ""
+        raise APIError(
+            403,
+            f"this API key lacks the '{scope}' scope; an admin can issue a key with it{hint}",
+            "missing_scope",
+        )
+
+
+def scoped_key(scope: str, charged: bool = True) -> Callable[..., Awaitable[Principal]]:
+    """A dependency: an API key holding ``scope``; charged one rate token unless
+    the route charges per item itself (bulk routes)."""
+
+    async def dependency(runtime: RuntimeDep, credentials: Credentials) -> Principal:
+        principal = await get_principal(runtime, credentials)
+        _check_scope(principal, scope)
+        if charged:
+            await charge(runtime, principal.tenant)
+        return principal
+
+    return dependency
+
+
+async def get_current_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+    return (await get_principal(runtime, credentials)).tenant
 
 
 CurrentTenantDep = Annotated[TenantRecord, Depends(get_current_tenant)]
@@ -100,12 +133,20 @@ async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:
         )
 
 
-async def rate_limited_tenant(runtime: RuntimeDep, tenant: CurrentTenantDep) -> TenantRecord:
-    await charge(runtime, tenant)
-    return tenant
+async def rate_limited_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+    """Generation routes: a key with the ``generate`` scope, charged one token."""
+    principal = await get_principal(runtime, credentials)
+    _check_scope(principal, "generate")
+    await charge(runtime, principal.tenant)
+    return principal.tenant
 
 
-PROVENANCE_SCOPE = "provenance"
+async def generating_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+    """Generation routes that charge per sample themselves (OpenAI ``n``): a key with
+    the ``generate`` scope, not yet charged."""
+    principal = await get_principal(runtime, credentials)
+    _check_scope(principal, "generate")
+    return principal.tenant
 
 
 @dataclass(frozen=True)
@@ -119,13 +160,9 @@ class Investigator:
 async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> Investigator:
     if _is_admin(runtime, credentials):
         return Investigator("admin", True)
-    tenant = await get_current_tenant(runtime, credentials)
-    if PROVENANCE_SCOPE not in tenant.scopes:
-        raise APIError(
-            403,
-            "this API key lacks the 'provenance' scope; an admin can grant it",
-            "missing_scope",
-        )
+    principal = await get_principal(runtime, credentials)
+    _check_scope(principal, PROVENANCE_SCOPE)
+    tenant = principal.tenant
     await charge(runtime, tenant)
     return Investigator(f"tenant:{tenant.tenant_id}", False)
 
@@ -141,7 +178,13 @@ def require_generator(runtime: RuntimeDep) -> Batcher:
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
-CurrentTenant = Annotated[TenantRecord, Depends(rate_limited_tenant)]  # charged one token
-UnchargedTenant = CurrentTenantDep  # bulk routes charge per text themselves
+# generate scope, charged one token
+CurrentTenant = Annotated[TenantRecord, Depends(rate_limited_tenant)]
+UnchargedTenant = Annotated[TenantRecord, Depends(generating_tenant)]
+DetectKey = Annotated[Principal, Depends(scoped_key("detect"))]
+DecodeKey = Annotated[Principal, Depends(scoped_key("decode"))]
+# bulk routes charge per text themselves
+DetectBatchKey = Annotated[Principal, Depends(scoped_key("detect", charged=False))]
+DecodeBatchKey = Annotated[Principal, Depends(scoped_key("decode", charged=False))]
 InvestigatorDep = Annotated[Investigator, Depends(require_provenance)]
 BatcherDep = Annotated[Batcher, Depends(require_generator)]

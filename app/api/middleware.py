@@ -10,15 +10,19 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import envelope
+from app.api.errors import OPENAI_PREFIX, envelope, openai_envelope
 from app.core.logging import request_id_var
 from app.core.metrics import Metrics
 
 logger = logging.getLogger("worldcup.access")
 
 
-async def _send_error(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(envelope(status, message, code)).encode()
+async def _send_error(send: Send, status: int, message: str, code: str, path: str = "") -> None:
+    openai = path.startswith(OPENAI_PREFIX)
+    error = (
+        openai_envelope(status, message, code, None) if openai else envelope(status, message, code)
+    )
+    body = json.dumps(error).encode()
     await send(
         {
             "type": "http.response.start",
@@ -27,6 +31,28 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class SingleAuthorization:
+    """400 for a request with more than one ``Authorization`` header.
+
+    Starlette would silently use the first; a proxy or client in between might
+    use the last. Refusing the ambiguity keeps everyone reading the same
+    credential (and the error never echoes either value).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            count = sum(1 for name, _ in scope.get("headers", []) if name == b"authorization")
+            if count > 1:
+                await _send_error(
+                    send, 400, "more than one Authorization header", "duplicate_authorization"
+                )
+                return
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimit:
@@ -56,7 +82,9 @@ class BodySizeLimit:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await _send_error(send, 413, self._message(limit), "request_too_large")
+                    await _send_error(
+                        send, 413, self._message(limit), "request_too_large", scope["path"]
+                    )
                     return
         # No (or a lying) Content-Length: read the body here, before the app, and
         # count. An exception raised from inside the app's receive() is swallowed
@@ -72,7 +100,9 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > limit:
-                await _send_error(send, 413, self._message(limit), "request_too_large")
+                await _send_error(
+                    send, 413, self._message(limit), "request_too_large", scope["path"]
+                )
                 return
             chunks.append(chunk)
             more_body = message.get("more_body", False)

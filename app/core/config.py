@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     model_path: str | None = None  # None: the embedded SmolLM2
     device: str = "cpu"
     dtype: str = "auto"
+    # the model id of the OpenAI routes (default: the model's short name)
+    served_model_name: Annotated[str | None, Field(min_length=1, max_length=256)] = None
     cache_dir: Path | None = None
 
     # store: Redis when a URL is set, otherwise embedded SQLite
@@ -92,6 +94,17 @@ class Settings(BaseSettings):
     idempotency_ttl_s: Annotated[int, Field(ge=1)] = 86_400
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     cache_ttl_s: Annotated[float, Field(ge=0)] = 5.0  # tenant and key-version lookups
+
+    # CPU work (tokenising, scoring, decoding) runs in a bounded thread pool, off
+    # the event loop; beyond cpu_max_pending admitted jobs a request gets 503 at once
+    cpu_workers: Annotated[int, Field(ge=1, le=64)] = 4
+    cpu_max_pending: Annotated[int, Field(ge=1)] = 64
+
+    # probe budgets: near-duplicate detect/decode queries per text and API key within
+    # the window (verdict keys, full keys); beyond them 429 probe_budget_exceeded; 0 = off
+    probe_window_s: Annotated[float, Field(gt=0)] = 3600.0
+    probe_budget_verdict: Annotated[int, Field(ge=0)] = 20
+    probe_budget_full: Annotated[int, Field(ge=0)] = 200
 
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000

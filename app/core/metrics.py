@@ -55,6 +55,12 @@ class Metrics:
         self.detections = Counter(
             "worldcup_detections", "Detect/decode verdicts.", ["result"], registry=r
         )
+        self.probe_budget_exceeded = Counter(
+            "worldcup_probe_budget_exceeded",
+            "Detect/decode queries refused: over their text's probe budget, by detail level.",
+            ["detail"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "worldcup_queue_depth", "Generate requests waiting for a batch slot.", registry=r
         )

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from app.schemas.common import StrictModel, StrictRequest
+from app.schemas.exposure import DecodeVerdict, DetectVerdict
 
 MAX_METADATA_BYTES = 4096
 MAX_METADATA_DEPTH = 4
@@ -397,7 +398,7 @@ class DecodeBatchRequest(StrictRequest):
 
 class DecodeBatchItem(StrictModel):
     index: int
-    result: DecodeResponse | None
+    result: DecodeResponse | DecodeVerdict | None
     error: BatchItemError | None
 
 
@@ -420,7 +421,7 @@ class DetectBatchRequest(StrictRequest):
 
 class DetectBatchItem(StrictModel):
     index: int
-    result: DetectResponse | None
+    result: DetectResponse | DetectVerdict | None
     error: BatchItemError | None
 
 

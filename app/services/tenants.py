@@ -12,12 +12,21 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.core.security import KeyWrapper, hash_api_key, new_api_key, verify_api_key
-from app.stores.base import KeyRecord, RegistryEntry, RegistryFull, Store, TenantRecord
+from app.services.cpu import CpuPool
+from app.stores.base import (
+    PRIMARY_KEY_ID,
+    ApiKeyRecord,
+    KeyRecord,
+    RegistryEntry,
+    RegistryFull,
+    Store,
+    TenantRecord,
+)
 from worldcup_core import (
     DecodeResult,
     DetectionResult,
@@ -32,9 +41,7 @@ from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 from worldcup_core.scoring import sidak_log_p
 
-# Above this many texts a bulk call runs its hashing in a worker thread, so one
-# big batch does not stall every other request on the event loop.
-_OFFLOAD_TEXTS = 8
+T = TypeVar("T")
 
 
 class UnknownTenant(LookupError):
@@ -43,6 +50,43 @@ class UnknownTenant(LookupError):
 
 class UnknownKeyVersion(LookupError):
     pass
+
+
+class UnknownApiKey(LookupError):
+    pass
+
+
+ALL_SCOPES = ("generate", "detect", "decode", "provenance")
+TENANT_GATED_SCOPES = frozenset({"provenance"})  # also need the tenant's own grant
+
+
+def primary_key(tenant: TenantRecord) -> ApiKeyRecord:
+    """The key a tenant was created with, as an API key record: every scope and
+    ``full`` detail, today's behaviour (provenance still follows the tenant's scopes)."""
+    return ApiKeyRecord(
+        key_id=PRIMARY_KEY_ID,
+        tenant_id=tenant.tenant_id,
+        key_hash=tenant.api_key_hash,
+        name=PRIMARY_KEY_ID,
+        scopes=ALL_SCOPES,
+        detail="full",
+        created_at=tenant.created_at,
+    )
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant and the API key it used."""
+
+    tenant: TenantRecord
+    key: ApiKeyRecord
+
+    @property
+    def scopes(self) -> frozenset[str]:
+        """The key's scopes; provenance only while the tenant holds it too."""
+        return frozenset(
+            s for s in self.key.scopes if s not in TENANT_GATED_SCOPES or s in self.tenant.scopes
+        )
 
 
 class RegistryExhausted(Exception):
@@ -99,8 +143,10 @@ class TenantService:
         wrapper: KeyWrapper,
         defaults: WatermarkConfig,
         cache_ttl_s: float = 5.0,
+        cpu: CpuPool | None = None,
     ) -> None:
         self.store = store
+        self.cpu = cpu
         self.wrapper = wrapper
         self.defaults = defaults
         self.cache_ttl_s = cache_ttl_s
@@ -109,26 +155,104 @@ class TenantService:
         # round trip costs as much as the detection itself. A rotation done on
         # another replica is seen within cache_ttl_s.
         self._records: dict[str, tuple[float, list[KeyRecord]]] = {}
-        self._api_keys: dict[str, tuple[float, TenantRecord]] = {}
+        self._api_keys: dict[str, tuple[float, Principal]] = {}
         self._bank: _Bank | None = None
         self._bank_lock = asyncio.Lock()
         self.provenance_refresh_s = 30.0
 
-    async def tenant_for_api_key(self, api_key: str) -> TenantRecord | None:
+    async def offload(self, fn: Callable[[], T]) -> T:
+        """Run scoring work off the event loop: in the bounded CPU pool (which may
+        refuse it with Overloaded), or in a plain thread when there is none."""
+        if self.cpu is not None:
+            return await self.cpu.run(fn)
+        return await asyncio.to_thread(fn)
+
+    async def authenticate(self, api_key: str) -> Principal | None:
+        """The tenant and key behind an API key; None if unknown or revoked.
+
+        Cached for ``cache_ttl_s``: a revocation on another replica takes effect
+        there within that time (at once on the replica that revoked).
+        """
         digest = hash_api_key(api_key)
         now = time.monotonic()
         hit = self._api_keys.get(digest)
         if hit is not None and now - hit[0] < self.cache_ttl_s:
-            tenant: TenantRecord | None = hit[1]
+            principal: Principal | None = hit[1]
         else:
-            tenant = await self.store.tenant_by_api_key_hash(digest)
-            if tenant is not None:
+            principal = await self._lookup(digest)
+            if principal is not None:
                 if len(self._api_keys) > 10_000:
                     self._api_keys.clear()
-                self._api_keys[digest] = (now, tenant)
-        if tenant is None or not verify_api_key(api_key, tenant.api_key_hash):
+                self._api_keys[digest] = (now, principal)
+        if principal is None or principal.key.revoked_at is not None:
             return None
+        if not verify_api_key(api_key, principal.key.key_hash):
+            return None
+        return principal
+
+    async def tenant_for_api_key(self, api_key: str) -> TenantRecord | None:
+        principal = await self.authenticate(api_key)
+        return None if principal is None else principal.tenant
+
+    async def _lookup(self, digest: str) -> Principal | None:
+        record = await self.store.api_key_by_hash(digest)
+        if record is not None:
+            tenant = await self.store.get_tenant(record.tenant_id)
+            return None if tenant is None else Principal(tenant, record)
+        tenant = await self.store.tenant_by_api_key_hash(digest)
+        if tenant is None:
+            return None
+        return Principal(tenant, await self._ensure_primary(tenant))
+
+    async def _ensure_primary(self, tenant: TenantRecord) -> ApiKeyRecord:
+        """Tenants created before API keys existed get their key recorded on first use
+        (idempotent; concurrent replicas write it once)."""
+        record = primary_key(tenant)
+        if await self.store.add_api_key(record):
+            return record
+        for stored in await self.store.api_keys(tenant.tenant_id):
+            if stored.key_id == PRIMARY_KEY_ID:
+                return stored
+        return record
+
+    async def _tenant(self, tenant_id: str) -> TenantRecord:
+        tenant = await self.store.get_tenant(tenant_id)
+        if tenant is None:
+            raise UnknownTenant(tenant_id)
         return tenant
+
+    async def create_api_key(
+        self, tenant_id: str, name: str, scopes: tuple[str, ...], detail: str
+    ) -> tuple[ApiKeyRecord, str]:
+        """A new key for the tenant: (record, secret). The secret is shown once."""
+        tenant = await self._tenant(tenant_id)
+        await self._ensure_primary(tenant)
+        secret = new_api_key()
+        record = ApiKeyRecord(
+            key_id=secrets.token_hex(8),
+            tenant_id=tenant_id,
+            key_hash=hash_api_key(secret),
+            name=name,
+            scopes=scopes,
+            detail=detail,
+            created_at=time.time(),
+        )
+        await self.store.add_api_key(record)
+        return record, secret
+
+    async def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        await self._ensure_primary(await self._tenant(tenant_id))
+        return await self.store.api_keys(tenant_id)
+
+    async def revoke_api_key(self, tenant_id: str, key_id: str) -> ApiKeyRecord:
+        tenant = await self._tenant(tenant_id)
+        if key_id == PRIMARY_KEY_ID:
+            await self._ensure_primary(tenant)
+        record = await self.store.revoke_api_key(tenant_id, key_id, time.time())
+        if record is None:
+            raise UnknownApiKey(key_id)
+        self._api_keys.pop(record.key_hash, None)
+        return record
 
     # admin ------------------------------------------------------------------
     async def create_tenant(self, name: str, scopes: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -146,7 +270,7 @@ class TenantService:
         if tenant is None:
             raise UnknownTenant(tenant_id)
         self._api_keys = {
-            d: hit for d, hit in self._api_keys.items() if hit[1].tenant_id != tenant_id
+            d: hit for d, hit in self._api_keys.items() if hit[1].tenant.tenant_id != tenant_id
         }
         return tenant
 
@@ -312,10 +436,7 @@ class TenantService:
                 out.append((DecodeOutcome(best.key_version, best.result, match, None), message_id))
             return out
 
-        if len(texts) > _OFFLOAD_TEXTS:
-            decoded = await asyncio.to_thread(work)
-        else:
-            decoded = work()
+        decoded = await self.offload(work)
         outcomes = []
         for outcome, message_id in decoded:
             entry = None
@@ -351,9 +472,7 @@ class TenantService:
             z = z_from_log_p(log_p, best.num_scored_tokens)
             return DetectOutcome(version if p_value < significance else None, best, p_value, z)
 
-        if len(texts) > _OFFLOAD_TEXTS:
-            return await asyncio.to_thread(lambda: [one(t) for t in texts])
-        return [one(t) for t in texts]
+        return await self.offload(lambda: [one(t) for t in texts])
 
     # provenance -------------------------------------------------------------
     async def key_bank(self) -> tuple[KeyBank, list[tuple[str, int]]]:
@@ -384,7 +503,7 @@ class TenantService:
         """Which tenant and key version watermarked this text, and for which registry entry?"""
         bank, refs = await self.key_bank()
         started = time.perf_counter()
-        result = await asyncio.to_thread(bank.search, token_ids)
+        result = await self.offload(lambda: bank.search(token_ids))
         elapsed = time.perf_counter() - started
         num_tenants = len({t for t, _ in refs})
         candidates = [(*refs[c.index], c.log10_p_value) for c in result.top]

@@ -53,6 +53,69 @@ class TenantRecord:
     scopes: tuple[str, ...] = ()
 
 
+PRIMARY_KEY_ID = "primary"  # the key a tenant was created with (before API keys existed)
+
+
+@dataclass(frozen=True)
+class ApiKeyRecord:
+    """One API key of a tenant: what it may do and how much detection detail it sees.
+
+    Only the SHA-256 of the secret is stored. ``scopes`` are among generate,
+    detect, decode and provenance (the last also needs the tenant's scope);
+    ``detail`` is ``full`` or ``verdict``.
+    """
+
+    key_id: str
+    tenant_id: str
+    key_hash: str
+    name: str
+    scopes: tuple[str, ...]
+    detail: str
+    created_at: float
+    revoked_at: float | None = None
+
+    def __repr__(self) -> str:
+        return f"ApiKeyRecord(tenant_id={self.tenant_id!r}, key_id={self.key_id!r})"
+
+
+def api_key_to_json(key: ApiKeyRecord) -> str:
+    """The stored form of an API key record (both backends; revocation is kept apart)."""
+    return compact_json(
+        {
+            "key_id": key.key_id,
+            "tenant_id": key.tenant_id,
+            "key_hash": key.key_hash,
+            "name": key.name,
+            "scopes": list(key.scopes),
+            "detail": key.detail,
+            "created_at": key.created_at,
+        }
+    )
+
+
+def api_key_from_json(raw: str, revoked_at: float | None) -> ApiKeyRecord:
+    d = json.loads(raw)
+    return ApiKeyRecord(
+        key_id=d["key_id"],
+        tenant_id=d["tenant_id"],
+        key_hash=d["key_hash"],
+        name=d["name"],
+        scopes=tuple(d["scopes"]),
+        detail=d["detail"],
+        created_at=float(d["created_at"]),
+        revoked_at=revoked_at,
+    )
+
+
+@dataclass(frozen=True)
+class ProbeDecision:
+    """The outcome of counting one query against its text's probe budget."""
+
+    allowed: bool
+    count: int  # queries of this text in the window, this one included when allowed
+    retry_after_s: float  # 0 when allowed: when the oldest counted query leaves the window
+
+
 @dataclass(frozen=True)
 class KeyRecord:
     """One version of a tenant's watermark key, encrypted at rest (AES-256-GCM)."""
@@ -203,6 +266,40 @@ class Store(Protocol):
 
     async def audit_log(self, limit: int) -> list[AuditRecord]:
         """The newest ``limit`` records, newest first."""
+
+    # API keys
+    async def add_api_key(self, key: ApiKeyRecord) -> bool:
+        """Store a new API key; False (nothing written) if the tenant already has this
+        key id. Conflict if another key has the same hash."""
+
+    async def api_key_by_hash(self, key_hash: str) -> ApiKeyRecord | None: ...
+
+    async def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        """Every key of the tenant, revoked ones too, oldest first."""
+
+    async def revoke_api_key(self, tenant_id: str, key_id: str, at: float) -> ApiKeyRecord | None:
+        """Mark revoked (the first revocation time stays); None if there is no such key."""
+
+    # probe accounting (near-duplicate detect/decode queries per API key)
+    async def probe_candidates(
+        self, tenant_id: str, key_id: str, bands: list[str]
+    ) -> list[tuple[str, bytes]]:
+        """(cluster id, sketch) of the live clusters any of these LSH bands points to."""
+
+    async def probe_hit(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+    ) -> ProbeDecision:
+        """Count one query of the cluster in a sliding window of ``window_s``, unless
+        ``budget`` queries are counted already (then nothing is recorded). When
+        ``sketch`` is given, the cluster's sketch becomes it and ``bands`` point to
+        the cluster. Everything expires ``window_s`` after its last use."""
 
     # rate limits
     async def take_tokens(

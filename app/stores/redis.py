@@ -12,6 +12,12 @@ Layout (``p`` = prefix, ``t`` = tenant id)::
     p:t:msgidx:{kv}:{bits}    zset  message ids issued under (key version, payload bits)
     p:t:msgbits:{kv}          set   payload lengths issued under a key version
     p:t:ratelimit             hash  token bucket (tokens, ts), expires when full
+    p:keyhash:{sha256}        str   "tenant id key id" of an API key (authentication lookup)
+    p:t:apikeys               hash  key id -> ApiKeyRecord JSON
+    p:t:apikeys-revoked       hash  key id -> revocation time
+    p:t:probe:{k}:band:{b}    str   cluster id an LSH band of API key k points to (TTL)
+    p:t:probe:{k}:sk:{c}      str   the cluster's MinHash sketch, base64 (TTL)
+    p:t:probe:{k}:hits:{c}    zset  times of the cluster's counted queries (TTL)
     p:audit                   stream provenance audit log (one JSON field per entry)
     p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
     p:marker                  str   the service's marker (written at first start)
@@ -33,6 +39,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -46,15 +53,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from app.stores.base import (
+    ApiKeyRecord,
     AuditRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
+    ProbeDecision,
     RateDecision,
     RegistryEntry,
     RegistryFull,
     StoreUnavailable,
     TenantRecord,
+    api_key_from_json,
+    api_key_to_json,
     audit_from_json,
     audit_to_json,
     check_tenant_id,
@@ -142,6 +153,50 @@ redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
 return {allowed, string.format('%.6f', retry), string.format('%.6f', tokens)}
 """
 
+# KEYS: apikeys hash, keyhash lookup. ARGV: key id, record JSON, "tenant key" ref.
+# 0 if the key id exists, -1 if the hash is taken, 1 when written.
+_ADD_API_KEY = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS: apikeys hash, revoked hash. ARGV: key id, time. 0 if no such key.
+_REVOKE_API_KEY = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Sliding-window probe counter. KEYS: hits zset, sketch key, band keys...
+# ARGV: window ms, budget, cluster id, sketch ('' keeps the old one), member nonce.
+# Redis's clock, so every replica shares one time base.
+# Returns {allowed, count, retry_after_ms}.
+_PROBE_HIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+local count = redis.call('ZCARD', KEYS[1])
+if count >= budget then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  local retry = window
+  if oldest[2] then retry = tonumber(oldest[2]) + window - now end
+  return {0, count, retry}
+end
+redis.call('ZADD', KEYS[1], now, now .. ':' .. ARGV[5])
+redis.call('PEXPIRE', KEYS[1], window)
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', window)
+  for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[3], 'PX', window) end
+else
+  redis.call('PEXPIRE', KEYS[2], window)
+end
+return {1, count + 1, 0}
+"""
+
 AUDIT_MAXLEN = 1_000_000  # approximate trim; older records go first
 
 
@@ -224,6 +279,9 @@ class RedisStore:
         self._allocate = self._redis.register_script(_ALLOCATE)
         self._set_scopes = self._redis.register_script(_SET_SCOPES)
         self._take_tokens = self._redis.register_script(_TAKE_TOKENS)
+        self._add_api_key = self._redis.register_script(_ADD_API_KEY)
+        self._revoke_api_key = self._redis.register_script(_REVOKE_API_KEY)
+        self._probe_hit = self._redis.register_script(_PROBE_HIT)
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where!r}, prefix={self._prefix!r})"
@@ -482,6 +540,110 @@ class RedisStore:
         return [audit_from_json(fields["json"], str(entry_id)) for entry_id, fields in rows]
 
     # -- rate limits ----------------------------------------------------------
+
+    # -- API keys -------------------------------------------------------------
+
+    async def add_api_key(self, key: ApiKeyRecord) -> bool:
+        keys = [self._t(key.tenant_id, "apikeys"), self._g("keyhash", key.key_hash)]
+        args = [key.key_id, api_key_to_json(key), f"{key.tenant_id} {key.key_id}"]
+        async with self._guard():
+            result = int(await self._add_api_key(keys=keys, args=args))
+        if result == -1:
+            raise Conflict("api key hash already in use")
+        if result == 1 and key.revoked_at is not None:
+            await self.revoke_api_key(key.tenant_id, key.key_id, key.revoked_at)
+        return result == 1
+
+    async def _api_key(self, tenant_id: str, key_id: str) -> ApiKeyRecord | None:
+        async with self._guard():
+            raw = cast("str | None", await self._redis.hget(self._t(tenant_id, "apikeys"), key_id))
+            revoked = cast(
+                "str | None", await self._redis.hget(self._t(tenant_id, "apikeys-revoked"), key_id)
+            )
+        if raw is None:
+            return None
+        return api_key_from_json(raw, None if revoked is None else float(revoked))
+
+    async def api_key_by_hash(self, key_hash: str) -> ApiKeyRecord | None:
+        async with self._guard():
+            ref = cast("str | None", await self._redis.get(self._g("keyhash", key_hash)))
+        if ref is None:
+            return None
+        tenant_id, _, key_id = ref.partition(" ")
+        return await self._api_key(tenant_id, key_id)
+
+    async def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        async with self._guard():
+            raw = cast("dict[str, str]", await self._redis.hgetall(self._t(tenant_id, "apikeys")))
+            revoked = cast(
+                "dict[str, str]", await self._redis.hgetall(self._t(tenant_id, "apikeys-revoked"))
+            )
+        keys = [
+            api_key_from_json(v, float(revoked[k]) if k in revoked else None)
+            for k, v in raw.items()
+        ]
+        return sorted(keys, key=lambda k: (k.created_at, k.key_id))
+
+    async def revoke_api_key(self, tenant_id: str, key_id: str, at: float) -> ApiKeyRecord | None:
+        keys = [self._t(tenant_id, "apikeys"), self._t(tenant_id, "apikeys-revoked")]
+        async with self._guard():
+            found = int(await self._revoke_api_key(keys=keys, args=[key_id, repr(float(at))]))
+        if not found:
+            return None
+        return await self._api_key(tenant_id, key_id)
+
+    # -- probe accounting -----------------------------------------------------
+
+    def _probe(self, tenant_id: str, key_id: str, *parts: object) -> str:
+        if not key_id or ":" in key_id:
+            raise ValueError("invalid key id")
+        return self._t(tenant_id, "probe", key_id, *parts)
+
+    async def probe_candidates(
+        self, tenant_id: str, key_id: str, bands: list[str]
+    ) -> list[tuple[str, bytes]]:
+        if not bands:
+            return []
+        band_keys = [self._probe(tenant_id, key_id, "band", b) for b in bands]
+        async with self._guard():
+            refs = cast("list[str | None]", await self._redis.mget(band_keys))
+            ids = sorted({r for r in refs if r is not None})
+            if not ids:
+                return []
+            sketches = cast(
+                "list[str | None]",
+                await self._redis.mget([self._probe(tenant_id, key_id, "sk", c) for c in ids]),
+            )
+        return [
+            (c, base64.b64decode(sk)) for c, sk in zip(ids, sketches, strict=True) if sk is not None
+        ]
+
+    async def probe_hit(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+    ) -> ProbeDecision:
+        keys = [
+            self._probe(tenant_id, key_id, "hits", cluster_id),
+            self._probe(tenant_id, key_id, "sk", cluster_id),
+        ]
+        if sketch is not None:
+            keys += [self._probe(tenant_id, key_id, "band", b) for b in bands]
+        args: list[str | int] = [
+            max(1, round(window_s * 1000)),
+            int(budget),
+            cluster_id,
+            base64.b64encode(sketch).decode("ascii") if sketch is not None else "",
+            secrets.token_hex(6),
+        ]
+        async with self._guard():
+            allowed, count, retry_ms = await self._probe_hit(keys=keys, args=args)
+        return ProbeDecision(bool(int(allowed)), int(count), max(0.0, float(retry_ms) / 1000))
 
     async def take_tokens(
         self, tenant_id: str, rate_per_s: float, burst: float, cost: float

@@ -21,15 +21,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.stores.base import (
+    ApiKeyRecord,
     AuditRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
+    ProbeDecision,
     RateDecision,
     RegistryEntry,
     RegistryFull,
     StoreUnavailable,
     TenantRecord,
+    api_key_from_json,
+    api_key_to_json,
     audit_from_json,
     audit_to_json,
     check_tenant_id,
@@ -81,6 +85,39 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (tenant_id, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at);
+CREATE TABLE IF NOT EXISTS api_keys (
+    tenant_id  TEXT NOT NULL,
+    key_id     TEXT NOT NULL,
+    key_hash   TEXT NOT NULL UNIQUE,
+    record     TEXT NOT NULL,
+    revoked_at REAL,
+    PRIMARY KEY (tenant_id, key_id)
+);
+CREATE TABLE IF NOT EXISTS probe_bands (
+    tenant_id  TEXT NOT NULL,
+    key_id     TEXT NOT NULL,
+    band       TEXT NOT NULL,
+    cluster_id TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (tenant_id, key_id, band)
+);
+CREATE TABLE IF NOT EXISTS probe_clusters (
+    tenant_id  TEXT NOT NULL,
+    key_id     TEXT NOT NULL,
+    cluster_id TEXT NOT NULL,
+    sketch     BLOB NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (tenant_id, key_id, cluster_id)
+);
+CREATE TABLE IF NOT EXISTS probe_hits (
+    tenant_id  TEXT NOT NULL,
+    key_id     TEXT NOT NULL,
+    cluster_id TEXT NOT NULL,
+    at         REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS probe_hits_by_cluster ON probe_hits (tenant_id, key_id, cluster_id, at);
+CREATE INDEX IF NOT EXISTS probe_bands_expiry ON probe_bands (expires_at);
+CREATE INDEX IF NOT EXISTS probe_clusters_expiry ON probe_clusters (expires_at);
 CREATE TABLE IF NOT EXISTS audit (
     id     INTEGER PRIMARY KEY AUTOINCREMENT,
     record TEXT NOT NULL
@@ -156,6 +193,7 @@ class SQLiteStore:
         # Token buckets live in this process: the embedded store serves one node.
         self._buckets: dict[str, tuple[float, float]] = {}
         self._bucket_lock = threading.Lock()
+        self._probe_calls = 0
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self._path!r})"
@@ -465,6 +503,164 @@ class SQLiteStore:
             ).fetchall()
         )
         return [audit_from_json(row["record"], str(row["id"])) for row in rows]
+
+    # -- API keys -------------------------------------------------------------
+
+    async def add_api_key(self, key: ApiKeyRecord) -> bool:
+        check_tenant_id(key.tenant_id)
+        data = api_key_to_json(key)
+
+        def op(c: sqlite3.Connection) -> bool:
+            with _transaction(c):
+                exists = c.execute(
+                    "SELECT 1 FROM api_keys WHERE tenant_id = ? AND key_id = ?",
+                    (key.tenant_id, key.key_id),
+                ).fetchone()
+                if exists:
+                    return False
+                try:
+                    c.execute(
+                        "INSERT INTO api_keys VALUES (?, ?, ?, ?, ?)",
+                        (key.tenant_id, key.key_id, key.key_hash, data, key.revoked_at),
+                    )
+                except sqlite3.IntegrityError:
+                    raise Conflict("api key hash already in use") from None
+                return True
+
+        return await self._run(op)
+
+    async def api_key_by_hash(self, key_hash: str) -> ApiKeyRecord | None:
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT record, revoked_at FROM api_keys WHERE key_hash = ?", (key_hash,)
+            ).fetchone()
+        )
+        return None if row is None else api_key_from_json(row["record"], row["revoked_at"])
+
+    async def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        check_tenant_id(tenant_id)
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT record, revoked_at FROM api_keys WHERE tenant_id = ?", (tenant_id,)
+            ).fetchall()
+        )
+        keys = [api_key_from_json(r["record"], r["revoked_at"]) for r in rows]
+        return sorted(keys, key=lambda k: (k.created_at, k.key_id))
+
+    async def revoke_api_key(self, tenant_id: str, key_id: str, at: float) -> ApiKeyRecord | None:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> ApiKeyRecord | None:
+            with _transaction(c):
+                c.execute(
+                    "UPDATE api_keys SET revoked_at = ? WHERE tenant_id = ? AND key_id = ?"
+                    " AND revoked_at IS NULL",
+                    (at, tenant_id, key_id),
+                )
+                row = c.execute(
+                    "SELECT record, revoked_at FROM api_keys WHERE tenant_id = ? AND key_id = ?",
+                    (tenant_id, key_id),
+                ).fetchone()
+            return None if row is None else api_key_from_json(row["record"], row["revoked_at"])
+
+        return await self._run(op)
+
+    # -- probe accounting -----------------------------------------------------
+
+    async def probe_candidates(
+        self, tenant_id: str, key_id: str, bands: list[str]
+    ) -> list[tuple[str, bytes]]:
+        check_tenant_id(tenant_id)
+        if not bands:
+            return []
+        now = self._clock()
+        marks = ",".join("?" * len(bands))
+
+        def op(c: sqlite3.Connection) -> list[tuple[str, bytes]]:
+            rows = c.execute(
+                "SELECT DISTINCT k.cluster_id, k.sketch FROM probe_bands b JOIN probe_clusters k"
+                " ON k.tenant_id = b.tenant_id AND k.key_id = b.key_id"
+                " AND k.cluster_id = b.cluster_id"
+                f" WHERE b.tenant_id = ? AND b.key_id = ? AND b.band IN ({marks})"
+                " AND b.expires_at > ? AND k.expires_at > ?",
+                (tenant_id, key_id, *bands, now, now),
+            ).fetchall()
+            return [(r["cluster_id"], bytes(r["sketch"])) for r in rows]
+
+        return await self._run(op)
+
+    async def probe_hit(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+    ) -> ProbeDecision:
+        check_tenant_id(tenant_id)
+        now = self._clock()
+        expires = now + window_s
+        ident = (tenant_id, key_id, cluster_id)
+
+        def op(c: sqlite3.Connection) -> ProbeDecision:
+            # Probe records are short-lived counters: losing the last few to a power
+            # cut is harmless, so these commits skip the fsync (WAL, synchronous=NORMAL).
+            c.execute("PRAGMA synchronous=NORMAL")
+            try:
+                with _transaction(c):
+                    self._sweep_probes(c, now)
+                    c.execute(
+                        "DELETE FROM probe_hits WHERE tenant_id = ? AND key_id = ?"
+                        " AND cluster_id = ? AND at <= ?",
+                        (*ident, now - window_s),
+                    )
+                    hits = [
+                        float(r[0])
+                        for r in c.execute(
+                            "SELECT at FROM probe_hits WHERE tenant_id = ? AND key_id = ?"
+                            " AND cluster_id = ? ORDER BY at",
+                            ident,
+                        )
+                    ]
+                    if len(hits) >= budget:
+                        retry = max(0.0, hits[0] + window_s - now) if hits else window_s
+                        return ProbeDecision(False, len(hits), retry)
+                    c.execute("INSERT INTO probe_hits VALUES (?, ?, ?, ?)", (*ident, now))
+                    if sketch is not None:
+                        c.execute(
+                            "INSERT OR REPLACE INTO probe_clusters VALUES (?, ?, ?, ?, ?)",
+                            (*ident, sketch, expires),
+                        )
+                        c.executemany(
+                            "INSERT OR REPLACE INTO probe_bands VALUES (?, ?, ?, ?, ?)",
+                            [(tenant_id, key_id, b, cluster_id, expires) for b in bands],
+                        )
+                    else:
+                        c.execute(
+                            "UPDATE probe_clusters SET expires_at = ? WHERE tenant_id = ?"
+                            " AND key_id = ? AND cluster_id = ?",
+                            (expires, *ident),
+                        )
+                    return ProbeDecision(True, len(hits) + 1, 0.0)
+            finally:
+                c.execute("PRAGMA synchronous=FULL")
+
+        return await self._run(op)
+
+    def _sweep_probes(self, c: sqlite3.Connection, now: float) -> None:
+        """Drop expired probe rows now and then (bounded table growth)."""
+        self._probe_calls += 1
+        if self._probe_calls % 256:
+            return
+        c.execute("DELETE FROM probe_bands WHERE expires_at <= ?", (now,))
+        c.execute("DELETE FROM probe_clusters WHERE expires_at <= ?", (now,))
+        c.execute(
+            "DELETE FROM probe_hits WHERE NOT EXISTS (SELECT 1 FROM probe_clusters k"
+            " WHERE k.tenant_id = probe_hits.tenant_id AND k.key_id = probe_hits.key_id"
+            " AND k.cluster_id = probe_hits.cluster_id)"
+        )
 
     # -- rate limits ----------------------------------------------------------
 

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter
 
-from app.api.deps import CurrentTenant, Runtime, RuntimeDep, UnchargedTenant, charge
+from app.api.deps import (
+    DecodeBatchKey,
+    DecodeKey,
+    DetectBatchKey,
+    DetectKey,
+    Runtime,
+    RuntimeDep,
+    charge,
+)
 from app.api.errors import APIError
+from app.core.logging import request_id_var
 from app.schemas.common import error_responses
+from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch, verdict_of
 from app.schemas.watermark import (
     BatchItemError,
     BitConfidence,
@@ -27,7 +37,9 @@ from app.schemas.watermark import (
     RegistryMatchOut,
     check_metadata,
 )
-from app.services.tenants import DecodeOutcome, DetectOutcome, UnknownKeyVersion
+from app.services.probes import retry_after
+from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
+from app.stores.base import ProbeDecision
 from worldcup_core import WorldCup
 from worldcup_core.detector import z_from_log_p
 from worldcup_core.message import MessageIdCodec
@@ -36,23 +48,20 @@ from worldcup_core.scoring import sidak_log_p
 router = APIRouter(tags=["watermark"])
 
 
-def token_ids(runtime: Runtime, text: str) -> list[int]:
-    """Tokenise a text to score, or raise a 422 if it is over the (published) limit.
+def check_text(runtime: Runtime, text: str) -> None:
+    """Raise a 422 if a text to score is over the (published) limit (cheap: no tokenising).
 
     Whitespace-only text is scored like any other (JSON Schema cannot say "not only
-    whitespace"): nothing in it is scored, so the answer is an ordinary "not
-    watermarked" with p = 1 and z = 0.
+    whitespace", and the schema says "non-empty"): an ordinary answer, not a 422.
     """
     limit = runtime.settings.max_text_chars
     if len(text) > limit:
         raise APIError(
             422, f"text is {len(text)} characters; the limit is {limit}", "text_too_long"
         )
-    ids: list[int] = runtime.tokenizer(text, add_special_tokens=False).input_ids
-    return ids
 
 
-def readable_metadata(metadata: dict[str, object], message_id: int) -> dict[str, object]:
+def readable_metadata(metadata: dict[str, Any], message_id: int) -> dict[str, Any]:
     """Stored metadata, or a clear 409 if an entry written before metadata was checked
     holds something that cannot be returned exactly (a lone surrogate, NaN)."""
     try:
@@ -72,6 +81,23 @@ def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float
     under H0 (independent keys), so z is standard normal there, never clipped."""
     log_p = sidak_log_p(log10_p * math.log(10.0), tests)
     return math.exp(log_p), z_from_log_p(log_p, num_scored)
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of many texts in one call. Runs in a worker thread: the fast
+    tokenizer's Rust backend encodes the batch with the GIL released."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [list(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
+
+
+async def token_ids(runtime: Runtime, text: str) -> list[int]:
+    """Tokenise one text off the event loop, or raise a 422 about it."""
+    check_text(runtime, text)
+    return (await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
 
 
 def registry_match(
@@ -103,7 +129,9 @@ def _decode_response(
     runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
 ) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
-    p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
+    p_value, z_score = corrected(
+        det.log10_p_value, outcome.versions_tried, det.num_scored_tokens
+    )
     watermarked = p_value < runtime.settings.significance
     runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
     return DecodeResponse(
@@ -150,32 +178,115 @@ def _check_batch(runtime: Runtime, texts: list[str]) -> None:
         )
 
 
-def _tokenise_all(
+async def _tokenise_all(
     runtime: Runtime, texts: list[str]
 ) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
-    """(indices of good texts, their token ids, errors by index)."""
+    """(indices of good texts, their token ids, errors by index); the tokenising
+    runs in one worker job."""
     good: list[int] = []
-    ids: list[list[int]] = []
     errors: dict[int, BatchItemError] = {}
     for i, text in enumerate(texts):
         try:
-            ids.append(token_ids(runtime, text))
+            check_text(runtime, text)
             good.append(i)
         except APIError as exc:
             errors[i] = BatchItemError(code=exc.code, message=exc.message)
+    chosen = [texts[i] for i in good]
+    ids = await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, chosen))
     return good, ids, errors
 
 
-_Answer = TypeVar("_Answer", DecodeResponse, DetectResponse)
+_Answer = TypeVar("_Answer")
 
 
 def _assemble(
     count: int, good: list[int], answers: list[_Answer], errors: dict[int, BatchItemError]
-) -> tuple[list[tuple[int, _Answer | None, BatchItemError | None]], int]:
-    """(index, answer, error) for every text of a batch, and how many were watermarked."""
+) -> list[tuple[int, _Answer | None, BatchItemError | None]]:
+    """(index, answer, error) for every text of a batch."""
     by_index = dict(zip(good, answers, strict=True))
-    items = [(i, by_index.get(i), errors.get(i)) for i in range(count)]
-    return items, sum(a.is_watermarked for a in answers)
+    return [(i, by_index.get(i), errors.get(i)) for i in range(count)]
+
+
+async def _account(
+    runtime: Runtime, principal: Principal, route: str, ids: list[list[int]]
+) -> list[ProbeDecision]:
+    """Probe accounting for each text (see app/services/probes.py); refusals are
+    audited and counted once per request."""
+    probes = runtime.probes
+    if probes is None or probes.budget(principal.key.detail) <= 0:
+        return [ProbeDecision(True, 0, 0.0)] * len(ids)
+    sketches = await runtime.tenants.offload(lambda: probes.sketches(ids))
+    tenant_id, key = principal.tenant.tenant_id, principal.key
+    decisions = await probes.admit(tenant_id, key.key_id, key.detail, sketches)
+    refused = sum(not d.allowed for d in decisions)
+    if refused:
+        await probes.refused(
+            tenant_id, key.key_id, key.detail, route, request_id_var.get(), refused
+        )
+    return decisions
+
+
+def _budget_message(runtime: Runtime, principal: Principal) -> str:
+    probes = runtime.probes
+    assert probes is not None
+    budget = probes.budget(principal.key.detail)
+    return (
+        f"this text's probe budget is spent ({budget} near-duplicate queries per "
+        f"{probes.window_s:g} s under this API key)"
+    )
+
+
+async def _admit_one(runtime: Runtime, principal: Principal, route: str, ids: list[int]) -> None:
+    decisions = await _account(runtime, principal, route, [ids])
+    if not decisions[0].allowed:
+        raise APIError(
+            429,
+            _budget_message(runtime, principal),
+            "probe_budget_exceeded",
+            {"Retry-After": str(retry_after(decisions))},
+        )
+
+
+async def _admit_many(
+    runtime: Runtime,
+    principal: Principal,
+    route: str,
+    good: list[int],
+    ids: list[list[int]],
+    errors: dict[int, BatchItemError],
+) -> tuple[list[int], list[list[int]]]:
+    """Batch items count one by one; a refused item becomes that item's error."""
+    decisions = await _account(runtime, principal, route, ids)
+    kept_good, kept_ids = [], []
+    for index, token_ids_, decision in zip(good, ids, decisions, strict=True):
+        if decision.allowed:
+            kept_good.append(index)
+            kept_ids.append(token_ids_)
+        else:
+            errors[index] = BatchItemError(
+                code="probe_budget_exceeded", message=_budget_message(runtime, principal)
+            )
+    return kept_good, kept_ids
+
+
+def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
+    match = answer.registry_match
+    return DecodeVerdict(
+        verdict=verdict_of(answer.p_value),
+        registry_match=None
+        if match is None
+        else VerdictRegistryMatch(
+            message_id=match.message_id, metadata=match.metadata, issued_at=match.issued_at
+        ),
+    )
+
+
+def _detect_verdict(answer: DetectResponse) -> DetectVerdict:
+    return DetectVerdict(verdict=verdict_of(answer.p_value))
+
+
+def _is_verdict(principal: Principal) -> bool:
+    return principal.key.detail == "verdict"
 
 
 _SCORING_ERRORS = (400, 401, 403, 413, 422, 429, 503)
@@ -184,29 +295,46 @@ _UNREADABLE = "A registry entry that cannot be returned exactly (`registry_entry
 
 @router.post(
     "/decode",
-    response_model=DecodeResponse,
+    response_model=DecodeResponse | DecodeVerdict,
     responses=error_responses(
         *_SCORING_ERRORS, 404, 409, e404="No such key version", e409=_UNREADABLE
     ),
 )
-async def decode(body: DecodeRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DecodeResponse:
-    """Recover the payload and, if it was issued from the registry, whose it is."""
-    ids = token_ids(runtime, body.text)
+async def decode(
+    body: DecodeRequest, runtime: RuntimeDep, principal: DecodeKey
+) -> DecodeResponse | DecodeVerdict:
+    """Recover the payload and, if it was issued from the registry, whose it is.
+    A ``verdict`` key gets the verdict and the registry entry only."""
+    tenant = principal.tenant
+    ids = await token_ids(runtime, body.text)
+    await _admit_one(runtime, principal, "decode", ids)
     num_bits = body.num_bits or runtime.settings.default_num_bits
     try:
         outcome = await runtime.tenants.decode(tenant.tenant_id, ids, num_bits, body.key_version)
     except UnknownKeyVersion:
         raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
     schemes = await _schemes(runtime, tenant.tenant_id)
-    return _decode_response(runtime, schemes, num_bits, outcome)
+    answer = _decode_response(runtime, schemes, num_bits, outcome)
+    return _decode_verdict(answer) if _is_verdict(principal) else answer
 
 
-@router.post("/detect", response_model=DetectResponse, responses=error_responses(*_SCORING_ERRORS))
-async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant) -> DetectResponse:
-    """Is this text watermarked with any of my keys? A calibrated, message-free test."""
-    ids = token_ids(runtime, body.text)
-    outcome = await runtime.tenants.detect(tenant.tenant_id, ids, runtime.settings.significance)
-    return _detect_response(runtime, outcome)
+@router.post(
+    "/detect",
+    response_model=DetectResponse | DetectVerdict,
+    responses=error_responses(*_SCORING_ERRORS),
+)
+async def detect(
+    body: DetectRequest, runtime: RuntimeDep, principal: DetectKey
+) -> DetectResponse | DetectVerdict:
+    """Is this text watermarked with any of my keys? A calibrated, message-free test.
+    A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores."""
+    ids = await token_ids(runtime, body.text)
+    await _admit_one(runtime, principal, "detect", ids)
+    outcome = await runtime.tenants.detect(
+        principal.tenant.tenant_id, ids, runtime.settings.significance
+    )
+    answer = _detect_response(runtime, outcome)
+    return _detect_verdict(answer) if _is_verdict(principal) else answer
 
 
 @router.post(
@@ -215,13 +343,16 @@ async def detect(body: DetectRequest, runtime: RuntimeDep, tenant: CurrentTenant
     responses=error_responses(*_SCORING_ERRORS, 404, e404="No such key version"),
 )
 async def decode_batch(
-    body: DecodeBatchRequest, runtime: RuntimeDep, tenant: UnchargedTenant
+    body: DecodeBatchRequest, runtime: RuntimeDep, principal: DecodeBatchKey
 ) -> DecodeBatchResponse:
-    """Bulk /decode. Rate-limited per text; an invalid text fails only its own item."""
+    """Bulk /decode. Rate-limited and probe-counted per text; an invalid text fails
+    only its own item."""
+    tenant = principal.tenant
     _check_batch(runtime, body.texts)
     await charge(runtime, tenant, len(body.texts))
     num_bits = body.num_bits or runtime.settings.default_num_bits
-    good, ids, errors = _tokenise_all(runtime, body.texts)
+    good, ids, errors = await _tokenise_all(runtime, body.texts)
+    good, ids = await _admit_many(runtime, principal, "decode/batch", good, ids, errors)
     try:
         outcomes = await runtime.tenants.decode_many(
             tenant.tenant_id, ids, num_bits, body.key_version
@@ -231,15 +362,22 @@ async def decode_batch(
     schemes = await _schemes(runtime, tenant.tenant_id)
     answers: list[DecodeResponse] = []
     answered: list[int] = []
-    for i, outcome in zip(good, outcomes, strict=True):
+    for index, outcome in zip(good, outcomes, strict=True):
         try:
             answers.append(_decode_response(runtime, schemes, num_bits, outcome))
-            answered.append(i)
+            answered.append(index)
         except APIError as exc:  # an unreadable registry entry fails only its item
-            errors[i] = BatchItemError(code=exc.code, message=exc.message)
-    results, watermarked = _assemble(len(body.texts), answered, answers, errors)
+            errors[index] = BatchItemError(code=exc.code, message=exc.message)
+    good = answered
+    shown: list[DecodeResponse | DecodeVerdict]
+    if _is_verdict(principal):
+        verdicts = [_decode_verdict(a) for a in answers]
+        shown, watermarked = list(verdicts), sum(v.verdict == "watermarked" for v in verdicts)
+    else:
+        shown, watermarked = list(answers), sum(a.is_watermarked for a in answers)
+    items = _assemble(len(body.texts), good, shown, errors)
     return DecodeBatchResponse(
-        results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in results],
+        results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in items],
         num_watermarked=watermarked,
         num_errors=len(errors),
     )
@@ -249,19 +387,28 @@ async def decode_batch(
     "/detect/batch", response_model=DetectBatchResponse, responses=error_responses(*_SCORING_ERRORS)
 )
 async def detect_batch(
-    body: DetectBatchRequest, runtime: RuntimeDep, tenant: UnchargedTenant
+    body: DetectBatchRequest, runtime: RuntimeDep, principal: DetectBatchKey
 ) -> DetectBatchResponse:
-    """Bulk /detect. Rate-limited per text; an invalid text fails only its own item."""
+    """Bulk /detect. Rate-limited and probe-counted per text; an invalid text fails
+    only its own item."""
+    tenant = principal.tenant
     _check_batch(runtime, body.texts)
     await charge(runtime, tenant, len(body.texts))
-    good, ids, errors = _tokenise_all(runtime, body.texts)
+    good, ids, errors = await _tokenise_all(runtime, body.texts)
+    good, ids = await _admit_many(runtime, principal, "detect/batch", good, ids, errors)
     outcomes = await runtime.tenants.detect_many(
         tenant.tenant_id, ids, runtime.settings.significance
     )
     answers = [_detect_response(runtime, o) for o in outcomes]
-    results, watermarked = _assemble(len(body.texts), good, answers, errors)
+    shown: list[DetectResponse | DetectVerdict]
+    if _is_verdict(principal):
+        verdicts = [_detect_verdict(a) for a in answers]
+        shown, watermarked = list(verdicts), sum(v.verdict == "watermarked" for v in verdicts)
+    else:
+        shown, watermarked = list(answers), sum(a.is_watermarked for a in answers)
+    items = _assemble(len(body.texts), good, shown, errors)
     return DetectBatchResponse(
-        results=[DetectBatchItem(index=i, result=r, error=e) for i, r, e in results],
+        results=[DetectBatchItem(index=i, result=r, error=e) for i, r, e in items],
         num_watermarked=watermarked,
         num_errors=len(errors),
     )

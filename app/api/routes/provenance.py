@@ -64,7 +64,7 @@ async def provenance(
     if body.include_token_scores and not who.is_admin:
         raise APIError(403, "per-token scores are for the admin token only", "admin_only")
     settings = runtime.settings
-    ids = token_ids(runtime, body.text)
+    ids = await token_ids(runtime, body.text)
     outcome = await runtime.tenants.provenance(
         ids, settings.significance, settings.default_num_bits
     )

@@ -1,0 +1,86 @@
+"""Schemas of API keys (admin routes) and of the ``verdict`` detail level.
+
+A ``verdict`` key sees one of three words per text, at fixed levels of the
+calibrated p-value (see :data:`VERDICT_LEVELS`), and nothing else that is
+graded: no p-value, z, per-bit values or decoded bits. A removal attack then
+gets one bit per query instead of a score to climb down.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from app.schemas.common import StrictModel
+
+Scope = Literal["generate", "detect", "decode", "provenance"]
+Detail = Literal["full", "verdict"]
+Verdict = Literal["watermarked", "not_watermarked", "inconclusive"]
+
+# Fixed on purpose (not settings): a public checker's answers must mean the same
+# thing everywhere. watermarked: p < 1e-6 (a false accusation at most once in a
+# million unwatermarked texts); not_watermarked: p >= 0.05; inconclusive between.
+VERDICT_WATERMARKED_BELOW = 1e-6
+VERDICT_CLEAN_FROM = 0.05
+VERDICT_LEVELS = {"watermarked": VERDICT_WATERMARKED_BELOW, "not_watermarked": VERDICT_CLEAN_FROM}
+
+
+def verdict_of(p_value: float) -> Verdict:
+    if p_value < VERDICT_WATERMARKED_BELOW:
+        return "watermarked"
+    if p_value >= VERDICT_CLEAN_FROM:
+        return "not_watermarked"
+    return "inconclusive"
+
+
+class DetectVerdict(StrictModel):
+    """/detect under a ``verdict`` key."""
+
+    detail: Literal["verdict"] = "verdict"
+    verdict: Verdict = Field(
+        description="watermarked: p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."
+    )
+
+
+class VerdictRegistryMatch(StrictModel):
+    message_id: int
+    metadata: dict[str, Any]
+    issued_at: datetime
+
+
+class DecodeVerdict(StrictModel):
+    """/decode under a ``verdict`` key: the verdict and whose text it is, no bits or scores."""
+
+    detail: Literal["verdict"] = "verdict"
+    verdict: Verdict
+    registry_match: VerdictRegistryMatch | None
+
+
+class CreateApiKey(StrictModel):
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w .@-]+$")]
+    scopes: Annotated[list[Scope], Field(min_length=1, max_length=4)] = Field(
+        description="What the key may call: generate, detect, decode, provenance "
+        "(provenance also needs the tenant's scope)."
+    )
+    detail: Detail = Field(
+        "full", description="full: today's detection answers; verdict: three words only."
+    )
+
+
+class ApiKeyOut(StrictModel):
+    key_id: str
+    name: str
+    scopes: list[str]
+    detail: Detail
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class ApiKeyCreated(ApiKeyOut):
+    api_key: str = Field(description="Shown once; only its hash is stored.")
+
+
+class ApiKeyList(StrictModel):
+    keys: list[ApiKeyOut]

@@ -1,0 +1,414 @@
+"""Issue 15, points 2 and 3: a responsive server under bulk load, and detection that
+can be exposed (API keys with scopes and detail levels, probe budgets).
+
+Over the tiny random-weight model through the real app (``TestClient``). The
+load tests hold a worker job on a ``threading.Event`` instead of sleeping: the
+probes are sent while the bulk request is provably in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from test_service_api import (
+    ADMIN,
+    SECRETS_SEEN,
+    assert_error,
+    fixed_watermark_keys,
+    gen_body,
+    make_settings,
+    metric_value,
+    new_tenant,
+)
+
+import app.api.routes.detection as detection_module
+from app.main import create_app
+from app.schemas.exposure import verdict_of
+from app.services.probes import SIMILARITY, probe_secret, sketch_tokens
+from app.services.probes import _hash_keys as hash_keys
+
+TEXT = (
+    "The storm reached the coast late on Tuesday, and by morning the harbour "
+    "was full of broken boats and the streets were under water."
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def app(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
+    return create_app(
+        make_settings(
+            model_dir,
+            tmp_path_factory.mktemp("db"),
+            cpu_workers=1,
+            cpu_max_pending=1,
+            probe_budget_verdict=3,
+            probe_budget_full=6,
+            max_body_bytes=256 * 1024,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+class Gate:
+    """Replaces the tokenizer call of the scoring routes: the first call signals
+    ``entered`` and blocks until ``release`` is set; later calls run normally."""
+
+    def __init__(self, real: Callable[[Any, list[str]], list[list[int]]]) -> None:
+        self.real = real
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._first = True
+        self._lock = threading.Lock()
+
+    def __call__(self, tokenizer: Any, texts: list[str]) -> list[list[int]]:
+        with self._lock:
+            first, self._first = self._first, False
+        if first:
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the gate"
+        return self.real(tokenizer, texts)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(detection_module.encode_texts)
+    monkeypatch.setattr(detection_module, "encode_texts", g)
+    yield g
+    g.release.set()
+
+
+def test_probes_answer_while_a_bulk_request_is_in_flight(client: TestClient, gate: Gate) -> None:
+    _, auth = new_tenant(client)
+    with ThreadPoolExecutor(4) as pool:
+        bulk = pool.submit(
+            client.post, "/decode/batch", json={"texts": [TEXT * 10] * 50}, headers=auth
+        )
+        assert gate.entered.wait(30), "the bulk request never reached its worker"
+        for path in ("/health", "/ready", "/metrics"):
+            probe = pool.submit(client.get, path)
+            r = probe.result(timeout=10)  # blocked event loop: TimeoutError here
+            assert r.status_code == 200, (path, r.text)
+            assert not bulk.done(), "the bulk request must still be in flight"
+        gate.release.set()
+        r = bulk.result(timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["results"]) == 50
+
+
+def test_overload_is_shed_at_once_with_retry_after(client: TestClient, gate: Gate) -> None:
+    """One admitted job at most (``cpu_max_pending=1``): while it runs, the next
+    request is refused at once instead of queueing behind it."""
+    _, auth = new_tenant(client)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(client.post, "/detect", json={"text": TEXT}, headers=auth)
+        assert gate.entered.wait(30)
+        r = client.post("/detect/batch", json={"texts": [TEXT]}, headers=auth)
+        err = assert_error(r, 503, "overloaded")
+        assert "capacity" in err["message"]
+        assert r.headers["Retry-After"] == "1"
+        gate.release.set()
+        assert first.result(timeout=60).status_code == 200
+    assert client.post("/detect", json={"text": TEXT}, headers=auth).status_code == 200
+    metrics = client.get("/metrics").text
+    assert 'worldcup_request_rejections_total{reason="overloaded"}' in metrics
+
+
+def test_duplicate_authorization_headers_are_refused(client: TestClient) -> None:
+    _, auth = new_tenant(client)
+    headers = [
+        ("Authorization", auth["Authorization"]),
+        ("Authorization", f"Bearer wc_{uuid.uuid4().hex}"),
+    ]
+    r = client.post("/detect", json={"text": TEXT}, headers=headers)
+    assert_error(r, 400, "duplicate_authorization")
+    r = client.post("/admin/tenants", json={"name": "x"}, headers=[*headers, *ADMIN.items()])
+    assert_error(r, 400, "duplicate_authorization")
+    assert client.post("/detect", json={"text": TEXT}, headers=auth).status_code == 200
+
+
+def test_batch_encoding_equals_the_tokenizer_call(smollm2_tokenizer: Any) -> None:
+    """The worker encodes through the Rust backend; ids must equal the slow path's."""
+    texts = [
+        TEXT,
+        "  leading and trailing spaces  ",
+        "naïve café — “quotes” and emoji 🌊\nnew line\ttab",
+        "x" * 3000,
+        "日本語のテキストと English mixed",
+    ]
+    expected = [smollm2_tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    assert detection_module.encode_texts(smollm2_tokenizer, texts) == expected
+
+
+# --------------------------------------------------------------------------- API keys
+def new_key(
+    client: TestClient, tenant_id: str, scopes: list[str], detail: str = "full"
+) -> tuple[dict[str, Any], dict[str, str]]:
+    r = client.post(
+        f"/admin/tenants/{tenant_id}/api-keys",
+        json={"name": f"k {detail}", "scopes": scopes, "detail": detail},
+        headers=ADMIN,
+    )
+    assert r.status_code == 201, r.text
+    body = r.json()
+    SECRETS_SEEN.add(body["api_key"])
+    return body, {"Authorization": f"Bearer {body['api_key']}"}
+
+
+def test_api_keys_scopes_listing_and_revocation(client: TestClient) -> None:
+    tenant_id, primary = new_tenant(client)
+    created, detect_only = new_key(client, tenant_id, ["detect"])
+    assert created["scopes"] == ["detect"] and created["detail"] == "full"
+    assert created["api_key"].startswith("wc_") and created["revoked_at"] is None
+
+    r = client.post("/detect", json={"text": TEXT}, headers=detect_only)
+    assert r.status_code == 200 and "p_value" in r.json()
+    for path, body in (
+        ("/decode", {"text": TEXT}),
+        ("/decode/batch", {"texts": [TEXT]}),
+        ("/generate", gen_body()),
+        ("/provenance", {"text": TEXT}),
+    ):
+        err = assert_error(client.post(path, json=body, headers=detect_only), 403, "missing_scope")
+        assert created["api_key"] not in err["message"]
+    assert client.post("/detect/batch", json={"texts": [TEXT]}, headers=detect_only).is_success
+    # the tenant's original key is its first key, with today's behaviour
+    assert client.post("/decode", json={"text": TEXT}, headers=primary).status_code == 200
+    assert client.post("/generate", json=gen_body(), headers=primary).status_code == 200
+
+    listed = client.get(f"/admin/tenants/{tenant_id}/api-keys", headers=ADMIN)
+    assert listed.status_code == 200, listed.text
+    keys = listed.json()["keys"]
+    assert [k["key_id"] for k in keys] == ["primary", created["key_id"]]
+    assert keys[0]["scopes"] == ["generate", "detect", "decode", "provenance"]
+    assert all("api_key" not in k and "key_hash" not in k for k in keys)
+    assert created["api_key"] not in listed.text
+    assert primary["Authorization"].removeprefix("Bearer ") not in listed.text
+
+    # revoking one key leaves the others working
+    r = client.delete(f"/admin/tenants/{tenant_id}/api-keys/{created['key_id']}", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["revoked_at"] is not None
+    assert_error(client.post("/detect", json={"text": TEXT}, headers=detect_only), 401)
+    assert client.post("/detect", json={"text": TEXT}, headers=primary).status_code == 200
+    r = client.delete(f"/admin/tenants/{tenant_id}/api-keys/primary", headers=ADMIN)
+    assert r.status_code == 200
+    assert_error(client.post("/detect", json={"text": TEXT}, headers=primary), 401)
+    _, fresh = new_key(client, tenant_id, ["detect"])
+    assert client.post("/detect", json={"text": TEXT}, headers=fresh).status_code == 200
+
+    # admin only, unknown tenants and keys are 404, bad bodies 422
+    url = f"/admin/tenants/{tenant_id}/api-keys"
+    assert_error(client.get(url, headers=fresh), 401, "invalid_admin_token")
+    assert_error(client.get(f"/admin/tenants/{'0' * 32}/api-keys", headers=ADMIN), 404)
+    assert_error(client.delete(f"{url}/{'0' * 16}", headers=ADMIN), 404, "unknown_api_key")
+    for bad in (
+        {"name": "x", "scopes": ["admin"]},
+        {"name": "x", "scopes": []},
+        {"name": "x", "scopes": ["detect"], "detail": "some"},
+        {"name": "x", "scopes": ["detect"], "extra": 1},
+    ):
+        assert_error(client.post(url, json=bad, headers=ADMIN), 422)
+
+
+def test_provenance_scope_on_a_key_needs_the_tenant_grant(client: TestClient) -> None:
+    tenant_id, _ = new_tenant(client)
+    _, auth = new_key(client, tenant_id, ["provenance"])
+    assert_error(client.post("/provenance", json={"text": TEXT}, headers=auth), 403)
+    r = client.put(
+        f"/admin/tenants/{tenant_id}/scopes", json={"scopes": ["provenance"]}, headers=ADMIN
+    )
+    assert r.status_code == 200
+    assert client.post("/provenance", json={"text": TEXT}, headers=auth).status_code == 200
+
+
+def test_verdict_levels() -> None:
+    assert verdict_of(0.0) == verdict_of(9.99e-7) == "watermarked"
+    assert verdict_of(1e-6) == verdict_of(0.0499) == "inconclusive"
+    assert verdict_of(0.05) == verdict_of(1.0) == "not_watermarked"
+
+
+GRADED = ("p_value", "z_score", "bits", "bit_confidence", "erasures", "num_scored_tokens")
+
+
+def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
+    with fixed_watermark_keys(4321):
+        tenant_id, primary = new_tenant(client)
+    body = gen_body(metadata={"who": "v"}, max_new_tokens=96, min_new_tokens=96, seed=5)
+    r = client.post("/generate", json=body, headers=primary)
+    assert r.status_code == 200, r.text
+    text, message_id = r.json()["text"], r.json()["message_id"]
+    _, verdict = new_key(client, tenant_id, ["detect", "decode"], "verdict")
+
+    full = client.post("/detect", json={"text": text}, headers=primary).json()
+    assert full["p_value"] < 1e-6  # so the verdict below must be "watermarked"
+    r = client.post("/detect", json={"text": text}, headers=verdict)
+    assert r.status_code == 200 and r.json() == {"detail": "verdict", "verdict": "watermarked"}
+    r = client.post("/detect", json={"text": TEXT}, headers=verdict)
+    human_p = client.post("/detect", json={"text": TEXT}, headers=primary).json()["p_value"]
+    assert r.json() == {"detail": "verdict", "verdict": verdict_of(human_p)}
+    assert r.json()["verdict"] != "watermarked"
+
+    r = client.post("/decode", json={"text": text, "num_bits": 32}, headers=verdict)
+    assert r.status_code == 200, r.text
+    dec = r.json()
+    assert set(dec) == {"detail", "verdict", "registry_match"} and dec["verdict"] == "watermarked"
+    assert dec["registry_match"]["message_id"] == message_id
+    assert dec["registry_match"]["metadata"] == {"who": "v"}
+    assert set(dec["registry_match"]) == {"message_id", "metadata", "issued_at"}
+
+    r = client.post("/detect/batch", json={"texts": [text, TEXT, " "]}, headers=verdict)
+    batch = r.json()
+    assert [i["result"] for i in batch["results"][:2]] == [
+        {"detail": "verdict", "verdict": "watermarked"},
+        {"detail": "verdict", "verdict": verdict_of(human_p)},
+    ]
+    assert batch["num_watermarked"] == 1 and batch["num_errors"] == 1
+    # that was this key's third query of the text (budget 3): the next is refused
+    r = client.post("/decode/batch", json={"texts": [text]}, headers=verdict)
+    assert r.json()["results"][0]["error"]["code"] == "probe_budget_exceeded"
+    _, verdict2 = new_key(client, tenant_id, ["decode"], "verdict")
+    r = client.post("/decode/batch", json={"texts": [text]}, headers=verdict2)
+    assert r.json()["results"][0]["result"]["verdict"] == "watermarked"
+    for answer in (batch, r.json(), dec):
+        assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
+
+
+# --------------------------------------------------------------------------- probes
+def _without_word(text: str, i: int) -> str:
+    words = text.split(" ")
+    return " ".join(words[:i] + words[i + 1 :])
+
+
+def test_probe_budget_429_audit_and_metric(client: TestClient) -> None:
+    """Verdict keys here: 3 near-duplicate queries per text; full keys 6."""
+    tenant_id, _ = new_tenant(client)
+    _, auth = new_key(client, tenant_id, ["detect", "decode"], "verdict")
+    _, other = new_key(client, tenant_id, ["detect"], "verdict")
+    text = TEXT * 2
+    before = metric_value(
+        client.get("/metrics").text, "worldcup_probe_budget_exceeded_total", detail="verdict"
+    )
+    assert client.post("/detect", json={"text": text}, headers=auth).status_code == 200
+    # near-duplicates (one word left out) of the same text count against its budget,
+    # across /detect and /decode
+    assert client.post("/detect", json={"text": _without_word(text, 3)}, headers=auth).is_success
+    assert client.post("/decode", json={"text": _without_word(text, 9)}, headers=auth).is_success
+    r = client.post("/detect", json={"text": _without_word(text, 12)}, headers=auth)
+    err = assert_error(r, 429, "probe_budget_exceeded")
+    assert "3 near-duplicate queries" in err["message"] and text not in err["message"]
+    assert 1 <= int(r.headers["Retry-After"]) <= 3600
+    assert_error(client.post("/decode", json={"text": text}, headers=auth), 429)
+    # an unrelated text, and the same text under another key, have budgets of their own
+    other_text = "Tides rise twice a day because the moon pulls the oceans toward it."
+    assert client.post("/detect", json={"text": other_text}, headers=auth).status_code == 200
+    assert client.post("/detect", json={"text": text}, headers=other).status_code == 200
+    # batch items count one by one: the first two copies of a new text pass, the
+    # third and fourth are refused as items, the spent text is refused too
+    fresh = "A lighthouse keeper counted the ships that passed the point every night."
+    r = client.post(
+        "/detect/batch", json={"texts": [fresh, fresh, text, fresh, fresh]}, headers=auth
+    )
+    assert r.status_code == 200, r.text
+    codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
+    assert codes == [None, None, "probe_budget_exceeded", None, "probe_budget_exceeded"]
+    assert r.json()["num_errors"] == 2
+
+    after = metric_value(
+        client.get("/metrics").text, "worldcup_probe_budget_exceeded_total", detail="verdict"
+    )
+    assert after - before == 4
+    audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
+    mine = [
+        e
+        for e in audit
+        if e["action"] == "probe_budget_exceeded" and e["actor"] == f"tenant:{tenant_id}"
+    ]
+    assert [e["outcome"]["refused"] for e in mine] == [2, 1, 1]  # newest first
+    assert {e["outcome"]["route"] for e in mine} == {"detect/batch", "decode", "detect"}
+    assert all(e["outcome"]["budget"] == 3 and e["request_id"] for e in mine)
+    assert text not in str(audit)
+
+
+def test_full_keys_have_the_larger_budget(client: TestClient) -> None:
+    _, auth = new_tenant(client)
+    texts = [_without_word(TEXT * 2, i) for i in range(8)]
+    r = client.post("/detect/batch", json={"texts": texts}, headers=auth)
+    codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
+    assert codes == [None] * 6 + ["probe_budget_exceeded"] * 2
+    assert_error(client.post("/detect", json={"text": texts[0]}, headers=auth), 429)
+
+
+def test_sketches_find_near_duplicates_and_only_them() -> None:
+    """Statistical: estimated Jaccard of 64 keyed minhashes. Leave-one-out variants
+    (true J about 0.97) must always clear SIMILARITY; unrelated texts (J about 0)
+    never; the estimate tracks the true J within 4 standard errors."""
+    import random
+
+    keys = hash_keys(probe_secret(b"k" * 32))
+    rng = random.Random(7)
+    for _ in range(40):
+        base = [rng.randrange(49152) for _ in range(220)]
+        a = sketch_tokens(base, keys)
+        assert a is not None
+        cut = rng.randrange(220)
+        near = sketch_tokens(base[:cut] + base[cut + 2 :], keys)
+        assert near is not None and near.similarity(a.values.tobytes()) >= SIMILARITY
+        other = sketch_tokens([rng.randrange(49152) for _ in range(220)], keys)
+        assert other is not None and other.similarity(a.values.tobytes()) < 0.2
+        # half the 3-grams shared: true J = 1/3 for equal halves
+        half = base[:110] + [rng.randrange(49152) for _ in range(110)]
+        grams = lambda t: {tuple(t[i : i + 3]) for i in range(len(t) - 2)}  # noqa: E731
+        true_j = len(grams(base) & grams(half)) / len(grams(base) | grams(half))
+        mixed = sketch_tokens(half, keys)
+        assert mixed is not None
+        est = mixed.similarity(a.values.tobytes())
+        assert abs(est - true_j) <= 4 * (true_j * (1 - true_j) / 64) ** 0.5
+    # keyed: another secret gives other hash values for the same text
+    other_keys = hash_keys(probe_secret(b"j" * 32))
+    s1, s2 = sketch_tokens(base, keys), sketch_tokens(base, other_keys)
+    assert s1 is not None and s2 is not None and s1.similarity(s2.values.tobytes()) < 0.2
+    assert sketch_tokens([1, 2], keys) is None
+
+
+# --------------------------------------------------------------------------- attack bench
+def test_attack_bench_budgets_stop_the_attack(model_dir: Path) -> None:
+    """The removal-attack benchmark on the tiny model (a smoke run of the SECURITY.md
+    table): with budgets on, no key gets more answers about the text than its budget."""
+    from worldcup_cli.attack_bench import format_attack_bench, run_attack_bench
+
+    result = run_attack_bench(model=str(model_dir), max_queries=400)
+    runs = {(r["key"], r["budgets"]): r for r in result["runs"]}
+    assert set(runs) == {("full", False), ("verdict", False), ("full", True), ("verdict", True)}
+    assert result["initial_p_value"] < 1e-6 and result["text_words"] > 20
+    assert result["budgets"] == {"full": 200, "verdict": 20, "window_s": 3600.0}
+    for key, budget in (("full", 200), ("verdict", 20)):
+        on, off = runs[(key, True)], runs[(key, False)]
+        assert off["refused"] == 0
+        answered = on["queries"] - on["refused"]
+        assert answered <= budget, on
+        assert on["words_deleted"] <= off["words_deleted"]
+        if on["outcome"] == "blocked by probe budget":
+            assert on["refused"] > 0
+    # a verdict key's answers carry no gradient: it never gets past the first round
+    # of 20 answers with budgets on, and the watermark survives that
+    assert runs[("verdict", True)]["words_deleted"] <= 1
+    assert runs[("verdict", True)]["survived"]
+    table = format_attack_bench(result)
+    assert table.count("\n| ") == 5 and "blocked by probe budget" in table
