@@ -129,9 +129,7 @@ def _decode_response(
     runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
 ) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
-    p_value, z_score = corrected(
-        det.log10_p_value, outcome.versions_tried, det.num_scored_tokens
-    )
+    p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
     watermarked = p_value < runtime.settings.significance
     runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
     return DecodeResponse(
