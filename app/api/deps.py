@@ -38,6 +38,7 @@ class Runtime:
     probes: ProbeAccountant | None = None
     warm: bool = False
     draining: bool = False
+    marker: str | None = None  # the store's marker, once seen (see /ready)
 
 
 def get_runtime(request: Request) -> Runtime:

@@ -169,7 +169,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
+        # Starlette runs this outside the middlewares, where the request id context is
+        # already reset: take the id RequestContext left in the scope.
+        request_id = str(request.scope.get("state", {}).get("request_id", "-"))
+        logger.exception("unhandled error", extra={"fields": {"request_id": request_id}})
         return error_response(
-            500, "internal error; it has been logged", "internal_error", path=request.url.path
-        )
+            500, "internal error; it has been logged", "internal_error",
+            {"x-request-id": request_id}, path=request.url.path,
+        )  # fmt: skip

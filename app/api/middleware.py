@@ -136,6 +136,8 @@ class RequestContext:
         incoming = dict(scope.get("headers", [])).get(b"x-request-id", b"").decode("latin-1")
         request_id = incoming[:64] if incoming.isprintable() and incoming else uuid.uuid4().hex
         token = request_id_var.set(request_id)
+        # for the 500 handler, which runs outside this middleware (after the reset)
+        scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         start = time.perf_counter()
 

@@ -18,8 +18,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.deps import BatcherDep, CurrentTenant, Runtime, RuntimeDep
 from app.api.errors import APIError, envelope
-from app.schemas.common import ERROR_RESPONSES
-from app.schemas.watermark import GenerateRequest, GenerateResponse, PayloadOut, Timing, Usage
+from app.schemas.common import error_responses
+from app.schemas.watermark import (
+    MAX_METADATA_BYTES,
+    UNSTATED_RULES,
+    GenerateRequest,
+    GenerateResponse,
+    PayloadOut,
+    Timing,
+    Usage,
+    metadata_bytes,
+)
 from app.services import generation as gen
 from app.services.batcher import Batcher
 from app.services.tenants import KeyVersion
@@ -44,7 +53,21 @@ IdempotencyKey = Annotated[
     "/generate",
     response_model=GenerateResponse,
     responses={
-        **ERROR_RESPONSES,
+        **error_responses(
+            400,
+            401,
+            403,
+            409,
+            413,
+            422,
+            429,
+            501,
+            503,
+            504,
+            e409="Idempotency-Key conflict or still running (Retry-After), or registry_full",
+            e422="Invalid request. Beyond the schema: "
+            + "; ".join(f"`{code}`: {text}" for code, text in UNSTATED_RULES.items()),
+        ),  # fmt: skip
         200: {
             "content": {
                 "text/event-stream": {
@@ -66,11 +89,20 @@ async def generate(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     settings = runtime.settings
+    if "max_new_tokens" not in body.model_fields_set:  # the default, within this server's limit
+        body.max_new_tokens = min(body.max_new_tokens, settings.max_new_tokens_limit)
+        body.min_new_tokens = min(body.min_new_tokens, body.max_new_tokens)
     if body.max_new_tokens > settings.max_new_tokens_limit:
         raise APIError(
             422,
             f"max_new_tokens may be at most {settings.max_new_tokens_limit}",
             "max_new_tokens_too_large",
+        )
+    if body.metadata is not None and metadata_bytes(body.metadata) > MAX_METADATA_BYTES:
+        raise APIError(
+            422,
+            f"metadata: more than {MAX_METADATA_BYTES} bytes as compact UTF-8 JSON",
+            "metadata_too_large",
         )
     body_hash = gen.body_hash(body.model_dump(mode="json"))
     if idempotency_key is not None:
