@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from worldcup_core import Payload, WorldCup
-from worldcup_scan.inputs import Part
+from worldcup_scan.inputs import Fields, Part, discover, plan, read_part
 from worldcup_scan.keys import KeySpec, ScanKeys
-from worldcup_scan.run import ScanOptions, run_scan
+from worldcup_scan.run import ScanOptions, _write_part, run_scan
 from worldcup_scan.scanner import Scanner, ScanSpec
 
 
@@ -158,6 +158,17 @@ def run_scan_bench(
             for i, t in enumerate(corpus):
                 f.write(json.dumps({"id": str(i), "text": t}) + "\n")
         part_rows = max(10, texts // 20)
+        # I/O per text: reading and validating JSONL rows, writing result parts
+        parts = plan(discover([str(corpus_path)]), part_rows)
+        read = _cpu_per_text(lambda: [read_part(p, Fields("text", "id")) for p in parts], texts)
+        rows = Scanner(ScanSpec(ScanKeys(small.keys[:1], {}, None), "detect"), tokenizer).scan_rows(
+            read_part(parts[0], Fields("text", "id"))
+        )
+        state = Path(tmp) / "write-bench"
+        state.mkdir()
+        write = _cpu_per_text(lambda: _write_part(state, parts[0], rows), len(rows))
+        per_core["read_jsonl_ms"] = 1000 * read
+        per_core["write_parquet_ms"] = 1000 * write
         reference: bytes | None = None
         if "ray" in engines:  # one local Ray for both Ray runs: its start-up is paid once
             import ray
@@ -211,7 +222,9 @@ def format_scan_bench(r: dict[str, Any]) -> str:
         f"corpus: {r['texts']} texts, {r['mean_tokens']:.0f} tokens on average; "
         f"load average {r['load_average'][0]:.2f} -> {r['load_average_after'][0]:.2f}",
         "per core (CPU time per text):",
+        f"  read JSONL          {pc['read_jsonl_ms']:.3f} ms",
         f"  tokenise            {pc['tokenize_ms']:.3f} ms",
+        f"  write Parquet part  {pc['write_parquet_ms']:.3f} ms",
         f"  detect, 1 key       {pc['detect_1_key_ms']:.3f} ms  -> "
         f"{pc['detect_texts_per_s']:.0f} texts/s per core",
     ]
