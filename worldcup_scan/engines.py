@@ -107,6 +107,7 @@ def run_ray(
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         else:
             ray.init(
+                address="local",  # a new local instance, never someone else's cluster
                 num_cpus=workers,
                 include_dashboard=False,
                 log_to_driver=False,
