@@ -33,7 +33,8 @@ bench: setup
 soak: setup
 	$(VENV)/python scripts/soak.py --requests 4000 --concurrency 16 --outage
 
-## Longer schemathesis fuzz of every OpenAPI operation (real app, tiny model, Redis at
-## 127.0.0.1:6379); CI runs the same test with 25 examples per operation and mode.
+## Longer schemathesis fuzz of every OpenAPI operation with every check (real app, tiny
+## model, Redis at 127.0.0.1:6379), a fresh random seed each run (printed; replay with
+## WORLDCUP_FUZZ_SEED=N); `make test` runs the same test with 25 examples and seed 0.
 fuzz:
-	WORLDCUP_FUZZ_EXAMPLES=$${WORLDCUP_FUZZ_EXAMPLES:-300} bash scripts/pytest.sh tests/test_fuzz.py -q -s -p no:cacheprovider
+	WORLDCUP_FUZZ_RANDOM=1 WORLDCUP_FUZZ_EXAMPLES=$${WORLDCUP_FUZZ_EXAMPLES:-300} bash scripts/pytest.sh tests/test_fuzz.py -q -s -p no:cacheprovider

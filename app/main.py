@@ -9,7 +9,9 @@ generations drain up to ``drain_timeout_s`` and closes the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,7 +20,8 @@ from fastapi import FastAPI
 from app.api.deps import Runtime
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
-from app.api.routes import admin, api_keys, detection, generate, health, provenance
+from app.api.openapi import install_openapi
+from app.api.routes import admin, api_keys, detection, generate, health, openai, provenance
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
@@ -108,6 +111,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ),
         )
         runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
+        with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
+            runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
         app.state.runtime = runtime
         if batcher is not None:
             batcher.start()
@@ -138,7 +143,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.metrics = metrics
     install_error_handlers(app)
-    for module in (generate, detection, provenance, admin, api_keys, health):
+    install_openapi(app, settings)
+    for module in (generate, detection, provenance, admin, api_keys, health, openai):
         app.include_router(module.router)
     app.add_middleware(
         BodySizeLimit,

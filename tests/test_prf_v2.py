@@ -239,7 +239,7 @@ def test_v2_scores_only_what_the_encoder_watermarks() -> None:
     """WorldCup.scored_indices is the v2 rule; v1 still scores the padded start."""
     key = WatermarkKey(bytes(32))
     ids = [3, 4, 3, 4, 9, 5]  # contexts (S,S) (S,3) (3,4) (4,3) (3,4) (4,9)
-    v1 = WorldCup(key, WatermarkConfig())
+    v1 = WorldCup(key, WatermarkConfig(version="worldcup-v1"))
     v2 = WorldCup(key, WatermarkConfig(version=SCHEME_V2))
     assert v1.scored_indices(ids) == [0, 1, 2, 3, 5]
     assert v2.scored_indices(ids) == [2, 3, 5]

@@ -8,6 +8,7 @@ and need only the tokenizer, never the model weights.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -138,8 +139,10 @@ def keygen(
         return
     if out.exists():
         fail(f"refusing to overwrite existing key file {out}")
-    out.touch(mode=0o600)
-    out.write_text(key.hex() + "\n", encoding="ascii")
+    fd = os.open(out, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        os.fchmod(fd, 0o600)  # 0600 whatever the umask
+        f.write(key.hex() + "\n")
     typer.echo(f"wrote key {key.key_id} to {out}", err=True)
 
 
@@ -349,6 +352,17 @@ def bench_provenance(
 
     result = run(keys, tokens, texts, naive=keys <= 10_000)
     _emit(as_json, result, format_provenance_bench(result))
+
+
+def _register_scan() -> None:
+    """``scan`` and ``bench-scan`` live in worldcup_scan (a Ray worker imports it too)."""
+    from worldcup_scan.cli import bench_scan, scan
+
+    app.command("scan")(scan)
+    app.command("bench-scan")(bench_scan)
+
+
+_register_scan()
 
 
 @app.command()

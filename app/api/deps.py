@@ -38,6 +38,7 @@ class Runtime:
     probes: ProbeAccountant | None = None
     warm: bool = False
     draining: bool = False
+    marker: str | None = None  # the store's marker, once seen (see /ready)
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -140,6 +141,14 @@ async def rate_limited_tenant(runtime: RuntimeDep, credentials: Credentials) -> 
     return principal.tenant
 
 
+async def generating_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+    """Generation routes that charge per sample themselves (OpenAI ``n``): a key with
+    the ``generate`` scope, not yet charged."""
+    principal = await get_principal(runtime, credentials)
+    _check_scope(principal, "generate")
+    return principal.tenant
+
+
 @dataclass(frozen=True)
 class Investigator:
     """Who may run provenance searches: the admin, or a tenant granted the scope."""
@@ -171,6 +180,7 @@ def require_generator(runtime: RuntimeDep) -> Batcher:
 AdminDep = Annotated[None, Depends(require_admin)]
 # generate scope, charged one token
 CurrentTenant = Annotated[TenantRecord, Depends(rate_limited_tenant)]
+UnchargedTenant = Annotated[TenantRecord, Depends(generating_tenant)]
 DetectKey = Annotated[Principal, Depends(scoped_key("detect"))]
 DecodeKey = Annotated[Principal, Depends(scoped_key("decode"))]
 # bulk routes charge per text themselves

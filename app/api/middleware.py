@@ -10,15 +10,19 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import envelope
+from app.api.errors import OPENAI_PREFIX, envelope, openai_envelope
 from app.core.logging import request_id_var
 from app.core.metrics import Metrics
 
 logger = logging.getLogger("worldcup.access")
 
 
-async def _send_error(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(envelope(status, message, code)).encode()
+async def _send_error(send: Send, status: int, message: str, code: str, path: str = "") -> None:
+    openai = path.startswith(OPENAI_PREFIX)
+    error = (
+        openai_envelope(status, message, code, None) if openai else envelope(status, message, code)
+    )
+    body = json.dumps(error).encode()
     await send(
         {
             "type": "http.response.start",
@@ -45,8 +49,9 @@ class SingleAuthorization:
             count = sum(1 for name, _ in scope.get("headers", []) if name == b"authorization")
             if count > 1:
                 await _send_error(
-                    send, 400, "more than one Authorization header", "duplicate_authorization"
-                )
+                    send, 400, "more than one Authorization header", "duplicate_authorization",
+                    str(scope.get("path", "")),
+                )  # fmt: skip
                 return
         await self.app(scope, receive, send)
 
@@ -78,7 +83,9 @@ class BodySizeLimit:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await _send_error(send, 413, self._message(limit), "request_too_large")
+                    await _send_error(
+                        send, 413, self._message(limit), "request_too_large", scope["path"]
+                    )
                     return
         # No (or a lying) Content-Length: read the body here, before the app, and
         # count. An exception raised from inside the app's receive() is swallowed
@@ -94,7 +101,9 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > limit:
-                await _send_error(send, 413, self._message(limit), "request_too_large")
+                await _send_error(
+                    send, 413, self._message(limit), "request_too_large", scope["path"]
+                )
                 return
             chunks.append(chunk)
             more_body = message.get("more_body", False)
@@ -127,6 +136,8 @@ class RequestContext:
         incoming = dict(scope.get("headers", [])).get(b"x-request-id", b"").decode("latin-1")
         request_id = incoming[:64] if incoming.isprintable() and incoming else uuid.uuid4().hex
         token = request_id_var.set(request_id)
+        # for the 500 handler, which runs outside this middleware (after the reset)
+        scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         start = time.perf_counter()
 

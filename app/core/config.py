@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     model_path: str | None = None  # None: the embedded SmolLM2
     device: str = "cpu"
     dtype: str = "auto"
+    # the model id of the OpenAI routes (default: the model's short name)
+    served_model_name: Annotated[str | None, Field(min_length=1, max_length=256)] = None
     cache_dir: Path | None = None
 
     # store: Redis when a URL is set, otherwise embedded SQLite

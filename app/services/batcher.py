@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.core.logging import request_id_var
 from app.core.metrics import Metrics
 from worldcup_core.generation import (
     ContinuousBatch,
@@ -49,12 +50,18 @@ class GenerationJob:
     last_token_at: float | None = None
     cancelled: bool = False
     done: bool = False
+    request_id: str = field(default_factory=request_id_var.get)  # for the error log
 
     def _push(self, item: StepEvent | GenerationResult | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the request's event loop is gone (shutdown)
             pass
+
+
+def _ids(jobs: Any) -> dict[str, Any]:
+    """Log fields naming the requests a batch-wide failure hit (the thread has no context)."""
+    return {"fields": {"request_id": ",".join(job.request_id for job in jobs)}}
 
 
 class Batcher:
@@ -144,12 +151,14 @@ class Batcher:
                 job = self._active.pop(row)
                 job.done = True
                 job._push(BatcherStopped())
+            # right away, not at the next step (which may never come)
+            self._metrics.active_sequences.set(len(self._active))
         if admit:
             now = time.perf_counter()
             try:
                 rows = self._batch.add([job.request for job in admit])
             except Exception as exc:  # a bad prompt must not take the batch down
-                logger.exception("prefill failed")
+                logger.exception("prefill failed", extra=_ids(admit))
                 for job in admit:
                     job._push(exc)
                 return
@@ -166,11 +175,12 @@ class Batcher:
         try:
             events, finished = self._batch.step()
         except Exception as exc:
-            logger.exception("generation step failed")
+            logger.exception("generation step failed", extra=_ids(self._active.values()))
             self._batch.cancel(list(self._active))
             for job in self._active.values():
                 job._push(exc)
             self._active.clear()
+            self._metrics.active_sequences.set(0)
             return
         now = time.perf_counter()
         results = iter(finished)

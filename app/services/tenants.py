@@ -16,8 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from scipy import special
-
 from app.core.security import KeyWrapper, hash_api_key, new_api_key, verify_api_key
 from app.services.cpu import CpuPool
 from app.stores.base import (
@@ -38,8 +36,10 @@ from worldcup_core import (
     WorldCup,
 )
 from worldcup_core.decoder import RegistryMatch
+from worldcup_core.detector import z_from_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
+from worldcup_core.scoring import sidak_log_p
 
 T = TypeVar("T")
 
@@ -105,6 +105,7 @@ class DecodeOutcome:
     result: DecodeResult
     match: RegistryMatch | None
     entry: RegistryEntry | None
+    versions_tried: int = 1  # the best of these; its p-value is corrected for them
 
 
 @dataclass(frozen=True)
@@ -438,7 +439,9 @@ class TenantService:
             if message_id is not None:
                 entry = await self.store.registry_entry(tenant_id, message_id)
             outcomes.append(
-                DecodeOutcome(outcome.key_version, outcome.result, outcome.match, entry)
+                DecodeOutcome(
+                    outcome.key_version, outcome.result, outcome.match, entry, len(versions)
+                )
             )
         return outcomes
 
@@ -456,7 +459,7 @@ class TenantService:
     async def detector(
         self, tenant_id: str, significance: float
     ) -> Callable[[list[int]], DetectOutcome]:
-        """The message-free test under every key version, Bonferroni over versions, as
+        """The message-free test under every key version, Šidák over versions, as
         a plain function for a worker job (the store reads happen here, on the loop),
         so a route can tokenise and score in one job."""
         versions = await self.versions(tenant_id)
@@ -466,9 +469,11 @@ class TenantService:
                 (v.version, v.scheme.detect(token_ids, None, significance)) for v in versions
             ]
             version, best = min(results, key=lambda r: r[1].log10_p_value)
-            log_p = min(best.log10_p_value * math.log(10) + math.log(len(results)), 0.0)
+            # Šidák, not Bonferroni: exact (uniform under H0) and never clipped at 1,
+            # so z is standard normal on unwatermarked text
+            log_p = sidak_log_p(best.log10_p_value * math.log(10), len(results))
             p_value = math.exp(log_p)
-            z = float(-special.ndtri_exp(min(log_p, -1e-16)))
+            z = z_from_log_p(log_p, best.num_scored_tokens)
             return DetectOutcome(version if p_value < significance else None, best, p_value, z)
 
         return one

@@ -201,6 +201,15 @@ IDEMPOTENCY_PENDING = 0
 class Store(Protocol):
     async def ping(self) -> None: ...
 
+    async def ensure_marker(self, value: str) -> str:
+        """Write the service's marker unless one is there; return the stored marker.
+
+        Written at the first start; ``/ready`` fails when it disappears (a store that
+        came back empty would otherwise answer 401 to every tenant, looking ready)."""
+
+    async def marker(self) -> str | None:
+        """The stored marker, or None if the store has lost it."""
+
     async def close(self) -> None: ...
 
     # tenants

@@ -20,6 +20,7 @@ Layout (``p`` = prefix, ``t`` = tenant id)::
     p:t:probe:{k}:hits:{c}    zset  times of the cluster's counted queries (TTL)
     p:audit                   stream provenance audit log (one JSON field per entry)
     p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
+    p:marker                  str   the service's marker (written at first start)
 
 Every write that must be atomic is one Lua script (or WATCH/MULTI), so
 concurrent API replicas can never hand out the same message id or create two
@@ -313,6 +314,17 @@ class RedisStore:
     async def ping(self) -> None:
         async with self._guard():
             await self._redis.ping()
+
+    async def ensure_marker(self, value: str) -> str:
+        async with self._guard():
+            await self._redis.set(self._g("marker"), value, nx=True)
+            stored = await self._redis.get(self._g("marker"))
+        return str(stored if stored is not None else value)
+
+    async def marker(self) -> str | None:
+        async with self._guard():
+            stored = await self._redis.get(self._g("marker"))
+        return None if stored is None else str(stored)
 
     async def close(self) -> None:
         # Closing the client closes the pool too (it was created with from_pool).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -121,6 +122,10 @@ CREATE TABLE IF NOT EXISTS audit (
     id     INTEGER PRIMARY KEY AUTOINCREMENT,
     record TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS marker (
+    id    INTEGER PRIMARY KEY CHECK (id = 1),
+    value TEXT NOT NULL
+);
 """
 
 
@@ -196,6 +201,7 @@ class SQLiteStore:
     # -- plumbing -------------------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
+        _create_private(self._path)
         conn = sqlite3.connect(
             self._path,
             timeout=self._timeout_s,  # busy wait for another process's write lock
@@ -235,6 +241,25 @@ class SQLiteStore:
 
     async def ping(self) -> None:
         await self._run(lambda c: c.execute("SELECT 1").fetchone())
+
+    async def ensure_marker(self, value: str) -> str:
+        def run(c: sqlite3.Connection) -> str:
+            c.execute("INSERT OR IGNORE INTO marker (id, value) VALUES (1, ?)", (value,))
+            return str(c.execute("SELECT value FROM marker WHERE id = 1").fetchone()[0])
+
+        return await self._run(run)
+
+    async def marker(self) -> str | None:
+        def run(c: sqlite3.Connection) -> str | None:
+            try:
+                row = c.execute("SELECT value FROM marker WHERE id = 1").fetchone()
+            except sqlite3.OperationalError as exc:  # the table itself is gone
+                if "no such table" in str(exc):
+                    return None
+                raise
+            return None if row is None else str(row[0])
+
+        return await self._run(run)
 
     async def close(self) -> None:
         def _close() -> None:
@@ -716,3 +741,21 @@ class SQLiteStore:
                 )
 
         await self._run(op)
+
+
+def _create_private(path: str) -> None:
+    """Create the database file 0600 whatever the umask, before SQLite would create it
+    with the umask's mode: the registry holds tenants' metadata (possibly personal
+    data). SQLite gives its -wal and -shm files the database file's mode."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return
+    except OSError:
+        return  # let sqlite3.connect report it (as StoreUnavailable)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by the umask
+    finally:
+        os.close(fd)

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from app.api.deps import AdminDep, RuntimeDep
 from app.api.errors import APIError
+from app.api.routes.detection import readable_metadata
 from app.schemas.common import ERROR_RESPONSES, StrictModel
 from app.services.tenants import UnknownTenant
 from app.stores.base import Conflict
@@ -176,6 +177,6 @@ async def registry_entry(
         message_id=entry.message_id,
         key_version=entry.key_version,
         num_bits=entry.num_bits,
-        metadata=entry.metadata,
+        metadata=readable_metadata(entry.metadata, entry.message_id),
         issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
     )

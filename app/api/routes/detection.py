@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from app.api.deps import (
 )
 from app.api.errors import APIError
 from app.core.logging import request_id_var
-from app.schemas.common import ERROR_RESPONSES
+from app.schemas.common import error_responses
 from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch, verdict_of
 from app.schemas.watermark import (
     BatchItemError,
@@ -35,25 +36,52 @@ from app.schemas.watermark import (
     DetectRequest,
     DetectResponse,
     RegistryMatchOut,
+    check_metadata,
 )
 from app.services.probes import Sketch, retry_after
 from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
 from app.stores.base import ProbeDecision
 from worldcup_core import WorldCup
+from worldcup_core.detector import z_from_log_p
 from worldcup_core.message import MessageIdCodec
+from worldcup_core.scoring import sidak_log_p
 
 router = APIRouter(tags=["watermark"])
 
 
 def check_text(runtime: Runtime, text: str) -> None:
-    """Raise a 422 that says what is wrong with a text to score (cheap: no tokenising)."""
+    """Raise a 422 if a text to score is over the (published) limit (cheap: no tokenising).
+
+    Whitespace-only text is scored like any other (JSON Schema cannot say "not only
+    whitespace", and the schema says "non-empty"): an ordinary answer, not a 422.
+    """
     limit = runtime.settings.max_text_chars
     if len(text) > limit:
         raise APIError(
             422, f"text is {len(text)} characters; the limit is {limit}", "text_too_long"
         )
-    if not text.strip():
-        raise APIError(422, "text is empty", "empty_text")
+
+
+def readable_metadata(metadata: dict[str, Any], message_id: int) -> dict[str, Any]:
+    """Stored metadata, or a clear 409 if an entry written before metadata was checked
+    holds something that cannot be returned exactly (a lone surrogate, NaN)."""
+    try:
+        check_metadata(metadata)
+    except ValueError:
+        raise APIError(
+            409,
+            f"registry entry {message_id} holds metadata that cannot be returned exactly "
+            "(written before metadata was validated)",
+            "registry_entry_unreadable",
+        ) from None
+    return metadata
+
+
+def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float]:
+    """(p, z) of the best of ``tests`` key versions, Šidák-corrected: exact and uniform
+    under H0 (independent keys), so z is standard normal there, never clipped."""
+    log_p = sidak_log_p(log10_p * math.log(10.0), tests)
+    return math.exp(log_p), z_from_log_p(log_p, num_scored)
 
 
 def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -89,7 +117,7 @@ def registry_match(
     exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
     return RegistryMatchOut(
         message_id=entry.message_id,
-        metadata=entry.metadata,
+        metadata=readable_metadata(entry.metadata, entry.message_id),
         issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
         num_bits=entry.num_bits,
         confidence=found.posterior,
@@ -102,7 +130,9 @@ def _decode_response(
     runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
 ) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
-    runtime.metrics.detections.labels("watermarked" if det.is_watermarked else "clean").inc()
+    p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
+    watermarked = p_value < runtime.settings.significance
+    runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
     return DecodeResponse(
         bits=result.bits,
         bit_confidence=[
@@ -110,9 +140,9 @@ def _decode_response(
             for z, p in zip(result.bit_z, result.bit_p_values, strict=True)
         ],
         erasures=list(result.erasures),
-        p_value=det.p_value,
-        z_score=det.z_score,
-        is_watermarked=det.is_watermarked,
+        p_value=p_value,
+        z_score=z_score,
+        is_watermarked=watermarked,
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
@@ -304,7 +334,17 @@ def _is_verdict(principal: Principal) -> bool:
     return principal.key.detail == "verdict"
 
 
-@router.post("/decode", response_model=DecodeResponse | DecodeVerdict, responses=ERROR_RESPONSES)
+_SCORING_ERRORS = (400, 401, 403, 413, 422, 429, 503)
+_UNREADABLE = "A registry entry that cannot be returned exactly (`registry_entry_unreadable`)"
+
+
+@router.post(
+    "/decode",
+    response_model=DecodeResponse | DecodeVerdict,
+    responses=error_responses(
+        *_SCORING_ERRORS, 404, 409, e404="No such key version", e409=_UNREADABLE
+    ),
+)
 async def decode(
     body: DecodeRequest, runtime: RuntimeDep, principal: DecodeKey
 ) -> DecodeResponse | DecodeVerdict:
@@ -323,7 +363,11 @@ async def decode(
     return _decode_verdict(answer) if _is_verdict(principal) else answer
 
 
-@router.post("/detect", response_model=DetectResponse | DetectVerdict, responses=ERROR_RESPONSES)
+@router.post(
+    "/detect",
+    response_model=DetectResponse | DetectVerdict,
+    responses=error_responses(*_SCORING_ERRORS),
+)
 async def detect(
     body: DetectRequest, runtime: RuntimeDep, principal: DetectKey
 ) -> DetectResponse | DetectVerdict:
@@ -349,7 +393,11 @@ async def detect(
     return _detect_verdict(answer) if _is_verdict(principal) else answer
 
 
-@router.post("/decode/batch", response_model=DecodeBatchResponse, responses=ERROR_RESPONSES)
+@router.post(
+    "/decode/batch",
+    response_model=DecodeBatchResponse,
+    responses=error_responses(*_SCORING_ERRORS, 404, e404="No such key version"),
+)
 async def decode_batch(
     body: DecodeBatchRequest, runtime: RuntimeDep, principal: DecodeBatchKey
 ) -> DecodeBatchResponse:
@@ -368,7 +416,15 @@ async def decode_batch(
     except UnknownKeyVersion:
         raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
     schemes = await _schemes(runtime, tenant.tenant_id)
-    answers = [_decode_response(runtime, schemes, num_bits, o) for o in outcomes]
+    answers: list[DecodeResponse] = []
+    answered: list[int] = []
+    for index, outcome in zip(good, outcomes, strict=True):
+        try:
+            answers.append(_decode_response(runtime, schemes, num_bits, outcome))
+            answered.append(index)
+        except APIError as exc:  # an unreadable registry entry fails only its item
+            errors[index] = BatchItemError(code=exc.code, message=exc.message)
+    good = answered
     shown: list[DecodeResponse | DecodeVerdict]
     if _is_verdict(principal):
         verdicts = [_decode_verdict(a) for a in answers]
@@ -383,7 +439,9 @@ async def decode_batch(
     )
 
 
-@router.post("/detect/batch", response_model=DetectBatchResponse, responses=ERROR_RESPONSES)
+@router.post(
+    "/detect/batch", response_model=DetectBatchResponse, responses=error_responses(*_SCORING_ERRORS)
+)
 async def detect_batch(
     body: DetectBatchRequest, runtime: RuntimeDep, principal: DetectBatchKey
 ) -> DetectBatchResponse:

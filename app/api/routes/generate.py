@@ -1,10 +1,12 @@
-"""POST /generate: embed an explicit payload, or allocate a message id for metadata."""
+"""POST /generate: embed an explicit payload, or allocate a message id for metadata.
+
+A protocol adapter over :mod:`app.services.generation`, which the OpenAI
+routes share.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -16,13 +18,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.deps import BatcherDep, CurrentTenant, Runtime, RuntimeDep
 from app.api.errors import APIError, envelope
-from app.schemas.common import ERROR_RESPONSES
-from app.schemas.watermark import GenerateRequest, GenerateResponse, PayloadOut, Timing, Usage
-from app.services.batcher import Batcher, BatcherStopped, GenerationJob, QueueFull
-from app.services.tenants import KeyVersion, RegistryExhausted
-from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
-from worldcup_core import Payload, SamplingConfig
-from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
+from app.schemas.common import error_responses
+from app.schemas.watermark import (
+    MAX_METADATA_BYTES,
+    UNSTATED_RULES,
+    GenerateRequest,
+    GenerateResponse,
+    PayloadOut,
+    Timing,
+    Usage,
+    metadata_bytes,
+)
+from app.services import generation as gen
+from app.services.batcher import Batcher
+from app.services.tenants import KeyVersion
+from app.stores.base import IdempotencyRecord
+from worldcup_core import SamplingConfig
+from worldcup_core.generation import GenerationResult
 
 router = APIRouter(tags=["watermark"])
 logger = logging.getLogger("worldcup.generate")
@@ -37,79 +49,25 @@ IdempotencyKey = Annotated[
 ]
 
 
-def _payload(body: GenerateRequest) -> Payload:
-    assert body.payload is not None
-    p = body.payload
-    try:
-        if p.bits is not None:
-            return Payload.from_bits(p.bits)
-        if p.hex is not None:
-            return Payload.from_hex(p.hex, p.num_bits)
-        assert p.integer is not None and p.num_bits is not None
-        return Payload.from_int(p.integer, p.num_bits)
-    except ValueError as exc:
-        raise APIError(422, f"payload: {exc}", "invalid_payload") from None
-
-
-def _prompt_ids(runtime: Runtime, body: GenerateRequest) -> list[int]:
-    tok = runtime.tokenizer
-    if body.messages is not None:
-        if not getattr(tok, "chat_template", None):
-            raise APIError(422, "this model has no chat template; send prompt", "no_chat_template")
-        rendered = tok.apply_chat_template(
-            [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True
-        )
-        ids = rendered["input_ids"] if not isinstance(rendered, list) else rendered
-    else:
-        assert body.prompt is not None
-        ids = tok(body.prompt, add_special_tokens=False).input_ids
-    ids = list(ids)
-    limit = runtime.settings.max_prompt_tokens
-    if not ids:
-        raise APIError(422, "the prompt is empty after tokenisation", "empty_prompt")
-    if len(ids) > limit:
-        raise APIError(422, f"prompt is {len(ids)} tokens; the limit is {limit}", "prompt_too_long")
-    return ids
-
-
-def _queue_full(runtime: Runtime) -> APIError:
-    runtime.metrics.rejections.labels("queue_full").inc()
-    return APIError(
-        429, "the generation queue is full; retry shortly", "queue_full", {"Retry-After": "1"}
-    )
-
-
-def _body_hash(body: GenerateRequest) -> str:
-    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-async def _next_event(job: GenerationJob, deadline: float) -> StepEvent | GenerationResult:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError
-    item = await asyncio.wait_for(job.events.get(), timeout=remaining)
-    if isinstance(item, BatcherStopped):
-        raise APIError(503, "the server is shutting down", "draining", {"Retry-After": "5"})
-    if isinstance(item, BaseException):
-        raise APIError(500, "generation failed; it has been logged", "generation_failed")
-    return item
-
-
-async def _watch_disconnect(request: Request, batcher: Batcher, job: GenerationJob) -> None:
-    """Stop generating for a client that went away."""
-    while not job.done:
-        if await request.is_disconnected():
-            batcher.cancel(job)
-            return
-        await asyncio.sleep(0.25)
-
-
 @router.post(
     "/generate",
     response_model=GenerateResponse,
     responses={
-        **ERROR_RESPONSES,
+        **error_responses(
+            400,
+            401,
+            403,
+            409,
+            413,
+            422,
+            429,
+            501,
+            503,
+            504,
+            e409="Idempotency-Key conflict or still running (Retry-After), or registry_full",
+            e422="Invalid request. Beyond the schema: "
+            + "; ".join(f"`{code}`: {text}" for code, text in UNSTATED_RULES.items()),
+        ),  # fmt: skip
         200: {
             "content": {
                 "text/event-stream": {
@@ -131,67 +89,46 @@ async def generate(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     settings = runtime.settings
+    if "max_new_tokens" not in body.model_fields_set:  # the default, within this server's limit
+        body.max_new_tokens = min(body.max_new_tokens, settings.max_new_tokens_limit)
+        body.min_new_tokens = min(body.min_new_tokens, body.max_new_tokens)
     if body.max_new_tokens > settings.max_new_tokens_limit:
         raise APIError(
             422,
             f"max_new_tokens may be at most {settings.max_new_tokens_limit}",
             "max_new_tokens_too_large",
         )
-    body_hash = _body_hash(body)
+    if body.metadata is not None and metadata_bytes(body.metadata) > MAX_METADATA_BYTES:
+        raise APIError(
+            422,
+            f"metadata: more than {MAX_METADATA_BYTES} bytes as compact UTF-8 JSON",
+            "metadata_too_large",
+        )
+    body_hash = gen.body_hash(body.model_dump(mode="json"))
     if idempotency_key is not None:
-        stored = await runtime.store.idempotency_get(tenant.tenant_id, idempotency_key)
+        stored = await gen.stored_response(runtime, tenant.tenant_id, idempotency_key, body_hash)
         if stored is not None:
-            return _replay_or_refuse(stored, body_hash, body.stream)
-    if batcher.queue_depth >= batcher.max_queue:  # refuse before allocating a message id
-        raise _queue_full(runtime)
-    prompt_ids = await runtime.tenants.offload(lambda: _prompt_ids(runtime, body))
+            return _replay(stored, body.stream)
+    gen.ensure_queue_room(runtime, batcher)  # refuse before allocating a message id
+    messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
+    prompt_ids = await runtime.tenants.offload(
+        lambda: gen.prompt_ids(runtime, body.prompt, messages)
+    )
     if settings.debug_log_prompts:  # off by default: prompts are user data
         logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
     key = await runtime.tenants.version(tenant.tenant_id, None)
     claim = None
     if idempotency_key is not None:
-        # Claim the key before allocating or generating, so that two concurrent
-        # requests with one key cannot both run (one would issue a second message
-        # id). The claim expires on its own if this replica dies mid-request.
-        claim = (idempotency_key, body_hash)
-        pending = IdempotencyRecord(body_hash, IDEMPOTENCY_PENDING, {})
-        ttl = int(settings.request_timeout_s) + 30
-        if not await runtime.store.idempotency_put(tenant.tenant_id, idempotency_key, pending, ttl):
-            stored = await runtime.store.idempotency_get(tenant.tenant_id, idempotency_key)
-            if stored is None:  # it expired in between: the client may simply retry
-                raise _in_progress()
-            return _replay_or_refuse(stored, body_hash, body.stream)
+        claimed = await gen.claim(runtime, tenant.tenant_id, idempotency_key, body_hash)
+        if isinstance(claimed, IdempotencyRecord):
+            return _replay(claimed, body.stream)
+        claim = claimed
     try:
         return await _run(body, request, runtime, tenant.tenant_id, batcher, key, prompt_ids, claim)
     except BaseException:
         if claim is not None:
-            await _release(runtime, tenant.tenant_id, claim[0])
+            await claim.release()
         raise
-
-
-def _in_progress() -> APIError:
-    return APIError(
-        409,
-        "a request with this Idempotency-Key is still running; retry shortly",
-        "idempotency_in_progress",
-        {"Retry-After": "1"},
-    )
-
-
-def _replay_or_refuse(stored: IdempotencyRecord, body_hash: str, stream: bool) -> Any:
-    if stored.body_hash != body_hash:
-        raise APIError(
-            409, "Idempotency-Key was used with a different body", "idempotency_conflict"
-        )
-    if stored.status_code == IDEMPOTENCY_PENDING:
-        raise _in_progress()
-    return _replay(stored, stream)
-
-
-async def _release(runtime: Runtime, tenant_id: str, key: str) -> None:
-    """Drop the claim of a request that failed, so that its retry can run."""
-    with contextlib.suppress(StoreUnavailable):  # otherwise it expires by itself
-        await runtime.store.idempotency_delete(tenant_id, key)
 
 
 async def _run(
@@ -202,22 +139,17 @@ async def _run(
     batcher: Batcher,
     key: KeyVersion,
     prompt_ids: list[int],
-    claim: tuple[str, str] | None,
+    claim: gen.IdempotencyClaim | None,
 ) -> Any:
-    settings = runtime.settings
     message_id = None
     if body.metadata is not None:
-        try:
-            entry, payload = await runtime.tenants.allocate(
-                tenant_id, key, body.num_bits or settings.default_num_bits, body.metadata
-            )
-        except RegistryExhausted:
-            raise APIError(
-                409, "every message id of this payload length is taken", "registry_full"
-            ) from None
-        message_id = entry.message_id
+        payload, message_id = await gen.allocate(
+            runtime, tenant_id, key, body.metadata, body.num_bits
+        )
     else:
-        payload = _payload(body)
+        assert body.payload is not None
+        p = body.payload
+        payload = gen.parse_payload(p.bits, p.hex, p.integer, p.num_bits)
     sampling = SamplingConfig(
         temperature=body.temperature,
         top_k=body.top_k,
@@ -227,68 +159,27 @@ async def _run(
         no_repeat_ngram_size=body.no_repeat_ngram_size,
         seed=body.seed,
     )
-    try:
-        job = batcher.submit(GenerationRequest(prompt_ids, sampling, key.scheme, payload))
-    except QueueFull:
-        raise _queue_full(runtime) from None
-    except BatcherStopped:
-        raise APIError(503, "the server is shutting down", "draining") from None
-    context = _Context(runtime, tenant_id, key, payload, message_id, prompt_ids, job)
-    context.idempotency = claim
+    sample = gen.submit(runtime, batcher, tenant_id, key, prompt_ids, sampling, payload, message_id)
     if body.stream:
         return StreamingResponse(
-            _stream(context, request, batcher),
+            _stream(sample, claim, request, batcher),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    watcher = asyncio.create_task(_watch_disconnect(request, batcher, job))
+    watcher = asyncio.create_task(gen.watch_disconnect(request, batcher, [sample.job]))
     try:
-        result = await _collect(context, batcher)
+        result = await gen.collect(sample, batcher)
     finally:
         watcher.cancel()
-    response = _response(context, result)
-    await _remember(context, response)
+    response = _response(sample, result)
+    if claim is not None:
+        await claim.remember(response.model_dump(mode="json"))
     return response
 
 
-class _Context:
-    def __init__(
-        self,
-        runtime: Runtime,
-        tenant_id: str,
-        key: KeyVersion,
-        payload: Payload,
-        message_id: int | None,
-        prompt_ids: list[int],
-        job: GenerationJob,
-    ) -> None:
-        self.runtime, self.tenant_id, self.key = runtime, tenant_id, key
-        self.payload, self.message_id, self.prompt_ids, self.job = (
-            payload,
-            message_id,
-            prompt_ids,
-            job,
-        )
-        self.deadline = time.monotonic() + runtime.settings.request_timeout_s
-        self.idempotency: tuple[str, str] | None = None
-        self.remembered = False  # the final response replaced the idempotency claim
-
-
-async def _collect(ctx: _Context, batcher: Batcher) -> GenerationResult:
-    try:
-        while True:
-            item = await _next_event(ctx.job, ctx.deadline)
-            if isinstance(item, GenerationResult):
-                return item
-    except TimeoutError:
-        batcher.cancel(ctx.job)
-        ctx.runtime.metrics.rejections.labels("timeout").inc()
-        raise APIError(504, "generation timed out", "timeout") from None
-
-
-def _response(ctx: _Context, result: GenerationResult) -> GenerateResponse:
-    job = ctx.job
-    text = ctx.runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+def _response(sample: gen.Sample, result: GenerationResult) -> GenerateResponse:
+    job = sample.job
+    text = sample.runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     total = time.perf_counter() - job.enqueued_at
     n = len(result.token_ids)
     queue = (job.admitted_at or job.enqueued_at) - job.enqueued_at
@@ -299,17 +190,17 @@ def _response(ctx: _Context, result: GenerationResult) -> GenerateResponse:
         num_tokens=n,
         finish_reason="eos" if result.finish_reason == "eos" else "length",
         payload=PayloadOut(
-            bits=ctx.payload.bits,
-            hex=format(ctx.payload.to_int(), "x"),
-            num_bits=ctx.payload.num_bits,
+            bits=sample.payload.bits,
+            hex=format(sample.payload.to_int(), "x"),
+            num_bits=sample.payload.num_bits,
         ),
-        message_id=ctx.message_id,
-        key_version=ctx.key.version,
-        scheme=ctx.key.scheme.version,
+        message_id=sample.message_id,
+        key_version=sample.key.version,
+        scheme=sample.key.scheme.version,
         usage=Usage(
-            prompt_tokens=len(ctx.prompt_ids),
+            prompt_tokens=len(sample.prompt_ids),
             completion_tokens=n,
-            total_tokens=len(ctx.prompt_ids) + n,
+            total_tokens=len(sample.prompt_ids) + n,
         ),
         timing=Timing(
             queue_seconds=round(queue, 4),
@@ -320,64 +211,49 @@ def _response(ctx: _Context, result: GenerationResult) -> GenerateResponse:
     )
 
 
-async def _remember(ctx: _Context, response: GenerateResponse) -> None:
-    if ctx.idempotency is None:
-        return
-    key, body_hash = ctx.idempotency
-    record = IdempotencyRecord(body_hash, 200, response.model_dump(mode="json"))
-    await ctx.runtime.store.idempotency_put(
-        ctx.tenant_id, key, record, ctx.runtime.settings.idempotency_ttl_s, overwrite=True
-    )
-    ctx.remembered = True
-
-
 def _sse(data: str, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {data}\n\n".encode()
 
 
-async def _stream(ctx: _Context, request: Request, batcher: Batcher) -> AsyncIterator[bytes]:
-    tok = ctx.runtime.tokenizer
-    tokens: list[int] = []
-    sent = ""
+async def _stream(
+    sample: gen.Sample,
+    claim: gen.IdempotencyClaim | None,
+    request: Request,
+    batcher: Batcher,
+) -> AsyncIterator[bytes]:
+    deltas = gen.TextDeltas(sample.runtime.tokenizer)
     try:
         while True:
             if await request.is_disconnected():
-                batcher.cancel(ctx.job)
+                batcher.cancel(sample.job)
                 return
-            item = await _next_event(ctx.job, ctx.deadline)
+            item = await gen.next_event(sample)
             if isinstance(item, GenerationResult):
-                response = _response(ctx, item)
-                await _remember(ctx, response)
-                if response.text != sent and response.text.startswith(sent):
+                response = _response(sample, item)
+                if claim is not None:
+                    await claim.remember(response.model_dump(mode="json"))
+                if rest := deltas.rest(response.text):
                     # flush a character still held back (the text ended inside it)
-                    rest = response.text[len(sent) :]
                     yield _sse(json.dumps({"token_id": None, "text": rest}))
                 yield _sse(response.model_dump_json(), "result")
                 break
             if item.finish == "eos":
                 continue  # the closing EOS is not part of the text
-            tokens.append(item.token)
-            text = tok.decode(tokens, skip_special_tokens=True)
-            delta = ""
-            if not text.endswith("\ufffd"):
-                # a multi-byte character split across tokens decodes as U+FFFD until
-                # its last byte arrives: hold it back so the deltas add up to the text
-                delta, sent = text[len(sent) :], text
-            yield _sse(json.dumps({"token_id": item.token, "text": delta}))
+            yield _sse(json.dumps({"token_id": item.token, "text": deltas.push(item.token)}))
     except TimeoutError:
-        batcher.cancel(ctx.job)
+        batcher.cancel(sample.job)
         yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
     except APIError as exc:
         yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except Exception:
-        batcher.cancel(ctx.job)
+        batcher.cancel(sample.job)
         yield _sse(json.dumps(envelope(500, "generation failed", "generation_failed")), "error")
     finally:
-        if not ctx.job.done:
-            batcher.cancel(ctx.job)
-        if ctx.idempotency is not None and not ctx.remembered:
-            await _release(ctx.runtime, ctx.tenant_id, ctx.idempotency[0])
+        if not sample.job.done:
+            batcher.cancel(sample.job)
+        if claim is not None:
+            await claim.release()
     yield b"data: [DONE]\n\n"
 
 

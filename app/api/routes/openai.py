@@ -1,0 +1,148 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+The router only wires HTTP to :mod:`app.services.openai_serving` (the adapter),
+which runs on the same machinery as ``/generate``. Errors here use OpenAI's
+envelope (``app.api.errors``); auth is the tenant API key as a bearer token,
+exactly what the SDKs send.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from app.api.deps import BatcherDep, CurrentTenant, RuntimeDep, UnchargedTenant, charge
+from app.api.errors import APIError
+from app.api.routes.generate import IdempotencyKey
+from app.schemas.openai import (
+    OPENAI_ERROR_RESPONSES,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from app.services import generation as gen
+from app.services import openai_serving as serving
+from app.stores.base import IdempotencyRecord
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+_STARTED = time.time()
+
+
+def _streamed(chunk: type[Any], example: str) -> dict[int | str, dict[str, Any]]:
+    return {
+        **OPENAI_ERROR_RESPONSES,
+        200: {
+            "content": {"text/event-stream": {"schema": {"type": "string"}, "example": example}},
+            "description": "JSON, or when stream is true OpenAI's Server-Sent Events: one "
+            f"{chunk.__name__} per `data:` event, then `data: [DONE]`.",
+        },
+    }
+
+
+async def _serve(
+    body: ChatCompletionRequest | CompletionRequest,
+    request: Request,
+    runtime: RuntimeDep,
+    tenant_id: str,
+    batcher: BatcherDep,
+    idempotency_key: str | None,
+) -> Any:
+    pending = await serving.plan(runtime, body)
+    digest = serving.body_hash(pending)
+    streamed = bool(body.stream)
+    if idempotency_key is not None:
+        stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
+        if stored is not None:
+            return serving.replay(stored, body)
+    gen.ensure_queue_room(runtime, batcher, pending.choices)  # before allocating
+    claim = None
+    if idempotency_key is not None:
+        claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
+        if isinstance(claimed, IdempotencyRecord):
+            return serving.replay(claimed, body)
+        claim = claimed
+    try:
+        run = await serving.start(runtime, batcher, tenant_id, pending)
+        if streamed:
+            return serving.stream(run, request, batcher, claim)
+        response = await serving.complete(run, request, batcher)
+        if claim is not None:
+            await claim.remember(response.model_dump(mode="json"))
+        return response
+    except BaseException:
+        if claim is not None:
+            await claim.release()
+        raise
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    responses=_streamed(
+        ChatCompletionChunk,
+        'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[...]}\n\n'
+        "data: [DONE]\n\n",
+    ),
+    summary="Chat completion (OpenAI-compatible), watermarked",
+)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    runtime: RuntimeDep,
+    tenant: UnchargedTenant,
+    batcher: BatcherDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Any:
+    await charge(runtime, tenant, body.n or 1)  # one token per sample
+    return await _serve(body, request, runtime, tenant.tenant_id, batcher, idempotency_key)
+
+
+@router.post(
+    "/completions",
+    response_model=Completion,
+    responses=_streamed(
+        CompletionChunk,
+        'data: {"id":"cmpl-1","object":"text_completion","choices":[...]}\n\ndata: [DONE]\n\n',
+    ),
+    summary="Text completion (OpenAI-compatible), watermarked",
+)
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    runtime: RuntimeDep,
+    tenant: UnchargedTenant,
+    batcher: BatcherDep,
+    idempotency_key: IdempotencyKey = None,
+) -> Any:
+    await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
+    return await _serve(body, request, runtime, tenant.tenant_id, batcher, idempotency_key)
+
+
+@router.get(
+    "/models",
+    response_model=ModelList,
+    responses=OPENAI_ERROR_RESPONSES,
+    summary="The model this server generates with",
+)
+async def list_models(runtime: RuntimeDep, tenant: CurrentTenant) -> ModelList:
+    return serving.model_list(runtime, _STARTED)
+
+
+@router.get(
+    "/models/{model}",
+    response_model=ModelCard,
+    responses=OPENAI_ERROR_RESPONSES,
+    summary="One model",
+)
+async def retrieve_model(model: str, runtime: RuntimeDep, tenant: CurrentTenant) -> ModelCard:
+    for card in serving.model_list(runtime, _STARTED).data:
+        if model in (card.id, runtime.model_id):
+            return card
+    raise APIError(404, f"the model '{model}' does not exist", "model_not_found", param="model")

@@ -1,0 +1,448 @@
+"""The OpenAI protocol: request and response models of ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models``, plus the ``watermark`` extension.
+
+Requests are strict (no lax coercion: ``"5"`` is not an integer) but ignore
+unknown top-level fields, as the OpenAI SDKs and gateways expect. Fields we know
+and cannot honour are declared, so that a request using them gets a 400 naming
+the field instead of silence. The ``watermark`` extension forbids unknown keys:
+it is ours, and a misspelt key must not silently fall back to the default.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from app.schemas.watermark import MAX_METADATA_BYTES, MAX_METADATA_DEPTH, PayloadIn
+
+MAX_CHOICES = 16  # n, times the number of prompts of a completion request
+MAX_STOP = 4
+
+# field -> the values that mean "not used", accepted silently
+CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
+COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+}
+
+
+class OpenAIRequestModel(BaseModel):
+    """Strict types; unknown fields ignored (the SDKs send fields we do not know)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class OpenAIModel(BaseModel):
+    """Response models."""
+
+
+def _depth(value: Any, level: int = 0) -> int:
+    if isinstance(value, dict):
+        return max([_depth(v, level + 1) for v in value.values()], default=level + 1)
+    if isinstance(value, list):
+        return max([_depth(v, level + 1) for v in value], default=level + 1)
+    return level
+
+
+def _unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> Any:
+    """``value`` if it is one of the no-op ``accepted`` values (``False`` is not ``0``)."""
+    if any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+        return value
+    raise ValueError(f"'{name}' is not supported by this server")
+
+
+def _unsupported_field() -> Any:
+    return Field(None, description="Not supported: 400 unless absent, null or its no-op value.")
+
+
+# --------------------------------------------------------------------------- watermark
+class WatermarkPayload(PayloadIn):
+    """Exactly one of ``bits``, ``hex`` or ``int``; ``num_bits`` sizes hex/int."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [{"required": ["bits"]}, {"required": ["hex"]}, {"required": ["int"]}]
+        },
+    )
+
+
+class WatermarkRequest(BaseModel):
+    """The ``watermark`` extension (send it through the SDK's ``extra_body``).
+
+    ``metadata`` (the service allocates a message id and records it) or an
+    explicit ``payload``, not both; with neither, the tenant default applies: a
+    metadata allocation recording the request's ``user``.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "not": {"anyOf": [{"required": ["metadata", "payload"]}]},
+            "examples": [{"metadata": {"user_id": "u-17"}}, {"payload": {"hex": "69a5"}}],
+        },
+    )
+
+    metadata: dict[str, Any] | None = Field(
+        None, description="Small JSON object; the service allocates a message id for it."
+    )
+    payload: WatermarkPayload | None = None
+    num_bits: Annotated[int | None, Field(ge=1, le=64)] = Field(
+        None, description="Payload length of the allocation (default: server setting)."
+    )
+    top_k: Annotated[int | None, Field(ge=0, le=1000)] = Field(
+        None, description="Top-k filter before watermarking (default 50; 0 disables)."
+    )
+    no_repeat_ngram_size: Annotated[int | None, Field(ge=0, le=16)] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        if self.metadata is not None and self.payload is not None:
+            raise ValueError("give at most one of watermark.metadata or watermark.payload")
+        if self.num_bits is not None and self.payload is not None:
+            raise ValueError("watermark.num_bits sizes allocations; size payloads inside payload")
+        return self
+
+    @field_validator("metadata")
+    @classmethod
+    def _small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if len(json.dumps(value)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
+        if _depth(value) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata may nest at most {MAX_METADATA_DEPTH} levels")
+        return value
+
+
+class WatermarkInfo(OpenAIModel):
+    """What each choice carries: the payload it embeds and where it is registered."""
+
+    message_id: int | None = Field(description="Registry entry, when the service allocated it.")
+    key_version: int
+    scheme: str
+    num_bits: int
+    payload_hex: str
+    payload_bits: str
+
+
+# --------------------------------------------------------------------------- requests
+class StreamOptions(OpenAIRequestModel):
+    include_usage: bool | None = None
+
+
+class TextPart(OpenAIRequestModel):
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=100_000)]
+
+
+class ChatMessageIn(OpenAIRequestModel):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="'developer' is read as 'system'; tool and function roles are unsupported."
+    )
+    content: (
+        Annotated[str, Field(max_length=100_000)]
+        | Annotated[list[TextPart], Field(min_length=1, max_length=64)]
+    ) = Field(description="A string, or text parts (other part types are unsupported).")
+    name: Annotated[str | None, Field(max_length=256)] = None
+    tool_calls: Any = _unsupported_field()
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        return _unsupported("tool_calls", value, (None, []))
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+Stop = StopString | Annotated[list[StopString], Field(min_length=1, max_length=MAX_STOP)]
+
+
+class _Sampling(OpenAIRequestModel):
+    model: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        description="A model id from GET /v1/models."
+    )
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    min_tokens: Annotated[int | None, Field(ge=0)] = Field(
+        None, description="vLLM's extension: no end-of-sequence before this many tokens."
+    )
+    temperature: Annotated[float | None, Field(ge=0, le=2)] = Field(
+        None, description="Default 1; 0 is read as 0.01 (all but greedy)."
+    )
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = Field(None, description="Default 1.")
+    n: Annotated[int | None, Field(ge=1, le=MAX_CHOICES)] = Field(
+        None, description="Choices per prompt, each its own watermarked sample."
+    )
+    seed: Annotated[int | None, Field(ge=-(2**63), le=2**63 - 1)] = None
+    stop: Stop | None = Field(None, description="Up to 4 stop strings (not part of the text).")
+    user: Annotated[str | None, Field(max_length=256)] = Field(
+        None, description="Recorded in the registry entry of a default allocation."
+    )
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    watermark: WatermarkRequest | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # stream is declared before
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``; unknown fields are ignored."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "SmolLM2-135M-Instruct",
+                    "messages": [{"role": "user", "content": "Write a note about tides."}],
+                    "max_tokens": 64,
+                    "watermark": {"metadata": {"user_id": "u-17"}},
+                }
+            ]
+        },
+    )
+
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=64)]
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = Field(
+        None, description="Preferred over max_tokens when both are given."
+    )
+    tools: Any = _unsupported_field()
+    tool_choice: Any = _unsupported_field()
+    functions: Any = _unsupported_field()
+    function_call: Any = _unsupported_field()
+    logprobs: Any = _unsupported_field()
+    top_logprobs: Any = _unsupported_field()
+    response_format: Any = _unsupported_field()
+    logit_bias: Any = _unsupported_field()
+    presence_penalty: Any = _unsupported_field()
+    frequency_penalty: Any = _unsupported_field()
+    audio: Any = _unsupported_field()
+    modalities: Any = _unsupported_field()
+    prediction: Any = _unsupported_field()
+    web_search_options: Any = _unsupported_field()
+
+    @field_validator(*CHAT_UNSUPPORTED)
+    @classmethod
+    def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return _unsupported(info.field_name, value, CHAT_UNSUPPORTED[info.field_name])
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``; unknown fields are ignored."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "The tide", "max_tokens": 32}]
+        },
+    )
+
+    prompt: (
+        Annotated[str, Field(min_length=1, max_length=100_000)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=100_000)]],
+            Field(min_length=1, max_length=MAX_CHOICES),
+        ]
+    ) = Field(description="A string or a list of strings (token-id prompts are unsupported).")
+    logprobs: Any = _unsupported_field()
+    echo: Any = _unsupported_field()
+    suffix: Any = _unsupported_field()
+    best_of: Any = _unsupported_field()
+    logit_bias: Any = _unsupported_field()
+    presence_penalty: Any = _unsupported_field()
+    frequency_penalty: Any = _unsupported_field()
+
+    @field_validator(*COMPLETION_UNSUPPORTED)
+    @classmethod
+    def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return _unsupported(info.field_name, value, COMPLETION_UNSUPPORTED[info.field_name])
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+# --------------------------------------------------------------------------- responses
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class AssistantMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(OpenAIModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+    watermark: WatermarkInfo
+
+
+class ChatCompletion(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+    watermark: WatermarkInfo
+
+
+class Completion(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+    watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
+
+
+class ChatCompletionChunk(OpenAIModel):
+    """One ``data:`` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunkChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+    watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
+
+
+class CompletionChunk(OpenAIModel):
+    """One ``data:`` event of a streamed completion (``object`` as OpenAI sends it)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class OpenAIErrorBody(OpenAIModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorEnvelope(OpenAIModel):
+    error: OpenAIErrorBody
+
+
+OPENAI_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    code: {"model": OpenAIErrorEnvelope, "description": text}
+    for code, text in {
+        400: "Invalid request (param names the field)",
+        401: "Missing or invalid API key",
+        403: "The API key lacks the 'generate' scope",
+        404: "Unknown model",
+        409: "Idempotency conflict, or the registry is full",
+        413: "Request body too large",
+        422: "Not used here: an invalid request answers 400, as OpenAI's API does",
+        429: "Rate limit or full queue (Retry-After set)",
+        501: "Detector-only deployment",
+        503: "Unavailable: store unreachable or draining",
+        504: "Timed out",
+    }.items()
+}

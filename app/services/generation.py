@@ -1,0 +1,280 @@
+"""The one generation path behind every protocol: ``/generate`` and the OpenAI ``/v1`` routes.
+
+Routes are adapters: they parse their protocol's request, then call these
+functions for what must not differ between them (prompt limits, idempotency
+claims, registry allocation, batching, deadlines, disconnect cancellation,
+incremental detokenisation), and finally shape their protocol's response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from app.api.deps import Runtime
+from app.api.errors import APIError
+from app.services.batcher import Batcher, BatcherStopped, GenerationJob, QueueFull
+from app.services.tenants import KeyVersion, RegistryExhausted
+from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
+from worldcup_core import Payload, SamplingConfig
+from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
+
+
+def parse_payload(
+    bits: str | None, hex_digits: str | None, integer: int | None, num_bits: int | None
+) -> Payload:
+    """An explicit payload in one of its three spellings (validated shapes)."""
+    try:
+        if bits is not None:
+            return Payload.from_bits(bits)
+        if hex_digits is not None:
+            return Payload.from_hex(hex_digits, num_bits)
+        assert integer is not None and num_bits is not None
+        return Payload.from_int(integer, num_bits)
+    except ValueError as exc:
+        raise APIError(422, f"payload: {exc}", "invalid_payload") from None
+
+
+def prompt_ids(
+    runtime: Runtime, prompt: str | None, messages: Sequence[dict[str, str]] | None
+) -> list[int]:
+    """Tokenise a prompt, or render chat messages through the model's chat template."""
+    tok = runtime.tokenizer
+    if messages is not None:
+        if not getattr(tok, "chat_template", None):
+            raise APIError(422, "this model has no chat template; send prompt", "no_chat_template")
+        rendered = tok.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
+        ids = rendered["input_ids"] if not isinstance(rendered, list) else rendered
+    else:
+        assert prompt is not None
+        ids = tok(prompt, add_special_tokens=False).input_ids
+    ids = list(ids)
+    limit = runtime.settings.max_prompt_tokens
+    if not ids:
+        raise APIError(422, "the prompt is empty after tokenisation", "empty_prompt")
+    if len(ids) > limit:
+        raise APIError(422, f"prompt is {len(ids)} tokens; the limit is {limit}", "prompt_too_long")
+    return ids
+
+
+def queue_full(runtime: Runtime) -> APIError:
+    runtime.metrics.rejections.labels("queue_full").inc()
+    return APIError(
+        429, "the generation queue is full; retry shortly", "queue_full", {"Retry-After": "1"}
+    )
+
+
+def ensure_queue_room(runtime: Runtime, batcher: Batcher, rows: int = 1) -> None:
+    """Refuse before allocating a message id when ``rows`` more jobs cannot wait."""
+    if batcher.queue_depth + rows > batcher.max_queue:
+        raise queue_full(runtime)
+
+
+def body_hash(body: Any) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- idempotency
+def in_progress() -> APIError:
+    return APIError(
+        409,
+        "a request with this Idempotency-Key is still running; retry shortly",
+        "idempotency_in_progress",
+        {"Retry-After": "1"},
+    )
+
+
+def check_stored(stored: IdempotencyRecord, digest: str) -> IdempotencyRecord:
+    """The stored response to replay, or 409 for another body or a running request."""
+    if stored.body_hash != digest:
+        raise APIError(
+            409, "Idempotency-Key was used with a different body", "idempotency_conflict"
+        )
+    if stored.status_code == IDEMPOTENCY_PENDING:
+        raise in_progress()
+    return stored
+
+
+async def stored_response(
+    runtime: Runtime, tenant_id: str, key: str, digest: str
+) -> IdempotencyRecord | None:
+    stored = await runtime.store.idempotency_get(tenant_id, key)
+    return None if stored is None else check_stored(stored, digest)
+
+
+@dataclass
+class IdempotencyClaim:
+    """An Idempotency-Key claimed before anything is allocated or generated."""
+
+    runtime: Runtime
+    tenant_id: str
+    key: str
+    body_hash: str
+    remembered: bool = False  # the final response replaced the claim
+
+    async def remember(self, response: dict[str, Any]) -> None:
+        record = IdempotencyRecord(self.body_hash, 200, response)
+        await self.runtime.store.idempotency_put(
+            self.tenant_id,
+            self.key,
+            record,
+            self.runtime.settings.idempotency_ttl_s,
+            overwrite=True,
+        )
+        self.remembered = True
+
+    async def release(self) -> None:
+        """Drop the claim of a request that failed, so that its retry can run."""
+        if self.remembered:
+            return
+        with contextlib.suppress(StoreUnavailable):  # otherwise it expires by itself
+            await self.runtime.store.idempotency_delete(self.tenant_id, self.key)
+
+
+async def claim(
+    runtime: Runtime, tenant_id: str, key: str, digest: str
+) -> IdempotencyClaim | IdempotencyRecord:
+    """Claim ``key`` (two concurrent requests with one key cannot both run, or one
+    would issue a second message id), or return the stored response to replay.
+    The claim expires on its own if this replica dies mid-request."""
+    pending = IdempotencyRecord(digest, IDEMPOTENCY_PENDING, {})
+    ttl = int(runtime.settings.request_timeout_s) + 30
+    if await runtime.store.idempotency_put(tenant_id, key, pending, ttl):
+        return IdempotencyClaim(runtime, tenant_id, key, digest)
+    stored = await runtime.store.idempotency_get(tenant_id, key)
+    if stored is None:  # it expired in between: the client may simply retry
+        raise in_progress()
+    return check_stored(stored, digest)
+
+
+# --------------------------------------------------------------------------- samples
+async def allocate(
+    runtime: Runtime,
+    tenant_id: str,
+    key: KeyVersion,
+    metadata: dict[str, Any],
+    num_bits: int | None,
+) -> tuple[Payload, int]:
+    """A registry entry (durably, before generating) and the payload it maps to."""
+    try:
+        entry, payload = await runtime.tenants.allocate(
+            tenant_id, key, num_bits or runtime.settings.default_num_bits, metadata
+        )
+    except RegistryExhausted:
+        raise APIError(
+            409, "every message id of this payload length is taken", "registry_full"
+        ) from None
+    return payload, entry.message_id
+
+
+@dataclass(eq=False)
+class Sample:
+    """One submitted generation and what its response needs."""
+
+    runtime: Runtime
+    tenant_id: str
+    key: KeyVersion
+    payload: Payload
+    message_id: int | None
+    prompt_ids: list[int]
+    job: GenerationJob
+    deadline: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.runtime.settings.request_timeout_s
+
+
+def submit(
+    runtime: Runtime,
+    batcher: Batcher,
+    tenant_id: str,
+    key: KeyVersion,
+    ids: list[int],
+    sampling: SamplingConfig,
+    payload: Payload,
+    message_id: int | None,
+) -> Sample:
+    try:
+        job = batcher.submit(GenerationRequest(ids, sampling, key.scheme, payload))
+    except QueueFull:
+        raise queue_full(runtime) from None
+    except BatcherStopped:
+        raise APIError(503, "the server is shutting down", "draining") from None
+    return Sample(runtime, tenant_id, key, payload, message_id, ids, job)
+
+
+async def next_event(sample: Sample) -> StepEvent | GenerationResult:
+    """The job's next token or its result; TimeoutError past the request deadline."""
+    remaining = sample.deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError
+    item = await asyncio.wait_for(sample.job.events.get(), timeout=remaining)
+    if isinstance(item, BatcherStopped):
+        raise APIError(503, "the server is shutting down", "draining", {"Retry-After": "5"})
+    if isinstance(item, BaseException):
+        raise APIError(500, "generation failed; it has been logged", "generation_failed")
+    return item
+
+
+def timed_out(sample: Sample, batcher: Batcher) -> APIError:
+    batcher.cancel(sample.job)
+    sample.runtime.metrics.rejections.labels("timeout").inc()
+    return APIError(504, "generation timed out", "timeout")
+
+
+async def collect(sample: Sample, batcher: Batcher) -> GenerationResult:
+    try:
+        while True:
+            item = await next_event(sample)
+            if isinstance(item, GenerationResult):
+                return item
+    except TimeoutError:
+        raise timed_out(sample, batcher) from None
+
+
+async def watch_disconnect(request: Request, batcher: Batcher, jobs: list[GenerationJob]) -> None:
+    """Stop generating for a client that went away."""
+    while not all(job.done for job in jobs):
+        if await request.is_disconnected():
+            for job in jobs:
+                batcher.cancel(job)
+            return
+        await asyncio.sleep(0.25)
+
+
+class TextDeltas:
+    """Incremental detokenisation whose deltas add up to the final text.
+
+    A multi-byte character split across tokens decodes as U+FFFD until its last
+    byte arrives: it is held back until then.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return str(delta)
+
+    def rest(self, final_text: str) -> str:
+        """What is still held back of ``final_text`` (the text ended inside a character)."""
+        if final_text != self.sent and final_text.startswith(self.sent):
+            return final_text[len(self.sent) :]
+        return ""

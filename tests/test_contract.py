@@ -1,0 +1,325 @@
+"""The API contract: metadata round-trips exactly or is refused, no stored entry breaks a
+read route, scores read as documented, and the schema's own examples are accepted.
+
+(Schemathesis fuzzing of the whole schema is ``tests/test_fuzz.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import stats
+from test_service_api import ADMIN, assert_error, fixed_watermark_keys, make_settings, new_tenant
+
+from app.main import create_app
+from app.schemas.watermark import (
+    MAX_METADATA_BYTES,
+    MAX_METADATA_ITEMS,
+    MAX_METADATA_STRING,
+    metadata_bytes,
+)
+from worldcup_core.message import MessageIdCodec
+
+HUMAN = (
+    "The committee met on Tuesday to discuss the budget for next year. Several members "
+    "argued that the library needed a new roof before anything else, while others wanted "
+    "to extend the opening hours. No decision was taken and the meeting ran late."
+)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    settings = make_settings(tiny_model_dir, tmp_path_factory.mktemp("db"), max_batch_texts=200)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        yield c
+
+
+def registry_url(tenant_id: str, message_id: int) -> str:
+    return f"/admin/tenants/{tenant_id}/registry/{message_id}"
+
+
+# --------------------------------------------------------------------------- metadata
+_strings = st.text(max_size=24)  # hypothesis' text() never yields a lone surrogate
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    _strings,
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(_strings, inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+metadata_objects = st.dictionaries(_strings, _values, max_size=6).filter(
+    lambda m: metadata_bytes(m) <= MAX_METADATA_BYTES and _depth(m) <= 4
+)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values, types included (1 is not 1.0 is not True)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return bool(a == b)
+
+
+def test_accepted_metadata_reads_back_identical(client: TestClient) -> None:
+    """Property: any metadata /generate accepts is what the registry route returns."""
+    tenant_id, auth = new_tenant(client)
+
+    @settings(
+        max_examples=40,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(metadata=metadata_objects)
+    def round_trip(metadata: dict[str, Any]) -> None:
+        body = {"prompt": "Hi", "max_new_tokens": 1, "metadata": metadata, "num_bits": 32}
+        r = client.post("/generate", content=json.dumps(body), headers=_json(auth))
+        assert r.status_code == 200, r.text
+        entry = client.get(registry_url(tenant_id, r.json()["message_id"]), headers=ADMIN)
+        assert entry.status_code == 200, entry.text
+        assert same_json(entry.json()["metadata"], metadata), (entry.json(), metadata)
+
+    round_trip()
+
+
+def test_metadata_round_trips_through_decode_and_provenance(client: TestClient) -> None:
+    """Awkward but valid values come back exactly through every route that returns them."""
+    metadata = {
+        "user": "ü-17 \u2028 \U0001f30a",
+        "big": 2**64 + 1,
+        "tiny": 5e-324,
+        "neg_zero": -0.0,
+        "list": [1, 1.0, True, None, ""],
+        "nested": {"a": {"b": {"c": "deep"}}},
+    }
+    with fixed_watermark_keys(71):
+        tenant_id, auth = new_tenant(client)
+    body = {
+        "prompt": "Write about tides.",
+        "max_new_tokens": 64,
+        "min_new_tokens": 64,
+        "seed": 5,
+        "metadata": metadata,
+        "num_bits": 16,
+    }
+    generated = client.post("/generate", json=body, headers=auth)
+    assert generated.status_code == 200, generated.text
+    text, message_id = generated.json()["text"], generated.json()["message_id"]
+    decoded = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
+    assert decoded["registry_match"]["message_id"] == message_id, decoded
+    assert same_json(decoded["registry_match"]["metadata"], metadata)
+    found = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
+    assert same_json(found["match"]["registry_entry"]["metadata"], metadata), found
+    entry = client.get(registry_url(tenant_id, message_id), headers=ADMIN).json()
+    assert same_json(entry["metadata"], metadata)
+
+
+def _json(auth: dict[str, str]) -> dict[str, str]:
+    return {**auth, "Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    ("raw_metadata", "field", "why"),
+    [
+        ('{"x": NaN}', "metadata.x", "finite"),
+        ('{"x": [1, Infinity]}', "metadata.x[1]", "finite"),
+        ('{"x": {"y": -Infinity}}', "metadata.x.y", "finite"),
+        ('{"x": 1e400}', "metadata.x", "finite"),
+        ('{"x": "a\\ud800b"}', "metadata.x", "surrogate"),
+        ('{"\\udc00": 1}', "metadata (a key)", "surrogate"),
+        ('{"x": {"y": ["\\udbff"]}}', "metadata.x.y[0]", "surrogate"),
+        ('{"a": {"b": {"c": {"d": {"e": 1}}}}}', "metadata.a.b.c.d", "nest at most"),
+        ("{" + ",".join(f'"k{i}": {i}' for i in range(33)) + "}", "metadata", "keys"),
+        ('{"x": "' + "y" * 513 + '"}', "metadata.x", "512"),
+    ],
+)
+def test_metadata_that_would_not_round_trip_is_refused(
+    client: TestClient, raw_metadata: str, field: str, why: str
+) -> None:
+    _, auth = new_tenant(client)
+    raw = '{"prompt": "Hi", "max_new_tokens": 1, "metadata": ' + raw_metadata + "}"
+    r = client.post("/generate", content=raw.encode(), headers=_json(auth))
+    err = assert_error(r, 422, "invalid_request")
+    assert field in err["message"] and why in err["message"], err
+    assert MAX_METADATA_ITEMS == 32 and MAX_METADATA_STRING == 512  # as the cases assume
+
+
+def test_a_broken_stored_entry_never_breaks_a_read_route(client: TestClient) -> None:
+    """Entries written before metadata was checked: a clear 409, or one item's error."""
+    runtime = client.app.state.runtime  # type: ignore[attr-defined]
+    portal = client.portal  # type: ignore[attr-defined]
+    with fixed_watermark_keys(72):
+        tenant_id, auth = new_tenant(client)
+    key = portal.call(runtime.tenants.version, tenant_id, None)
+    texts = []
+    for n, bad in enumerate(({"k": "a\ud800"}, {"\udfff": 1}, {"n": float("nan")})):
+        entry = portal.call(
+            runtime.store.allocate_message, tenant_id, key.version, 16, bad, time.time()
+        )
+        bits = MessageIdCodec(key.scheme.key, 16).payload(entry.message_id).bits
+        body = {
+            "prompt": "Write about tides.",
+            "max_new_tokens": 64,
+            "min_new_tokens": 64,
+            "seed": 20 + n,
+            "payload": {"bits": bits},
+        }
+        generated = client.post("/generate", json=body, headers=auth)
+        assert generated.status_code == 200, generated.text
+        texts.append(generated.json()["text"])
+        for r in (
+            client.post("/decode", json={"text": texts[-1], "num_bits": 16}, headers=auth),
+            client.post("/provenance", json={"text": texts[-1]}, headers=ADMIN),
+            client.get(registry_url(tenant_id, entry.message_id), headers=ADMIN),
+        ):
+            err = assert_error(r, 409, "registry_entry_unreadable")
+            assert str(entry.message_id) in err["message"]
+    batch = client.post(
+        "/decode/batch", json={"texts": [*texts, HUMAN], "num_bits": 16}, headers=auth
+    )
+    assert batch.status_code == 200, batch.text
+    items = batch.json()["results"]
+    assert [i["error"]["code"] for i in items[:3]] == ["registry_entry_unreadable"] * 3
+    assert items[3]["error"] is None and items[3]["result"]["registry_match"] is None
+    assert batch.json()["num_errors"] == 3
+
+
+# --------------------------------------------------------------------------- scores
+def _human_texts(data_dir: Path, words: int = 60, limit: int = 600) -> list[str]:
+    texts: list[str] = []
+    with (data_dir / "cnn_dailymail_test.jsonl").open(encoding="utf-8") as f:
+        for line in f:
+            article = json.loads(line)["article"].split()
+            texts += [
+                " ".join(article[i : i + words]) for i in range(0, len(article) - words, words)
+            ]
+            if len(texts) >= limit:
+                return texts[:limit]
+    return texts
+
+
+def test_z_score_reads_as_a_standard_normal_on_null_text(
+    client: TestClient, data_dir: Path
+) -> None:
+    """/detect and /decode on human text, under a tenant with two key versions: z and p
+    agree (z = Φ⁻¹(1 − p)), z > 0 exactly when p < 1/2, and z is about N(0, 1), never
+    pinned below -5 by a clipped p-value (a Bonferroni p of 1 once gave z = -8.22)."""
+    with fixed_watermark_keys(73):
+        tenant_id, auth = new_tenant(client)
+    assert client.post(f"/admin/tenants/{tenant_id}/rotate-key", headers=ADMIN).status_code == 200
+    texts = _human_texts(data_dir)
+    assert len(texts) == 600
+    for route in ("/detect/batch", "/decode/batch"):
+        z, p = [], []
+        for start in range(0, len(texts), 200):
+            chunk = texts[start : start + 200]
+            r = client.post(route, json={"texts": chunk}, headers=auth)
+            assert r.status_code == 200, r.text
+            results = [item["result"] for item in r.json()["results"]]
+            z += [res["z_score"] for res in results]
+            p += [res["p_value"] for res in results]
+        z_arr, p_arr = np.array(z), np.array(p)
+        assert np.array_equal(z_arr > 0, p_arr < 0.5), route
+        assert np.allclose(stats.norm.sf(z_arr), p_arr, rtol=1e-9, atol=1e-15), route
+        assert z_arr.min() > -5, (route, z_arr.min())
+        assert abs(z_arr.mean()) < 0.2 and 0.8 < z_arr.std() < 1.2, (route, z_arr.mean())
+        assert stats.kstest(z_arr, "norm").pvalue > 1e-3, route
+    # the single route answers what the batch does
+    one = client.post("/detect", json={"text": texts[0]}, headers=auth).json()
+    assert math.isclose(one["z_score"], float(stats.norm.isf(one["p_value"])), abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("text", [" ", "\r", " \n\t ", "x"])
+def test_blank_text_is_an_ordinary_answer(client: TestClient, text: str) -> None:
+    """The schema says only "non-empty", so the server does not refuse whitespace."""
+    _, auth = new_tenant(client)
+    r = client.post("/detect", json={"text": text}, headers=auth)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["is_watermarked"] is False
+    if body["num_scored_tokens"] == 0:
+        assert body["p_value"] == 1.0 and body["z_score"] == 0.0
+
+
+# --------------------------------------------------------------------------- schema
+def test_schema_examples_are_valid_and_accepted(client: TestClient) -> None:
+    """Every request example the docs page shows is accepted as it stands."""
+    _, auth = new_tenant(client)
+    schema = client.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    sent = 0
+    for path, item in schema["paths"].items():
+        operation = item.get("post")
+        if operation is None or "requestBody" not in operation:
+            continue
+        ref = operation["requestBody"]["content"]["application/json"]["schema"].get("$ref", "")
+        for example in components.get(ref.rsplit("/", 1)[-1], {}).get("examples", []):
+            headers = ADMIN if path.startswith(("/admin", "/provenance")) else auth
+            r = client.post(path, json=example, headers=headers)
+            assert r.status_code < 300, (path, example, r.text)
+            sent += 1
+    assert sent >= 7, sent
+    description = schema["info"]["description"]
+    assert "prompt_too_long" in description and "metadata_too_large" in description
+
+
+def test_schema_states_the_servers_limits(client: TestClient) -> None:
+    components = client.get("/openapi.json").json()["components"]["schemas"]
+    assert components["DetectRequest"]["properties"]["text"]["maxLength"] == 2000
+    assert components["DetectBatchRequest"]["properties"]["texts"]["maxItems"] == 200
+    max_new = components["GenerateRequest"]["properties"]["max_new_tokens"]
+    assert max_new["maximum"] == 256 and max_new["default"] == 128
+    seed = components["GenerateRequest"]["properties"]["seed"]["anyOf"][0]
+    assert seed["maximum"] == 2**63 - 1  # exact, not rounded through a float
+    payload = components["PayloadIn"]
+    assert len(payload["oneOf"]) == 3
+    generate = components["GenerateRequest"]
+    assert [len(rule["oneOf"]) for rule in generate["allOf"]] == [2, 2]
+    headers = schema_headers(client, "/detect", "429")
+    assert "Retry-After" in headers
+
+
+def schema_headers(client: TestClient, path: str, status: str) -> dict[str, Any]:
+    paths = client.get("/openapi.json").json()["paths"]
+    headers: dict[str, Any] = paths[path]["post"]["responses"][status].get("headers", {})
+    return headers
+
+
+def test_min_new_tokens_is_capped_at_max_new_tokens(client: TestClient) -> None:
+    """A cross-field rule JSON Schema cannot state: the server caps instead of refusing."""
+    _, auth = new_tenant(client)
+    body = {"prompt": "Hi", "payload": {"bits": "1011"}, "max_new_tokens": 3, "min_new_tokens": 9}
+    r = client.post("/generate", json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json()["num_tokens"] == 3

@@ -1,0 +1,330 @@
+"""The scan driver: plan parts, skip finished ones, run an engine, merge, summarise, audit.
+
+Resuming: every finished part is written atomically to ``<out>.parts/`` next to
+a manifest naming the inputs (path, size, mtime), the mode, the fields and
+the key set (public key ids only). A rerun with the same manifest skips the
+finished parts; the final output is the parts concatenated in input order,
+so it is identical however often the scan was interrupted and whichever
+engine ran it. The parts folder is removed once the output is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worldcup_scan.inputs import Part, discover, plan
+from worldcup_scan.keys import StoreSession
+from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema
+
+MANIFEST_VERSION = 1
+
+
+class ScanStateError(ValueError):
+    """A previous, different scan left its parts where this one would write."""
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    inputs: tuple[str, ...]
+    out: Path
+    engine: str = "local"
+    workers: int = 1
+    part_rows: int = 1000
+    ray_address: str | None = None
+    with_registry: bool = False
+    restart: bool = False  # discard the parts of an earlier, different scan
+    progress: bool = True
+    actor: str = "cli"  # who ran the scan, for the audit log
+
+    @property
+    def out_format(self) -> str:
+        return "jsonl" if self.out.suffix.lower() in (".jsonl", ".ndjson", ".json") else "parquet"
+
+
+@dataclass
+class ScanSummary:
+    files: int = 0
+    texts: int = 0
+    errors: int = 0
+    hits: int = 0
+    short_texts: int = 0
+    hits_per_tenant: dict[str, int] = field(default_factory=dict)
+    parts: int = 0
+    parts_resumed: int = 0  # finished by an earlier run, not scanned again
+    texts_scanned: int = 0  # by this run
+    seconds: float = 0.0
+    texts_per_second: float = 0.0
+    output: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format(self) -> str:
+        lines = [
+            f"scanned {self.texts} texts: {self.hits} watermarked, {self.errors} with errors, "
+            f"{self.short_texts} short",
+            f"{self.texts_scanned} texts this run in {self.seconds:.1f} s "
+            f"({self.texts_per_second:.1f} texts/s); "
+            f"{self.parts_resumed}/{self.parts} parts were already done",
+        ]
+        for tenant, n in sorted(self.hits_per_tenant.items(), key=lambda kv: (-kv[1], kv[0])):
+            lines.append(f"  {tenant}: {n}")
+        lines.append(f"output: {self.output}")
+        return "\n".join(lines)
+
+
+def _manifest(
+    options: ScanOptions, spec: ScanSpec, files: Sequence[tuple[str, str]]
+) -> dict[str, Any]:
+    inputs = []
+    for path, fmt in files:
+        st = os.stat(path)
+        inputs.append([path, fmt, st.st_size, st.st_mtime_ns])
+    return {
+        "version": MANIFEST_VERSION,
+        "inputs": inputs,
+        "mode": spec.mode,
+        "fields": asdict(spec.fields),
+        "significance": spec.significance,
+        "registry_min_confidence": spec.registry_min_confidence,
+        "short_tokens": spec.short_tokens,
+        "model": spec.model,
+        "keys": spec.keys.fingerprint(),
+        "part_rows": options.part_rows,
+        "with_registry": options.with_registry,
+    }
+
+
+def _prepare_state(state: Path, manifest: dict[str, Any], restart: bool) -> None:
+    path = state / "manifest.json"
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        if old == manifest:
+            return
+        if not restart:
+            raise ScanStateError(
+                f"{state} holds parts of a different scan (inputs, keys or options changed); "
+                "pass --restart to discard them"
+            )
+    if state.exists():
+        shutil.rmtree(state)
+    state.mkdir(parents=True)
+    tmp = state / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_part(state: Path, part: Part, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=arrow_schema())
+    tmp = state / f"{part.name}.parquet.tmp"
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, state / f"{part.name}.parquet")
+
+
+def _fill_registry(session: StoreSession, rows: list[dict[str, Any]]) -> None:
+    """Registry metadata of the hits (the driver's job: workers never touch the store)."""
+    for row in rows:
+        if row["message_id"] is None or row["tenant_id"] is None:
+            continue
+        entry = session.registry_entry(row["tenant_id"], int(row["message_id"]))
+        if entry is not None:
+            row["registry_metadata"] = json.dumps(entry.metadata, sort_keys=True)
+            row["registry_issued_at"] = entry.issued_at
+
+
+def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSummary:
+    """Concatenate the parts in input order into ``out`` (atomically) and count."""
+    import pyarrow.parquet as pq
+
+    summary = ScanSummary(parts=len(parts))
+    per_tenant: Counter[str] = Counter()
+    tmp = out.with_name(out.name + ".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = pq.ParquetWriter(tmp, arrow_schema()) if fmt == "parquet" else None
+    try:
+        with open(tmp, "w", encoding="utf-8") if writer is None else _nullcontext() as text:
+            for part in parts:
+                table = pq.read_table(state / f"{part.name}.parquet", schema=arrow_schema())
+                rows = table.to_pylist()
+                for row in rows:
+                    summary.texts += 1
+                    summary.errors += row["error"] is not None
+                    summary.short_texts += bool(row["short_text"])
+                    if row["is_watermarked"]:
+                        summary.hits += 1
+                        per_tenant[row["tenant_name"] or row["tenant_id"]] += 1
+                if writer is not None:
+                    writer.write_table(table)
+                else:
+                    assert text is not None
+                    for row in rows:
+                        text.write(json.dumps({n: row[n] for n, _ in COLUMNS}) + "\n")
+    finally:
+        if writer is not None:
+            writer.close()
+    os.replace(tmp, out)
+    summary.hits_per_tenant = dict(per_tenant)
+    summary.output = str(out)
+    return summary
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _engine(
+    options: ScanOptions, spec: ScanSpec, parts: Sequence[Part]
+) -> Iterator[tuple[Part, list[dict[str, Any]]]]:
+    if options.engine == "local":
+        from worldcup_scan.engines import run_local
+
+        return run_local(spec, parts, options.workers)
+    if options.engine == "ray":
+        from worldcup_scan.engines import run_ray
+
+        return run_ray(spec, parts, options.workers, options.ray_address)
+    raise ValueError(f"engine must be local or ray, got {options.engine!r}")
+
+
+def run_scan(
+    options: ScanOptions,
+    spec: ScanSpec,
+    session: StoreSession | None = None,
+    on_part: Callable[[Part, int], None] | None = None,
+) -> ScanSummary:
+    """Scan, resumably; ``on_part(part, finished_parts)`` runs after each part is on disk."""
+    if options.workers < 1:
+        raise ValueError("workers must be at least 1")
+    if options.engine == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError("the ray engine needs: pip install 'worldcup[scan]'") from None
+    started = time.perf_counter()
+    files = discover(options.inputs)
+    parts = plan(files, options.part_rows)
+    state = options.out.with_name(options.out.name + ".parts")
+    _prepare_state(state, _manifest(options, spec, files), options.restart)
+    pending = [p for p in parts if not (state / f"{p.name}.parquet").is_file()]
+    total = sum(len(p) for p in parts)
+    already = total - sum(len(p) for p in pending)
+    finished = len(parts) - len(pending)
+    scanned = 0
+    with _Progress(options.progress, total, already) as bar:
+        for part, rows in _engine(options, spec, pending):
+            if options.with_registry and session is not None:
+                _fill_registry(session, rows)
+            _write_part(state, part, rows)
+            finished += 1
+            scanned += len(rows)
+            bar.advance(len(rows))
+            if on_part is not None:
+                on_part(part, finished)
+    summary = _merge(state, parts, options.out, options.out_format)
+    summary.files = len(files)
+    shutil.rmtree(state)
+    summary.parts_resumed = len(parts) - len(pending)
+    summary.texts_scanned = scanned
+    summary.seconds = time.perf_counter() - started
+    summary.texts_per_second = scanned / summary.seconds if summary.seconds > 0 else 0.0
+    if session is not None:
+        _audit(session, options, spec, summary)
+    return summary
+
+
+def _audit(session: StoreSession, options: ScanOptions, spec: ScanSpec, s: ScanSummary) -> None:
+    """Who scanned, when, how much and what was found; never a text or a document id."""
+    from app.stores.base import AuditRecord
+
+    session.append_audit(
+        AuditRecord(
+            at=time.time(),
+            actor=options.actor,
+            action="scan",
+            request_id=uuid.uuid4().hex,
+            outcome={
+                "mode": spec.mode,
+                "engine": options.engine,
+                "num_files": s.files,
+                "num_texts": s.texts,
+                "num_errors": s.errors,
+                "num_hits": s.hits,
+                "hits_per_tenant": s.hits_per_tenant,
+                "num_keys": len(spec.keys.keys),
+                "seconds": round(s.seconds, 3),
+            },
+        )
+    )
+
+
+class _Progress:
+    """A rich progress bar on stderr: texts done, rate and ETA (silent when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, done: int) -> None:
+        self.enabled = enabled
+        self.total, self.done = total, done
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("scan"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("texts"),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(
+                "scan", total=self.total, completed=self.done, rate="-- texts/s"
+            )
+            self._started = time.perf_counter()
+            self._counted = 0
+        return self
+
+    def advance(self, n: int) -> None:
+        if self._progress is None:
+            return
+        self._counted += n
+        rate = self._counted / max(time.perf_counter() - self._started, 1e-9)
+        self._progress.update(self._task, advance=n, rate=f"{rate:.1f} texts/s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
