@@ -273,7 +273,8 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     assert dec["registry_match"]["metadata"] == {"who": "v"}
     assert set(dec["registry_match"]) == {"message_id", "metadata", "issued_at"}
 
-    r = client.post("/detect/batch", json={"texts": [text, TEXT, " "]}, headers=verdict)
+    too_long = "x" * 2001  # over max_text_chars: that item's error
+    r = client.post("/detect/batch", json={"texts": [text, TEXT, too_long]}, headers=verdict)
     batch = r.json()
     assert [i["result"] for i in batch["results"][:2]] == [
         {"detail": "verdict", "verdict": "watermarked"},

@@ -453,7 +453,15 @@ class TenantService:
     async def detect_many(
         self, tenant_id: str, texts: Sequence[list[int]], significance: float
     ) -> list[DetectOutcome]:
-        """Message-free test under every key version, Bonferroni over versions."""
+        scorer = await self.detector(tenant_id, significance)
+        return await self.offload(lambda: [scorer(t) for t in texts])
+
+    async def detector(
+        self, tenant_id: str, significance: float
+    ) -> Callable[[list[int]], DetectOutcome]:
+        """The message-free test under every key version, Šidák over versions, as
+        a plain function for a worker job (the store reads happen here, on the loop),
+        so a route can tokenise and score in one job."""
         versions = await self.versions(tenant_id)
 
         def one(token_ids: list[int]) -> DetectOutcome:
@@ -468,7 +476,7 @@ class TenantService:
             z = z_from_log_p(log_p, best.num_scored_tokens)
             return DetectOutcome(version if p_value < significance else None, best, p_value, z)
 
-        return await self.offload(lambda: [one(t) for t in texts])
+        return one
 
     # provenance -------------------------------------------------------------
     async def key_bank(self) -> tuple[KeyBank, list[tuple[str, int]]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter
@@ -37,7 +38,7 @@ from app.schemas.watermark import (
     RegistryMatchOut,
     check_metadata,
 )
-from app.services.probes import retry_after
+from app.services.probes import Sketch, retry_after
 from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
 from app.stores.base import ProbeDecision
 from worldcup_core import WorldCup
@@ -176,11 +177,8 @@ def _check_batch(runtime: Runtime, texts: list[str]) -> None:
         )
 
 
-async def _tokenise_all(
-    runtime: Runtime, texts: list[str]
-) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
-    """(indices of good texts, their token ids, errors by index); the tokenising
-    runs in one worker job."""
+def _check_all(runtime: Runtime, texts: list[str]) -> tuple[list[int], dict[int, BatchItemError]]:
+    """(indices of good texts, errors by index), without tokenising."""
     good: list[int] = []
     errors: dict[int, BatchItemError] = {}
     for i, text in enumerate(texts):
@@ -189,6 +187,15 @@ async def _tokenise_all(
             good.append(i)
         except APIError as exc:
             errors[i] = BatchItemError(code=exc.code, message=exc.message)
+    return good, errors
+
+
+async def _tokenise_all(
+    runtime: Runtime, texts: list[str]
+) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
+    """(indices of good texts, their token ids, errors by index); the tokenising
+    runs in one worker job."""
+    good, errors = _check_all(runtime, texts)
     chosen = [texts[i] for i in good]
     ids = await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, chosen))
     return good, ids, errors
@@ -205,15 +212,36 @@ def _assemble(
     return [(i, by_index.get(i), errors.get(i)) for i in range(count)]
 
 
+def _sketcher(
+    runtime: Runtime, principal: Principal
+) -> Callable[[list[list[int]]], list[Sketch | None]] | None:
+    """The fingerprinting function for a worker job; None when this key's detail
+    level has no probe budget."""
+    probes = runtime.probes
+    if probes is None or probes.budget(principal.key.detail) <= 0:
+        return None
+    return probes.sketches
+
+
 async def _account(
     runtime: Runtime, principal: Principal, route: str, ids: list[list[int]]
 ) -> list[ProbeDecision]:
-    """Probe accounting for each text (see app/services/probes.py); refusals are
-    audited and counted once per request."""
-    probes = runtime.probes
-    if probes is None or probes.budget(principal.key.detail) <= 0:
+    """Probe accounting for each text (see app/services/probes.py)."""
+    sketcher = _sketcher(runtime, principal)
+    if sketcher is None:
         return [ProbeDecision(True, 0, 0.0)] * len(ids)
-    sketches = await runtime.tenants.offload(lambda: probes.sketches(ids))
+    sketches = await runtime.tenants.offload(lambda: sketcher(ids))
+    return await _account_sketches(runtime, principal, route, sketches)
+
+
+async def _account_sketches(
+    runtime: Runtime, principal: Principal, route: str, sketches: list[Sketch | None] | None
+) -> list[ProbeDecision]:
+    """Count each fingerprinted query against its text's budget (None: accounting is
+    off); refusals are audited and counted once per request."""
+    probes = runtime.probes
+    if sketches is None or probes is None:
+        return [ProbeDecision(True, 0, 0.0)] * len(sketches or [])
     tenant_id, key = principal.tenant.tenant_id, principal.key
     decisions = await probes.admit(tenant_id, key.key_id, key.detail, sketches)
     refused = sum(not d.allowed for d in decisions)
@@ -235,8 +263,12 @@ def _budget_message(runtime: Runtime, principal: Principal) -> str:
 
 
 async def _admit_one(runtime: Runtime, principal: Principal, route: str, ids: list[int]) -> None:
-    decisions = await _account(runtime, principal, route, [ids])
-    if not decisions[0].allowed:
+    _refuse_spent(runtime, principal, await _account(runtime, principal, route, [ids]))
+
+
+def _refuse_spent(runtime: Runtime, principal: Principal, decisions: list[ProbeDecision]) -> None:
+    """429 probe_budget_exceeded when the (single) query was refused."""
+    if decisions and not decisions[0].allowed:
         raise APIError(
             429,
             _budget_message(runtime, principal),
@@ -255,16 +287,31 @@ async def _admit_many(
 ) -> tuple[list[int], list[list[int]]]:
     """Batch items count one by one; a refused item becomes that item's error."""
     decisions = await _account(runtime, principal, route, ids)
-    kept_good, kept_ids = [], []
-    for index, token_ids_, decision in zip(good, ids, decisions, strict=True):
+    return _keep_allowed(runtime, principal, good, ids, decisions, errors)
+
+
+_Item = TypeVar("_Item")
+
+
+def _keep_allowed(
+    runtime: Runtime,
+    principal: Principal,
+    good: list[int],
+    items: list[_Item],
+    decisions: list[ProbeDecision],
+    errors: dict[int, BatchItemError],
+) -> tuple[list[int], list[_Item]]:
+    """Batch items count one by one; a refused item becomes that item's error."""
+    kept_good, kept = [], []
+    for index, item, decision in zip(good, items, decisions, strict=True):
         if decision.allowed:
             kept_good.append(index)
-            kept_ids.append(token_ids_)
+            kept.append(item)
         else:
             errors[index] = BatchItemError(
                 code="probe_budget_exceeded", message=_budget_message(runtime, principal)
             )
-    return kept_good, kept_ids
+    return kept_good, kept
 
 
 def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
@@ -326,10 +373,21 @@ async def detect(
 ) -> DetectResponse | DetectVerdict:
     """Is this text watermarked with any of my keys? A calibrated, message-free test.
     A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores."""
-    ids = await token_ids(runtime, body.text)
-    await _admit_one(runtime, principal, "detect", ids)
-    outcome = await runtime.tenants.detect(
-        principal.tenant.tenant_id, ids, runtime.settings.significance
+    check_text(runtime, body.text)
+    scorer = await runtime.tenants.detector(
+        principal.tenant.tenant_id, runtime.settings.significance
+    )
+    sketcher = _sketcher(runtime, principal)
+
+    def work() -> tuple[list[Sketch | None] | None, DetectOutcome]:
+        """One worker job: tokenise, fingerprint and score (a query refused below
+        was scored for nothing; the answer is withheld all the same)."""
+        ids = encode_texts(runtime.tokenizer, [body.text])
+        return (sketcher(ids) if sketcher else None), scorer(ids[0])
+
+    sketches, outcome = await runtime.tenants.offload(work)
+    _refuse_spent(
+        runtime, principal, await _account_sketches(runtime, principal, "detect", sketches)
     )
     answer = _detect_response(runtime, outcome)
     return _detect_verdict(answer) if _is_verdict(principal) else answer
@@ -392,11 +450,20 @@ async def detect_batch(
     tenant = principal.tenant
     _check_batch(runtime, body.texts)
     await charge(runtime, tenant, len(body.texts))
-    good, ids, errors = await _tokenise_all(runtime, body.texts)
-    good, ids = await _admit_many(runtime, principal, "detect/batch", good, ids, errors)
-    outcomes = await runtime.tenants.detect_many(
-        tenant.tenant_id, ids, runtime.settings.significance
-    )
+    good, errors = _check_all(runtime, body.texts)
+    chosen = [body.texts[i] for i in good]
+    scorer = await runtime.tenants.detector(tenant.tenant_id, runtime.settings.significance)
+    sketcher = _sketcher(runtime, principal)
+
+    def work() -> tuple[list[Sketch | None] | None, list[DetectOutcome]]:
+        ids = encode_texts(runtime.tokenizer, chosen)
+        return (sketcher(ids) if sketcher else None), [scorer(t) for t in ids]
+
+    sketches, scored = await runtime.tenants.offload(work)
+    decisions = await _account_sketches(runtime, principal, "detect/batch", sketches)
+    if sketches is None:
+        decisions = [ProbeDecision(True, 0, 0.0)] * len(scored)
+    good, outcomes = _keep_allowed(runtime, principal, good, scored, decisions, errors)
     answers = [_detect_response(runtime, o) for o in outcomes]
     shown: list[DetectResponse | DetectVerdict]
     if _is_verdict(principal):
