@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     debug_log_prompts: bool = False
 
+    # engine: "hf" (our batching loop over a Hugging Face model)
+    engine: Literal["hf"] = "hf"
+
     # model
     model_path: str | None = None  # None: the embedded SmolLM2
     device: str = "cpu"

@@ -14,11 +14,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.deps import BatcherDep, CurrentTenant, Runtime, RuntimeDep
+from app.api.deps import CurrentTenant, EngineDep, Runtime, RuntimeDep
 from app.api.errors import APIError, envelope
+from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull
 from app.schemas.common import ERROR_RESPONSES
 from app.schemas.watermark import GenerateRequest, GenerateResponse, PayloadOut, Timing, Usage
-from app.services.batcher import Batcher, BatcherStopped, GenerationJob, QueueFull
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from worldcup_core import Payload, SamplingConfig
@@ -89,18 +89,18 @@ async def _next_event(job: GenerationJob, deadline: float) -> StepEvent | Genera
     if remaining <= 0:
         raise TimeoutError
     item = await asyncio.wait_for(job.events.get(), timeout=remaining)
-    if isinstance(item, BatcherStopped):
+    if isinstance(item, EngineStopped):
         raise APIError(503, "the server is shutting down", "draining", {"Retry-After": "5"})
     if isinstance(item, BaseException):
         raise APIError(500, "generation failed; it has been logged", "generation_failed")
     return item
 
 
-async def _watch_disconnect(request: Request, batcher: Batcher, job: GenerationJob) -> None:
+async def _watch_disconnect(request: Request, engine: Engine, job: GenerationJob) -> None:
     """Stop generating for a client that went away."""
     while not job.done:
         if await request.is_disconnected():
-            batcher.cancel(job)
+            engine.cancel(job)
             return
         await asyncio.sleep(0.25)
 
@@ -127,7 +127,7 @@ async def generate(
     request: Request,
     runtime: RuntimeDep,
     tenant: CurrentTenant,
-    batcher: BatcherDep,
+    engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     settings = runtime.settings
@@ -142,7 +142,7 @@ async def generate(
         stored = await runtime.store.idempotency_get(tenant.tenant_id, idempotency_key)
         if stored is not None:
             return _replay_or_refuse(stored, body_hash, body.stream)
-    if batcher.queue_depth >= batcher.max_queue:  # refuse before allocating a message id
+    if engine.queue_depth >= engine.max_queue:  # refuse before allocating a message id
         raise _queue_full(runtime)
     prompt_ids = _prompt_ids(runtime, body)
     if settings.debug_log_prompts:  # off by default: prompts are user data
@@ -162,7 +162,7 @@ async def generate(
                 raise _in_progress()
             return _replay_or_refuse(stored, body_hash, body.stream)
     try:
-        return await _run(body, request, runtime, tenant.tenant_id, batcher, key, prompt_ids, claim)
+        return await _run(body, request, runtime, tenant.tenant_id, engine, key, prompt_ids, claim)
     except BaseException:
         if claim is not None:
             await _release(runtime, tenant.tenant_id, claim[0])
@@ -199,7 +199,7 @@ async def _run(
     request: Request,
     runtime: Runtime,
     tenant_id: str,
-    batcher: Batcher,
+    engine: Engine,
     key: KeyVersion,
     prompt_ids: list[int],
     claim: tuple[str, str] | None,
@@ -228,22 +228,22 @@ async def _run(
         seed=body.seed,
     )
     try:
-        job = batcher.submit(GenerationRequest(prompt_ids, sampling, key.scheme, payload))
+        job = engine.submit(GenerationRequest(prompt_ids, sampling, key.scheme, payload))
     except QueueFull:
         raise _queue_full(runtime) from None
-    except BatcherStopped:
+    except EngineStopped:
         raise APIError(503, "the server is shutting down", "draining") from None
     context = _Context(runtime, tenant_id, key, payload, message_id, prompt_ids, job)
     context.idempotency = claim
     if body.stream:
         return StreamingResponse(
-            _stream(context, request, batcher),
+            _stream(context, request, engine),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    watcher = asyncio.create_task(_watch_disconnect(request, batcher, job))
+    watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
     try:
-        result = await _collect(context, batcher)
+        result = await _collect(context, engine)
     finally:
         watcher.cancel()
     response = _response(context, result)
@@ -274,14 +274,14 @@ class _Context:
         self.remembered = False  # the final response replaced the idempotency claim
 
 
-async def _collect(ctx: _Context, batcher: Batcher) -> GenerationResult:
+async def _collect(ctx: _Context, engine: Engine) -> GenerationResult:
     try:
         while True:
             item = await _next_event(ctx.job, ctx.deadline)
             if isinstance(item, GenerationResult):
                 return item
     except TimeoutError:
-        batcher.cancel(ctx.job)
+        engine.cancel(ctx.job)
         ctx.runtime.metrics.rejections.labels("timeout").inc()
         raise APIError(504, "generation timed out", "timeout") from None
 
@@ -336,14 +336,14 @@ def _sse(data: str, event: str | None = None) -> bytes:
     return f"{head}data: {data}\n\n".encode()
 
 
-async def _stream(ctx: _Context, request: Request, batcher: Batcher) -> AsyncIterator[bytes]:
+async def _stream(ctx: _Context, request: Request, engine: Engine) -> AsyncIterator[bytes]:
     tok = ctx.runtime.tokenizer
     tokens: list[int] = []
     sent = ""
     try:
         while True:
             if await request.is_disconnected():
-                batcher.cancel(ctx.job)
+                engine.cancel(ctx.job)
                 return
             item = await _next_event(ctx.job, ctx.deadline)
             if isinstance(item, GenerationResult):
@@ -366,16 +366,16 @@ async def _stream(ctx: _Context, request: Request, batcher: Batcher) -> AsyncIte
                 delta, sent = text[len(sent) :], text
             yield _sse(json.dumps({"token_id": item.token, "text": delta}))
     except TimeoutError:
-        batcher.cancel(ctx.job)
+        engine.cancel(ctx.job)
         yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
     except APIError as exc:
         yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except Exception:
-        batcher.cancel(ctx.job)
+        engine.cancel(ctx.job)
         yield _sse(json.dumps(envelope(500, "generation failed", "generation_failed")), "error")
     finally:
         if not ctx.job.done:
-            batcher.cancel(ctx.job)
+            engine.cancel(ctx.job)
         if ctx.idempotency is not None and not ctx.remembered:
             await _release(ctx.runtime, ctx.tenant_id, ctx.idempotency[0])
     yield b"data: [DONE]\n\n"
