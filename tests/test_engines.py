@@ -198,6 +198,19 @@ def test_seed_stop_and_sampling_options(service: Service) -> None:
     assert (short["finish_reason"] == "length") == (short["num_tokens"] == 3)
 
 
+def test_chat_messages_use_the_model_directory_template(service: Service) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    body = _gen(service, payload={"bits": "1011"}, messages=messages, max_new_tokens=6)
+    del body["prompt"]
+    r = service.http.post("/generate", json=body, headers=service.auth)
+    assert r.status_code == 200, r.text
+    rendered = service.runtime.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    ids = rendered["input_ids"] if not isinstance(rendered, list) else rendered
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) > 5
+
+
 def test_streaming(service: Service) -> None:
     body = _gen(service, payload={"bits": "10110011"}, max_new_tokens=20, min_new_tokens=20)
     body["stream"] = True

@@ -117,6 +117,7 @@ def _run_variant(variant: str, device: str, max_batch: int, progress: Progress) 
             log_level="WARNING",
             max_batch_size=max_batch,
             max_queue=256,
+            request_timeout_s=900,  # 32 concurrent on a loaded 2-core box exceeds the default
             vllm_max_model_len=1024,
         )
         load = vllm_engine.VLLMEngine.load
