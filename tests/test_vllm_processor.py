@@ -126,6 +126,10 @@ def test_processor_distribution_equals_the_hf_engine() -> None:
         for i in range(4):
             outputs[i].append(int(rng.integers(10, 60)) if step % 5 else 42)
         proc.apply(torch.zeros(5, VOCAB))
+    # async scheduling: a placeholder (-1) is not recorded; the real token is, once it lands
+    outputs[0].append(-1)
+    proc.apply(torch.zeros(5, VOCAB))
+    outputs[0][-1] = 33
     # the unwatermarked request leaves, request 4 (no watermark, filtering only) joins at 4,
     # then request 0 moves to 5 one way and 1 and 2 swap
     outputs[4] = [int(t) for t in rng.integers(10, 60, size=3)]

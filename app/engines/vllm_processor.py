@@ -133,6 +133,8 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
         """Record the tokens sampled since the last step (vLLM appends to ``output``)."""
         for row in self._rows.values():
             new = row.output[row.seen :]
+            if -1 in new:  # async scheduling's placeholder: the token is not known yet
+                new = new[: new.index(-1)]
             row.seen += len(new)
             for tok in new:
                 row.blocker.push(tok)
