@@ -19,6 +19,7 @@ its engine core, so the CLI entry point carries a ``__main__`` guard.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import platform
 import secrets
@@ -149,16 +150,27 @@ def _run_variant(variant: str, device: str, max_batch: int, progress: Progress) 
 
 
 def run_engine_bench(
-    *, device: str = "cpu", max_batch: int = 32, progress: Progress | None = None
+    *,
+    device: str = "cpu",
+    max_batch: int = 32,
+    variants: tuple[str, ...] = VARIANTS,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """hf, vLLM plain and vLLM + WorldCup, one after another; a dict of figures."""
-    import torch
-
     from worldcup_core.models import resolve_model_dir
 
     say = progress or (lambda _msg: None)
     resolve_model_dir(None, None, need_model=True)
-    results = {v: _run_variant(v, device, max_batch, say) for v in VARIANTS}
+    # vLLM logs to stdout: keep it off the JSON this command prints there
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        results = {v: _run_variant(v, device, max_batch, say) for v in variants}
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)
+    if not {"vllm-plain", "vllm-worldcup"} <= set(results):
+        return {"engines": results, "environment": _environment(device, max_batch)}
     plain = {lv["concurrency"]: lv["tokens_per_s"] for lv in results["vllm-plain"]["levels"]}
     marked = {lv["concurrency"]: lv["tokens_per_s"] for lv in results["vllm-worldcup"]["levels"]}
     ratios = {c: round(marked[c] / plain[c], 3) for c in ENGINE_LEVELS}
@@ -173,20 +185,28 @@ def run_engine_bench(
             }
             for c in (8, 32)
         },
-        "environment": {
-            "device": device,
-            "max_batch_size": max_batch,
-            "new_tokens": 64,
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-            "python": platform.python_version(),
-        },
+        "environment": _environment(device, max_batch),
+    }
+
+
+def _environment(device: str, max_batch: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "device": device,
+        "max_batch_size": max_batch,
+        "new_tokens": 64,
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
     }
 
 
 def format_engine_bench(result: dict[str, Any]) -> str:
     """A plain-text table of :func:`run_engine_bench`'s dict."""
+    if "worldcup_over_plain" not in result:
+        return json.dumps(result, indent=2)
     lines = [
         "engine          cold start   "
         + "   ".join(f"{c:>3} conc tok/s (TTFT)" for c in ENGINE_LEVELS)

