@@ -1,12 +1,18 @@
-.PHONY: setup run demo test lint typecheck pytest bench soak fuzz
+.PHONY: setup setup-vllm run demo test test-vllm lint typecheck pytest bench soak fuzz
 VENV := .venv/bin
 
 setup:
 	bash scripts/setup.sh
 
+## .venv-vllm: the project plus vLLM's CPU build (kept apart: the base install stays fast).
+setup-vllm:
+	bash scripts/setup-vllm.sh
+
 ## The service on the embedded defaults (fresh machine: this is all you need).
-run: setup
-	bash scripts/serve.sh
+## `make run ENGINE=vllm` serves on vLLM from .venv-vllm instead.
+ENGINE ?= hf
+run: $(if $(filter vllm,$(ENGINE)),setup-vllm,setup)
+	WORLDCUP_ENGINE=$(ENGINE) WORLDCUP_VENV=$(if $(filter vllm,$(ENGINE)),.venv-vllm,.venv) bash scripts/serve.sh
 
 ## The CLI round trip: keygen, generate, decode, detect.
 demo: setup
@@ -24,6 +30,10 @@ typecheck:
 
 pytest:
 	bash scripts/pytest.sh
+
+## The vLLM engine's tests (pytest mark `vllm`) in .venv-vllm; CI runs them after `make test`.
+test-vllm: setup-vllm
+	WORLDCUP_VENV=.venv-vllm bash scripts/pytest.sh -m vllm -p no:cacheprovider
 
 bench: setup
 	$(VENV)/worldcup bench

@@ -1,8 +1,8 @@
 """The FastAPI application: ``create_app(settings)`` and the lifespan that loads things once.
 
-The lifespan loads the model (or, in the detector role, only its tokenizer),
-connects the store, warms the model with a one-token generation and starts
-the batching thread. On shutdown it flips readiness to 503, lets in-flight
+The lifespan loads the generation engine (``WORLDCUP_ENGINE``, see
+:mod:`app.engines`; in the detector role only the tokenizer), connects the
+store and starts the engine. On shutdown it flips readiness to 503, lets in-flight
 generations drain up to ``drain_timeout_s`` and closes the store.
 """
 
@@ -26,39 +26,24 @@ from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
 from app.core.security import KeyWrapper
-from app.services.batcher import Batcher
+from app.engines import Engine, load_engine
 from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
 from app.services.tenants import TenantService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
-from worldcup_core import SamplingConfig, WatermarkConfig, __version__
-from worldcup_core.generation import GenerationRequest
-from worldcup_core.generation import generate as run_generation
-from worldcup_core.models import load_model, load_tokenizer
+from worldcup_core import WatermarkConfig, __version__
+from worldcup_core.models import load_tokenizer
 
 logger = logging.getLogger("worldcup.app")
 
 
-def _load(settings: Settings, metrics: Metrics) -> tuple[object, str, Batcher | None]:
+def _load(settings: Settings, metrics: Metrics) -> tuple[object, str, Engine | None]:
     """Blocking model work, run in a thread at startup."""
     if settings.role is Role.DETECTOR:
         return load_tokenizer(settings.model_path, settings.cache_dir), _model_id(settings), None
-    lm = load_model(settings.model_path, settings.device, settings.dtype, settings.cache_dir)
-    warmup = GenerationRequest(
-        lm.tokenizer("Hello", add_special_tokens=False).input_ids or [lm.pad_token_id],
-        SamplingConfig(max_new_tokens=1, seed=0),
-    )
-    run_generation(lm.model, [warmup], lm.eos_token_ids, lm.pad_token_id)
-    batcher = Batcher(
-        lm.model,
-        lm.eos_token_ids,
-        lm.pad_token_id,
-        metrics,
-        max_batch=settings.max_batch_size,
-        max_queue=settings.max_queue,
-    )
-    return lm.tokenizer, lm.model_id, batcher
+    engine, tokenizer, model_id = load_engine(settings, metrics)
+    return tokenizer, model_id, engine
 
 
 def _model_id(settings: Settings) -> str:
@@ -79,7 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await store.ping()
         except StoreUnavailable as exc:
             logger.warning("store not reachable at startup: %s", exc)
-        tokenizer, model_id, batcher = await asyncio.to_thread(_load, settings, metrics)
+        tokenizer, model_id, engine = await asyncio.to_thread(_load, settings, metrics)
         defaults = WatermarkConfig(
             groups=settings.groups,
             layers=settings.layers,
@@ -100,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ),
             tokenizer=tokenizer,
             model_id=model_id,
-            batcher=batcher,
+            engine=engine,
             probes=ProbeAccountant(
                 store,
                 probe_secret(settings.master_key_bytes),
@@ -114,19 +99,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
             runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
         app.state.runtime = runtime
-        if batcher is not None:
-            batcher.start()
+        if engine is not None:
+            engine.start()
         runtime.warm = True
-        logger.info("ready", extra={"fields": {"role": settings.role.value, "model": model_id}})
+        logger.info(
+            "ready",
+            extra={
+                "fields": {
+                    "role": settings.role.value,
+                    "model": model_id,
+                    "engine": settings.engine,
+                }
+            },
+        )
         try:
             yield
         finally:
             runtime.draining = True
-            if batcher is not None:
-                drained = await batcher.drain(settings.drain_timeout_s)
+            if engine is not None:
+                drained = await engine.drain(settings.drain_timeout_s)
                 if not drained:
                     logger.warning("drain timeout: cancelling unfinished generations")
-                batcher.stop()
+                engine.stop()
             await store.close()
             cpu.close()
 

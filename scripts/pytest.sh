@@ -2,7 +2,7 @@
 # pytest exits 5 when it collected nothing: that is a broken suite, never green.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest "$@"
+"${WORLDCUP_VENV:-.venv}"/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests (exit 5): failing on purpose" >&2

@@ -36,8 +36,9 @@ def free_port() -> int:
 class LiveServer:
     """The real app under uvicorn in a thread, on a loopback port."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, startup_timeout_s: float = 180) -> None:
         self.app = create_app(settings)
+        self.startup_timeout_s = startup_timeout_s
         self.port = settings.port
         config = uvicorn.Config(
             self.app,
@@ -55,7 +56,7 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + self.startup_timeout_s
         while not self.server.started:
             assert self.thread.is_alive(), "server thread died during startup"
             assert time.monotonic() < deadline, "server did not start"

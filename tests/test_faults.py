@@ -143,13 +143,13 @@ def test_generate_refuses_when_the_registry_write_fails(
     """No registry entry, no text: a watermarked text nobody can attribute is never sent."""
     runtime = live.app.state.runtime
     submitted: list[Any] = []
-    submit = runtime.batcher.submit
+    submit = runtime.engine.submit
 
     def spy_submit(request: Any) -> Any:
         submitted.append(request)
         return submit(request)
 
-    monkeypatch.setattr(runtime.batcher, "submit", spy_submit)
+    monkeypatch.setattr(runtime.engine, "submit", spy_submit)
     allocate = runtime.store.allocate_message
     allocations: list[str] = []
 

@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from app.core.logging import JsonFormatter
 from app.core.metrics import Metrics
+from app.engines.hf import HFEngine
 from app.main import create_app
-from app.services.batcher import Batcher
 from app.stores.sqlite import SQLiteStore
 from worldcup_cli.main import app as cli
 from worldcup_core import SamplingConfig
@@ -75,24 +75,24 @@ def test_keygen_file_is_private_whatever_the_umask(tmp_path: Path, loose_umask: 
 async def test_active_sequences_gauge_is_right_after_a_cancel(tiny_model_dir: Path) -> None:
     lm = load_model(str(tiny_model_dir))
     metrics = Metrics()
-    batcher = Batcher(lm.model, lm.eos_token_ids, lm.pad_token_id, metrics, 4, 8)
-    batcher.start()
+    engine = HFEngine(lm.model, lm.eos_token_ids, lm.pad_token_id, metrics, 4, 8)
+    engine.start()
 
     def gauge() -> float | None:
         return metrics.registry.get_sample_value("worldcup_active_sequences")
 
     try:
         sampling = SamplingConfig(max_new_tokens=10_000, min_new_tokens=10_000, seed=1)
-        job = batcher.submit(GenerationRequest([1, 2, 3], sampling))
+        job = engine.submit(GenerationRequest([1, 2, 3], sampling))
         await asyncio.wait_for(job.events.get(), timeout=30)  # running: one token out
         assert gauge() == 1.0
-        batcher.cancel(job)
-        while not job.done:  # the batcher drops it between two steps
+        engine.cancel(job)
+        while not job.done:  # the engine drops it between two steps
             await asyncio.sleep(0.01)
         # no other job runs, so no later step would have refreshed it
         assert gauge() == 0.0
     finally:
-        batcher.stop()
+        engine.stop()
 
 
 # --------------------------------------------------------------------------- logs

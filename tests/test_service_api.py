@@ -36,8 +36,8 @@ from servers import SERVICE_METRICS
 
 import app.services.tenants as tenants_module
 from app.core.config import Settings
+from app.engines.base import GenerationJob
 from app.main import create_app
-from app.services.batcher import GenerationJob
 from worldcup_core.generation import GenerationResult, StepEvent
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
@@ -731,7 +731,7 @@ def test_streaming_deltas_keep_multibyte_characters_whole(
         job.done = True
         return job
 
-    monkeypatch.setattr(runtime.batcher, "submit", scripted_submit)
+    monkeypatch.setattr(runtime.engine, "submit", scripted_submit)
     r = client.post("/generate", json=gen_body(stream=True, max_new_tokens=len(ids)), headers=auth)
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
@@ -789,7 +789,7 @@ def test_detector_role(model_dir: Path, tmp_path: Path) -> None:
     settings = make_settings(model_dir, tmp_path, role="detector")
     app = create_app(settings)
     with TestClient(app, raise_server_exceptions=False) as c:
-        assert app.state.runtime.batcher is None
+        assert app.state.runtime.engine is None
         assert c.get("/ready").status_code == 200
         assert c.get("/version").json()["role"] == "detector"
         with fixed_watermark_keys(99):

@@ -98,7 +98,7 @@ def test_client_disconnect_stops_its_sequence(tiny_model_dir: Path, tmp_path: Pa
             "/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
         )
         auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
-        batcher = server.app.state.runtime.batcher
+        engine = server.app.state.runtime.engine
         for stream in (True, False):
             body = {
                 "prompt": "Tell me everything",
@@ -114,8 +114,8 @@ def test_client_disconnect_stops_its_sequence(tiny_model_dir: Path, tmp_path: Pa
                 else:
                     with pytest.raises(httpx.ReadTimeout):
                         client.post("/generate", json=body, headers=auth, timeout=1.0)
-                assert batcher.in_flight == 1
+                assert engine.in_flight == 1
             deadline = time.monotonic() + 10
-            while batcher.in_flight and time.monotonic() < deadline:
+            while engine.in_flight and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert batcher.in_flight == 0, "the sequence kept generating for a gone client"
+            assert engine.in_flight == 0, "the sequence kept generating for a gone client"

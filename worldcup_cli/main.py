@@ -396,9 +396,41 @@ def bench_service(
     detect_seconds: Annotated[
         float, typer.Option("--detect-seconds", help="Length of the /detect load.")
     ] = 10.0,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="hf: the full service bench. vllm: hf, vLLM plain and vLLM + WorldCup "
+            "side by side (1/8/32 concurrent; needs the [vllm] extra).",
+        ),
+    ] = "hf",
+    variants: Annotated[
+        str,
+        typer.Option("--variants", help="With --engine vllm: which arms to run, comma-separated."),
+    ] = "hf,vllm-plain,vllm-worldcup",
     as_json: JsonOpt = False,
 ) -> None:
     """The HTTP service end to end: cold start, generation and detection throughput."""
+    if engine not in ("hf", "vllm"):
+        fail(f"--engine must be hf or vllm, got {engine!r}")
+    if engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+
+            from worldcup_cli.engine_bench import format_engine_bench, run_engine_bench
+        except ImportError as exc:
+            fail(
+                f"vLLM is not installed ({exc.name}): make setup-vllm, or pip install "
+                "'worldcup[vllm]'"
+            )
+        chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
+        if not chosen or set(chosen) - {"hf", "vllm-plain", "vllm-worldcup"}:
+            fail(f"--variants: a comma list of hf, vllm-plain, vllm-worldcup; got {variants!r}")
+        bench = run_engine_bench(
+            device=device, variants=chosen, progress=lambda msg: typer.echo(msg, err=True)
+        )
+        _emit(as_json, bench, format_engine_bench(bench))
+        return
     try:
         import fastapi  # noqa: F401
         import httpx  # noqa: F401

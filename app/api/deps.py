@@ -14,7 +14,7 @@ from app.api.errors import APIError
 from app.core.config import Role, Settings
 from app.core.metrics import Metrics  # noqa: F401  (Runtime field type)
 from app.core.security import tokens_equal
-from app.services.batcher import Batcher
+from app.engines.base import Engine
 from app.services.probes import ProbeAccountant
 from app.services.tenants import Principal, TenantService
 from app.stores.base import Store, TenantRecord
@@ -34,7 +34,7 @@ class Runtime:
     tenants: TenantService
     tokenizer: Any
     model_id: str
-    batcher: Batcher | None = None  # None in the detector role
+    engine: Engine | None = None  # None in the detector role
     probes: ProbeAccountant | None = None
     warm: bool = False
     draining: bool = False
@@ -167,14 +167,14 @@ async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> I
     return Investigator(f"tenant:{tenant.tenant_id}", False)
 
 
-def require_generator(runtime: RuntimeDep) -> Batcher:
-    if runtime.settings.role is not Role.GENERATOR or runtime.batcher is None:
+def require_generator(runtime: RuntimeDep) -> Engine:
+    if runtime.settings.role is not Role.GENERATOR or runtime.engine is None:
         raise APIError(
             501, "this deployment is detector-only: it serves /decode and /detect", "detector_role"
         )
     if runtime.draining:
         raise APIError(503, "the server is shutting down", "draining", {"Retry-After": "5"})
-    return runtime.batcher
+    return runtime.engine
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
@@ -187,4 +187,4 @@ DecodeKey = Annotated[Principal, Depends(scoped_key("decode"))]
 DetectBatchKey = Annotated[Principal, Depends(scoped_key("detect", charged=False))]
 DecodeBatchKey = Annotated[Principal, Depends(scoped_key("decode", charged=False))]
 InvestigatorDep = Annotated[Investigator, Depends(require_provenance)]
-BatcherDep = Annotated[Batcher, Depends(require_generator)]
+EngineDep = Annotated[Engine, Depends(require_generator)]

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     debug_log_prompts: bool = False
 
+    # engine: "hf" (our batching loop, the embedded default) or "vllm" (needs the
+    # [vllm] extra; see README "Running on vLLM")
+    engine: Literal["hf", "vllm"] = "hf"
+    # vLLM only (WORLDCUP_ENGINE=vllm); max_batch_size is its max_num_seqs
+    vllm_max_model_len: Annotated[int, Field(ge=16)] | None = None  # None: the model's
+    vllm_tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
+    vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    vllm_enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    vllm_cpu_kv_cache_gib: Annotated[int, Field(ge=1)] = 1  # VLLM_CPU_KVCACHE_SPACE
+
     # model
     model_path: str | None = None  # None: the embedded SmolLM2
     device: str = "cpu"

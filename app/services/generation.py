@@ -21,7 +21,7 @@ from fastapi import Request
 
 from app.api.deps import Runtime
 from app.api.errors import APIError
-from app.services.batcher import Batcher, BatcherStopped, GenerationJob, QueueFull
+from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from worldcup_core import Payload, SamplingConfig
@@ -74,9 +74,9 @@ def queue_full(runtime: Runtime) -> APIError:
     )
 
 
-def ensure_queue_room(runtime: Runtime, batcher: Batcher, rows: int = 1) -> None:
+def ensure_queue_room(runtime: Runtime, engine: Engine, rows: int = 1) -> None:
     """Refuse before allocating a message id when ``rows`` more jobs cannot wait."""
-    if batcher.queue_depth + rows > batcher.max_queue:
+    if engine.queue_depth + rows > engine.max_queue:
         raise queue_full(runtime)
 
 
@@ -197,7 +197,7 @@ class Sample:
 
 def submit(
     runtime: Runtime,
-    batcher: Batcher,
+    engine: Engine,
     tenant_id: str,
     key: KeyVersion,
     ids: list[int],
@@ -206,10 +206,10 @@ def submit(
     message_id: int | None,
 ) -> Sample:
     try:
-        job = batcher.submit(GenerationRequest(ids, sampling, key.scheme, payload))
+        job = engine.submit(GenerationRequest(ids, sampling, key.scheme, payload))
     except QueueFull:
         raise queue_full(runtime) from None
-    except BatcherStopped:
+    except EngineStopped:
         raise APIError(503, "the server is shutting down", "draining") from None
     return Sample(runtime, tenant_id, key, payload, message_id, ids, job)
 
@@ -220,35 +220,35 @@ async def next_event(sample: Sample) -> StepEvent | GenerationResult:
     if remaining <= 0:
         raise TimeoutError
     item = await asyncio.wait_for(sample.job.events.get(), timeout=remaining)
-    if isinstance(item, BatcherStopped):
+    if isinstance(item, EngineStopped):
         raise APIError(503, "the server is shutting down", "draining", {"Retry-After": "5"})
     if isinstance(item, BaseException):
         raise APIError(500, "generation failed; it has been logged", "generation_failed")
     return item
 
 
-def timed_out(sample: Sample, batcher: Batcher) -> APIError:
-    batcher.cancel(sample.job)
+def timed_out(sample: Sample, engine: Engine) -> APIError:
+    engine.cancel(sample.job)
     sample.runtime.metrics.rejections.labels("timeout").inc()
     return APIError(504, "generation timed out", "timeout")
 
 
-async def collect(sample: Sample, batcher: Batcher) -> GenerationResult:
+async def collect(sample: Sample, engine: Engine) -> GenerationResult:
     try:
         while True:
             item = await next_event(sample)
             if isinstance(item, GenerationResult):
                 return item
     except TimeoutError:
-        raise timed_out(sample, batcher) from None
+        raise timed_out(sample, engine) from None
 
 
-async def watch_disconnect(request: Request, batcher: Batcher, jobs: list[GenerationJob]) -> None:
+async def watch_disconnect(request: Request, engine: Engine, jobs: list[GenerationJob]) -> None:
     """Stop generating for a client that went away."""
     while not all(job.done for job in jobs):
         if await request.is_disconnected():
             for job in jobs:
-                batcher.cancel(job)
+                engine.cancel(job)
             return
         await asyncio.sleep(0.25)
 

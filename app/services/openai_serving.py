@@ -2,7 +2,7 @@
 
 Everything that matters runs through :mod:`app.services.generation`, the path
 ``/generate`` uses: prompt limits, idempotency claims, registry allocation, the
-continuous batcher, deadlines and cancellation of a client that went away. What
+continuous engine, deadlines and cancellation of a client that went away. What
 is added here is only protocol: the model name, ``n`` samples per prompt (each
 its own registry entry when metadata is allocated), stop strings, and the
 response shapes.
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.deps import Runtime
 from app.api.errors import APIError, openai_envelope
+from app.engines.base import Engine
 from app.schemas.openai import (
     MAX_CHOICES,
     AssistantMessage,
@@ -47,7 +48,6 @@ from app.schemas.openai import (
     WatermarkInfo,
 )
 from app.services import generation as gen
-from app.services.batcher import Batcher
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
 from worldcup_core.generation import GenerationResult
@@ -73,7 +73,7 @@ def model_name(runtime: Runtime) -> str:
 
 
 def model_list(runtime: Runtime, started: float) -> ModelList:
-    if runtime.batcher is None:  # the detector role generates nothing
+    if runtime.engine is None:  # the detector role generates nothing
         return ModelList(data=[])
     return ModelList(
         data=[ModelCard(id=model_name(runtime), created=int(started), owned_by="worldcup")]
@@ -203,8 +203,8 @@ class Run:
     fingerprint: str
 
 
-async def start(runtime: Runtime, batcher: Batcher, tenant_id: str, pending: Pending) -> Run:
-    """Allocate (one registry entry per choice) and submit every choice to the batcher."""
+async def start(runtime: Runtime, engine: Engine, tenant_id: str, pending: Pending) -> Run:
+    """Allocate (one registry entry per choice) and submit every choice to the engine."""
     body = pending.body
     key = await runtime.tenants.version(tenant_id, None)
     wm = body.watermark
@@ -227,11 +227,11 @@ async def start(runtime: Runtime, batcher: Batcher, tenant_id: str, pending: Pen
                     runtime, tenant_id, key, metadata, None if wm is None else wm.num_bits
                 )
             samples.append(
-                gen.submit(runtime, batcher, tenant_id, key, prompt, sampling, payload, message_id)
+                gen.submit(runtime, engine, tenant_id, key, prompt, sampling, payload, message_id)
             )
     except BaseException:
         for sample in samples:
-            batcher.cancel(sample.job)
+            engine.cancel(sample.job)
         raise
     return Run(pending, samples, model_name(runtime), fingerprint(runtime))
 
@@ -252,7 +252,7 @@ def _held(text: str, stops: list[str]) -> int:
     return longest
 
 
-async def follow(sample: gen.Sample, batcher: Batcher, stops: list[str]) -> AsyncIterator[Piece]:
+async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncIterator[Piece]:
     """One choice as text pieces that add up to its final text, cut at a stop string."""
     deltas = gen.TextDeltas(sample.runtime.tokenizer)
     shown = 0  # characters of deltas.sent already yielded
@@ -273,7 +273,7 @@ async def follow(sample: gen.Sample, batcher: Batcher, stops: list[str]) -> Asyn
             text = deltas.sent
             cut = _stop_at(text, stops)
             if cut is not None:
-                batcher.cancel(sample.job)  # the client has what it asked for
+                engine.cancel(sample.job)  # the client has what it asked for
                 yield Piece(text[shown:cut], "stop", len(deltas.tokens))
                 return
             safe = len(text) - _held(text, stops)
@@ -281,7 +281,7 @@ async def follow(sample: gen.Sample, batcher: Batcher, stops: list[str]) -> Asyn
                 yield Piece(text[shown:safe])
                 shown = safe
     except TimeoutError:
-        raise gen.timed_out(sample, batcher) from None
+        raise gen.timed_out(sample, engine) from None
 
 
 def watermark_info(sample: gen.Sample) -> WatermarkInfo:
@@ -350,12 +350,12 @@ async def _outcome(pieces: AsyncIterator[Piece]) -> Outcome:
     raise AssertionError("a choice ended without a finish reason")
 
 
-async def complete(run: Run, request: Request, batcher: Batcher) -> ChatCompletion | Completion:
+async def complete(run: Run, request: Request, engine: Engine) -> ChatCompletion | Completion:
     """Every choice to its end; a client that goes away cancels them all."""
     stops = run.pending.body.stops()
     jobs = [s.job for s in run.samples]
-    watcher = asyncio.create_task(gen.watch_disconnect(request, batcher, jobs))
-    tasks = [asyncio.create_task(_outcome(follow(s, batcher, stops))) for s in run.samples]
+    watcher = asyncio.create_task(gen.watch_disconnect(request, engine, jobs))
+    tasks = [asyncio.create_task(_outcome(follow(s, engine, stops))) for s in run.samples]
     try:
         outcomes = await asyncio.gather(*tasks)
     finally:
@@ -364,7 +364,7 @@ async def complete(run: Run, request: Request, batcher: Batcher) -> ChatCompleti
             task.cancel()
         for job in jobs:
             if not job.done:
-                batcher.cancel(job)
+                engine.cancel(job)
     return assemble(run, list(outcomes))
 
 
@@ -471,7 +471,7 @@ class Chunks:
 
 
 def stream(
-    run: Run, request: Request, batcher: Batcher, claim: gen.IdempotencyClaim | None
+    run: Run, request: Request, engine: Engine, claim: gen.IdempotencyClaim | None
 ) -> StreamingResponse:
     """SSE: the role chunk, content deltas, each choice's finish chunk (with the
     watermark), the usage chunk when asked for, then ``data: [DONE]``."""
@@ -487,7 +487,7 @@ def stream(
             for i in range(len(run.samples)):
                 if (first := chunks.start(i)) is not None:
                     yield first
-            async for i, piece in _merge([follow(s, batcher, stops) for s in run.samples]):
+            async for i, piece in _merge([follow(s, engine, stops) for s in run.samples]):
                 if await request.is_disconnected():
                     return
                 texts[i] += piece.text
@@ -511,7 +511,7 @@ def stream(
         finally:
             for sample in run.samples:
                 if not sample.job.done:
-                    batcher.cancel(sample.job)
+                    engine.cancel(sample.job)
             if claim is not None:
                 await claim.release()  # a no-op once the response is remembered
         yield _sse("[DONE]")

@@ -16,8 +16,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.deps import BatcherDep, CurrentTenant, Runtime, RuntimeDep
+from app.api.deps import CurrentTenant, EngineDep, Runtime, RuntimeDep
 from app.api.errors import APIError, envelope
+from app.engines.base import Engine
 from app.schemas.common import error_responses
 from app.schemas.watermark import (
     MAX_METADATA_BYTES,
@@ -30,7 +31,6 @@ from app.schemas.watermark import (
     metadata_bytes,
 )
 from app.services import generation as gen
-from app.services.batcher import Batcher
 from app.services.tenants import KeyVersion
 from app.stores.base import IdempotencyRecord
 from worldcup_core import SamplingConfig
@@ -85,7 +85,7 @@ async def generate(
     request: Request,
     runtime: RuntimeDep,
     tenant: CurrentTenant,
-    batcher: BatcherDep,
+    engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     settings = runtime.settings
@@ -109,7 +109,7 @@ async def generate(
         stored = await gen.stored_response(runtime, tenant.tenant_id, idempotency_key, body_hash)
         if stored is not None:
             return _replay(stored, body.stream)
-    gen.ensure_queue_room(runtime, batcher)  # refuse before allocating a message id
+    gen.ensure_queue_room(runtime, engine)  # refuse before allocating a message id
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
     prompt_ids = await runtime.tenants.offload(
         lambda: gen.prompt_ids(runtime, body.prompt, messages)
@@ -124,7 +124,7 @@ async def generate(
             return _replay(claimed, body.stream)
         claim = claimed
     try:
-        return await _run(body, request, runtime, tenant.tenant_id, batcher, key, prompt_ids, claim)
+        return await _run(body, request, runtime, tenant.tenant_id, engine, key, prompt_ids, claim)
     except BaseException:
         if claim is not None:
             await claim.release()
@@ -136,7 +136,7 @@ async def _run(
     request: Request,
     runtime: Runtime,
     tenant_id: str,
-    batcher: Batcher,
+    engine: Engine,
     key: KeyVersion,
     prompt_ids: list[int],
     claim: gen.IdempotencyClaim | None,
@@ -159,16 +159,16 @@ async def _run(
         no_repeat_ngram_size=body.no_repeat_ngram_size,
         seed=body.seed,
     )
-    sample = gen.submit(runtime, batcher, tenant_id, key, prompt_ids, sampling, payload, message_id)
+    sample = gen.submit(runtime, engine, tenant_id, key, prompt_ids, sampling, payload, message_id)
     if body.stream:
         return StreamingResponse(
-            _stream(sample, claim, request, batcher),
+            _stream(sample, claim, request, engine),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    watcher = asyncio.create_task(gen.watch_disconnect(request, batcher, [sample.job]))
+    watcher = asyncio.create_task(gen.watch_disconnect(request, engine, [sample.job]))
     try:
-        result = await gen.collect(sample, batcher)
+        result = await gen.collect(sample, engine)
     finally:
         watcher.cancel()
     response = _response(sample, result)
@@ -220,13 +220,13 @@ async def _stream(
     sample: gen.Sample,
     claim: gen.IdempotencyClaim | None,
     request: Request,
-    batcher: Batcher,
+    engine: Engine,
 ) -> AsyncIterator[bytes]:
     deltas = gen.TextDeltas(sample.runtime.tokenizer)
     try:
         while True:
             if await request.is_disconnected():
-                batcher.cancel(sample.job)
+                engine.cancel(sample.job)
                 return
             item = await gen.next_event(sample)
             if isinstance(item, GenerationResult):
@@ -242,16 +242,16 @@ async def _stream(
                 continue  # the closing EOS is not part of the text
             yield _sse(json.dumps({"token_id": item.token, "text": deltas.push(item.token)}))
     except TimeoutError:
-        batcher.cancel(sample.job)
+        engine.cancel(sample.job)
         yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
     except APIError as exc:
         yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except Exception:
-        batcher.cancel(sample.job)
+        engine.cancel(sample.job)
         yield _sse(json.dumps(envelope(500, "generation failed", "generation_failed")), "error")
     finally:
         if not sample.job.done:
-            batcher.cancel(sample.job)
+            engine.cancel(sample.job)
         if claim is not None:
             await claim.release()
     yield b"data: [DONE]\n\n"

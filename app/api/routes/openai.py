@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.api.deps import BatcherDep, CurrentTenant, RuntimeDep, UnchargedTenant, charge
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant, charge
 from app.api.errors import APIError
 from app.api.routes.generate import IdempotencyKey
 from app.schemas.openai import (
@@ -51,7 +51,7 @@ async def _serve(
     request: Request,
     runtime: RuntimeDep,
     tenant_id: str,
-    batcher: BatcherDep,
+    engine: EngineDep,
     idempotency_key: str | None,
 ) -> Any:
     pending = await serving.plan(runtime, body)
@@ -61,7 +61,7 @@ async def _serve(
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
         if stored is not None:
             return serving.replay(stored, body)
-    gen.ensure_queue_room(runtime, batcher, pending.choices)  # before allocating
+    gen.ensure_queue_room(runtime, engine, pending.choices)  # before allocating
     claim = None
     if idempotency_key is not None:
         claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
@@ -69,10 +69,10 @@ async def _serve(
             return serving.replay(claimed, body)
         claim = claimed
     try:
-        run = await serving.start(runtime, batcher, tenant_id, pending)
+        run = await serving.start(runtime, engine, tenant_id, pending)
         if streamed:
-            return serving.stream(run, request, batcher, claim)
-        response = await serving.complete(run, request, batcher)
+            return serving.stream(run, request, engine, claim)
+        response = await serving.complete(run, request, engine)
         if claim is not None:
             await claim.remember(response.model_dump(mode="json"))
         return response
@@ -97,11 +97,11 @@ async def chat_completions(
     request: Request,
     runtime: RuntimeDep,
     tenant: UnchargedTenant,
-    batcher: BatcherDep,
+    engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, body.n or 1)  # one token per sample
-    return await _serve(body, request, runtime, tenant.tenant_id, batcher, idempotency_key)
+    return await _serve(body, request, runtime, tenant.tenant_id, engine, idempotency_key)
 
 
 @router.post(
@@ -118,11 +118,11 @@ async def completions(
     request: Request,
     runtime: RuntimeDep,
     tenant: UnchargedTenant,
-    batcher: BatcherDep,
+    engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
-    return await _serve(body, request, runtime, tenant.tenant_id, batcher, idempotency_key)
+    return await _serve(body, request, runtime, tenant.tenant_id, engine, idempotency_key)
 
 
 @router.get(

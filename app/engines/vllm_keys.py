@@ -1,0 +1,132 @@
+"""The private channel that hands each request's watermark material to the vLLM processor.
+
+vLLM runs its engine core (and so our logits processor) in a spawned process,
+and it prints ``SamplingParams`` (``extra_args`` included) in debug logs and
+reprs. So key material never goes into a request: the service registers a
+:class:`RowSpec` under a random opaque handle, puts only the handle in
+``extra_args``, and the processor fetches the spec over a Unix socket that
+lives in a fresh ``0700`` directory (the socket itself ``0600``): only this
+user can connect. The service forgets a handle when its request ends.
+
+Both ends are ours and the socket is private, so the spec travels pickled
+(:mod:`multiprocessing.connection`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+from worldcup_core.config import SamplingConfig
+from worldcup_core.message import Payload
+from worldcup_core.scheme import WatermarkScheme
+
+logger = logging.getLogger("worldcup.engine.vllm")
+
+SOCKET_ENV = "WORLDCUP_VLLM_KEY_SOCKET"  # the socket's path (not a secret)
+EXTRA_ARGS_KEY = "worldcup"  # SamplingParams.extra_args[...] = the request's handle
+EOS_ARGS_KEY = "worldcup_eos"  # the EOS ids, forced if the handle is unknown (fail closed)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What the processor needs for one request; ``scheme`` None: filtering only."""
+
+    sampling: SamplingConfig
+    eos_token_ids: tuple[int, ...]
+    scheme: WatermarkScheme | None = field(default=None, repr=False)
+    payload: Payload | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:  # never the key, never the payload
+        return f"RowSpec(watermarked={self.scheme is not None})"
+
+
+class KeyServer:
+    """Service side: answers handle -> :class:`RowSpec` for the engine core's processor."""
+
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="worldcup-vllm-"))  # mode 0700
+        self.path = str(self._dir / "keys.sock")
+        self._specs: dict[str, RowSpec] = {}
+        self._lock = threading.Lock()
+        self._listener = Listener(self.path, family="AF_UNIX")
+        os.chmod(self.path, 0o600)
+        self._closed = False
+        threading.Thread(target=self._accept, name="worldcup-vllm-keys", daemon=True).start()
+
+    def __repr__(self) -> str:
+        return f"KeyServer({len(self._specs)} handles)"
+
+    def register(self, handle: str, spec: RowSpec) -> None:
+        with self._lock:
+            self._specs[handle] = spec
+
+    def forget(self, handle: str) -> None:
+        with self._lock:
+            self._specs.pop(handle, None)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve, args=(conn,), name="worldcup-vllm-keys-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: Connection) -> None:
+        with conn:
+            while True:
+                try:
+                    handle = conn.recv_bytes(256).decode("ascii", "replace")
+                except (EOFError, OSError):
+                    return
+                with self._lock:
+                    spec = self._specs.get(handle)
+                try:
+                    conn.send(spec)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class KeyClient:
+    """Processor side: one connection, opened on first use, reopened after an error."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or os.environ.get(SOCKET_ENV)
+        self._conn: Connection | None = None
+
+    def fetch(self, handle: str) -> RowSpec | None:
+        if self.path is None:
+            raise RuntimeError(
+                f"{SOCKET_ENV} is not set: the WorldCup processor has no key channel"
+            )
+        for attempt in (1, 2):
+            try:
+                if self._conn is None:
+                    self._conn = Client(self.path, family="AF_UNIX")
+                self._conn.send_bytes(handle.encode("ascii"))
+                spec = self._conn.recv()
+                return spec if isinstance(spec, RowSpec) else None
+            except (EOFError, OSError):
+                self._conn = None
+                if attempt == 2:
+                    raise
+        return None

@@ -1,0 +1,211 @@
+"""WorldCup as a vLLM v1 batch-level logits processor (it runs in vLLM's engine core).
+
+**Ordering.** vLLM applies temperature, top-k and top-p *after* the logits
+processors, and anything that reshapes the distribution after the watermark
+weakens or breaks it. So this processor does, per row, what the ``hf`` engine
+does (:class:`worldcup_core.generation.ContinuousBatch`):
+
+1. bans: n-grams that would repeat (``no_repeat_ngram_size``) and, before
+   ``min_new_tokens``, the EOS ids;
+2. the request's temperature, top-k and top-p
+   (:func:`worldcup_core.sampling.filter_logits_torch`);
+3. the watermark: scheme ``worldcup-v2`` rows share one batched step on the
+   device (:class:`worldcup_core.batched.BatchedWorldCup`, slots = vLLM's
+   persistent-batch indices, moved and swapped with them); other schemes (v1
+   keys) reweight row by row;
+
+and returns ``log q`` on the candidates, ``-inf`` elsewhere. The engine sends
+these requests to vLLM with temperature 1, top-k and top-p off, min_p 0 and
+no penalties, so vLLM's softmax and draw sample exactly q.
+
+Rows whose ``SamplingParams.extra_args`` carry no WorldCup handle are left
+untouched. The handle is opaque; the key material comes over a private
+channel (:mod:`app.engines.vllm_keys`). Needs the v1 model runner
+(``VLLM_USE_V2_MODEL_RUNNER=0``), which the engine sets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.sample.logits_processor import (
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+)
+
+from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, KeyClient, RowSpec
+from worldcup_core.batched import BatchedWorldCup
+from worldcup_core.sampling import NGramBlocker, filter_logits_torch
+from worldcup_core.scheme import SequenceWatermark
+
+logger = logging.getLogger("worldcup.engine.vllm")
+
+
+@dataclass
+class _Row:
+    spec: RowSpec | None  # None: the handle was unknown (fail closed: EOS only)
+    output: list[int]  # vLLM's live reference to the request's generated tokens
+    blocker: NGramBlocker
+    watermark: SequenceWatermark | None  # per-row scheme (v1 keys)
+    batched: bool  # the row has a slot in the batched v2 step
+    eos: list[int] = field(default_factory=list)  # forced when ``spec`` is None
+    seen: int = 0  # tokens of ``output`` already recorded
+    pending: list[int] = field(default_factory=list)
+
+
+class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
+    """Per-row filtering and the WorldCup step for the rows that carry a handle."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.device = torch.device(device)
+        self._batched = BatchedWorldCup(self.device)
+        self._rows: dict[int, _Row] = {}
+        self._keys = KeyClient()
+
+    def __repr__(self) -> str:
+        return f"WorldCupLogitsProcessor({len(self._rows)} rows on {self.device})"
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        handle = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
+        if handle is not None and not (isinstance(handle, str) and handle.isalnum()):
+            raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] must be an alphanumeric handle")
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it bans, filters and reweights
+
+    # ------------------------------------------------------------------ batch state
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._drop(index)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            self._drop(index)
+            handle = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+            if handle is not None:
+                eos = [int(t) for t in (params.extra_args or {}).get(EOS_ARGS_KEY, [])]
+                self._add(index, str(handle), prompt_ids or [], output_ids, eos)
+        for a, b, direction in batch_update.moved:
+            if direction == MoveDirectionality.SWAP:
+                ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
+                if ra is not None:
+                    self._rows[b] = ra
+                if rb is not None:
+                    self._rows[a] = rb
+                self._batched.swap_rows(a, b)
+            else:  # one-way: b takes a's row
+                self._drop(b)
+                row = self._rows.pop(a, None)
+                if row is not None:
+                    self._rows[b] = row
+                    if row.batched:
+                        self._batched.move_row(a, b)
+
+    def _drop(self, index: int) -> None:
+        if self._rows.pop(index, None) is not None:
+            self._batched.clear_row(index)
+
+    def _add(
+        self, index: int, handle: str, prompt: list[int], output: list[int], eos: list[int]
+    ) -> None:
+        spec = self._keys.fetch(handle)
+        if spec is None:
+            logger.error("unknown WorldCup handle: the row is ended at once (fail closed)")
+        sampling_size = spec.sampling.no_repeat_ngram_size if spec is not None else 0
+        wm, batched = None, False
+        if spec is not None and spec.scheme is not None and spec.payload is not None:
+            if BatchedWorldCup.supports(spec.scheme):
+                self._batched.set_row(index, spec.scheme, spec.payload)  # type: ignore[arg-type]
+                batched = True
+            else:
+                wm = spec.scheme.sequence(spec.payload)
+        # a re-added (preempted) request replays the tokens it already has
+        blocker = NGramBlocker(sampling_size, prompt)
+        self._rows[index] = _Row(spec, output, blocker, wm, batched, eos=eos)
+
+    def _sync(self) -> None:
+        """Record the tokens sampled since the last step (vLLM appends to ``output``)."""
+        for row in self._rows.values():
+            new = row.output[row.seen :]
+            if -1 in new:  # async scheduling's placeholder: the token is not known yet
+                new = new[: new.index(-1)]
+            row.seen += len(new)
+            for tok in new:
+                row.blocker.push(tok)
+                if row.watermark is not None:
+                    row.watermark.observe(tok)
+            if row.batched:
+                row.pending.extend(new)
+        while True:
+            due = [(i, r) for i, r in self._rows.items() if r.batched and r.pending]
+            if not due:
+                return
+            tokens = torch.tensor([r.pending.pop(0) for _, r in due])
+            self._batched.append([i for i, _ in due], tokens)
+
+    # ------------------------------------------------------------------ the step
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        self._sync()
+        rows = sorted(i for i in self._rows if i < logits.shape[0])
+        if not rows:
+            return logits
+        index = torch.tensor(rows, device=logits.device)
+        out = self.process([self._rows[i] for i in rows], rows, logits[index])
+        logits[index] = out.to(logits.dtype)
+        return logits
+
+    def process(self, rows: list[_Row], slots: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """log q for ``rows`` (B, V): bans, filtering, the watermark."""
+        logits = logits.float().clone()
+        specs = [r.spec for r in rows]
+        for i, row in enumerate(rows):
+            spec = row.spec
+            if spec is None:  # fail closed: only EOS may follow
+                logits[i] = -torch.inf
+                logits[i, row.eos or [0]] = 0.0
+                continue
+            banned = row.blocker.banned()
+            if len(row.output) < spec.sampling.min_new_tokens:
+                banned = banned | set(spec.eos_token_ids)
+            if banned:
+                logits[i, list(banned)] = -torch.inf
+            wm = row.watermark
+            if wm is not None and wm.modifies_logits:
+                biased = wm.process_logits(logits[i].double().cpu().numpy())
+                logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
+        cand, probs = filter_logits_torch(
+            logits,
+            [s.sampling.temperature if s else 1.0 for s in specs],
+            [s.sampling.top_k if s else 1 for s in specs],
+            [s.sampling.top_p if s else 1.0 for s in specs],
+        )
+        width = int((probs > 0).sum(dim=1).max())
+        cand, probs = cand[:, :width], probs[:, :width]
+        q = probs
+        v2 = [i for i, r in enumerate(rows) if r.batched]
+        if v2:
+            sub = torch.tensor(v2, device=probs.device)
+            q = probs.clone()
+            q[sub] = self._batched.step([slots[i] for i in v2], cand[sub], probs[sub])
+        per_row = [i for i, r in enumerate(rows) if r.watermark is not None]
+        if per_row:
+            q = q.clone() if q is probs else q
+            cand_np, probs_np = cand.cpu().numpy(), probs.cpu().numpy()
+            for i in per_row:
+                wm = rows[i].watermark
+                assert wm is not None
+                live = int(np.count_nonzero(probs_np[i]))
+                reweighted = wm.reweight(cand_np[i, :live], probs_np[i, :live])
+                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
+        out = torch.full_like(logits, -torch.inf)
+        out.scatter_(1, cand.to(logits.device), q.log().to(logits.device, logits.dtype))
+        for i, row in enumerate(rows):
+            if row.spec is None:
+                out[i] = logits[i]
+        return out

