@@ -33,7 +33,7 @@ pytest:
 
 ## The vLLM engine's tests (pytest mark `vllm`) in .venv-vllm; CI runs them after `make test`.
 test-vllm: setup-vllm
-	WORLDCUP_VENV=.venv-vllm bash scripts/pytest.sh -m vllm -p no:cacheprovider
+	WORLDCUP_VENV=.venv-vllm bash scripts/pytest.sh tests/test_engines.py tests/test_vllm_processor.py -m vllm -p no:cacheprovider
 
 bench: setup
 	$(VENV)/worldcup bench
