@@ -40,3 +40,18 @@ def test_bench_provenance_small() -> None:
     assert result["identical_p_values"] is True  # the bank and the loop agree exactly
     assert result["search_ms_per_1000_keys"] > 0 and result["speedup_vs_loop"] > 0
     assert "ms/1000 keys" in format_provenance_bench(result)
+
+
+def test_bench_encoding_pairs_wall_and_cpu_time() -> None:
+    """Plain and watermarked runs interleave; both ratios come from the same runs."""
+    from worldcup_cli.bench import bench_encoding
+    from worldcup_core.models import load_tokenizer, tiny_random_model
+
+    loaded = tiny_random_model(load_tokenizer())
+    prompt = loaded.tokenizer("The tide came in", add_special_tokens=False).input_ids
+    result = bench_encoding(loaded, [prompt, prompt], batch_size=2, new_tokens=6, repeats=2)
+    json.dumps(result)
+    assert len(result["plain_cpu_seconds"]) == len(result["watermarked_cpu_seconds"]) == 2
+    assert all(s > 0 for s in result["plain_cpu_seconds"] + result["watermarked_cpu_seconds"])
+    assert 0.0 < result["ratio_cpu"] < 10.0 and 0.0 < result["ratio"] < 10.0
+    assert result["reweight_us_per_token"] > 0  # the batched v2 step was timed

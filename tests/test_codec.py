@@ -307,7 +307,34 @@ def test_match_registry_edge_cases() -> None:
         wc.match([1, 2, 3], ["0101", "01"])
     single = wc.match([1, 2, 3, 4, 5], ["0101"])
     assert single is not None
-    assert single.index == 0 and single.runner_up_index is None and single.posterior == 1.0
+    assert single.index == 0 and single.runner_up_index is None
+    assert 0.0 < single.posterior < 1.0  # half the prior is on payloads outside the registry
+
+
+def test_an_unregistered_payload_is_not_pinned_on_its_nearest_entry() -> None:
+    """A text watermarked with a payload outside the registry (another registry, an
+    explicit payload) must not be attributed to the closest entry with confidence;
+    the true entry, once registered, is."""
+    wc = WorldCup(KEY)
+    rng = np.random.default_rng(4242)
+    wrong, right = [], []
+    for _ in range(12):
+        payload = Payload.random(16, rng)
+        tokens = simulate(wc, payload, 192, rng)
+        near = []
+        for distance in (3, 4, 5):  # entries a few bits away, the hardest decoys
+            flipped = list(payload.bits)
+            for i in rng.choice(16, size=distance, replace=False):
+                flipped[i] = "1" if flipped[i] == "0" else "0"
+            near.append("".join(flipped))
+        decoy = wc.match(tokens, near)
+        assert decoy is not None
+        wrong.append(decoy.posterior)
+        true = wc.match(tokens, [*near, payload.bits])
+        assert true is not None and true.bits == payload.bits
+        right.append(true.posterior)
+    assert max(wrong) < 0.5, wrong
+    assert min(right) > 0.95, right
 
 
 def test_match_registry_null_calibration() -> None:

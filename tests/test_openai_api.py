@@ -10,6 +10,7 @@ stream closing are what is tested. Every generated text is decoded back with
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -315,6 +316,7 @@ def test_wrong_key_is_authentication_error(server: LiveServer) -> None:
         ({"max_tokens": "5"}, "max_tokens"),  # strict: no string-to-int coercion
         ({"max_tokens": 5000}, "max_tokens"),  # above the server limit
         ({"n": 0}, "n"),
+        ({"min_tokens": 5}, "min_tokens"),  # above max_tokens (4)
         ({"temperature": 3}, "temperature"),
         ({"watermark": {"enabled": False}}, "watermark.enabled"),
         ({"watermark": {"payload": {"bits": "012"}}}, "watermark.payload"),
@@ -337,6 +339,15 @@ def test_bad_field_is_bad_request_naming_it(
     assert param.split(".")[0] in err.value.message
 
 
+def test_completion_choices_are_bounded(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["Tides"] * 9, n=2, max_tokens=2)
+    assert err.value.param == "n" and "16" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Tides", echo=True, max_tokens=2)
+    assert err.value.param == "echo"
+
+
 def test_ignored_fields_and_no_op_values_are_accepted(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,
@@ -351,6 +362,23 @@ def test_ignored_fields_and_no_op_values_are_accepted(client: openai.OpenAI) -> 
         extra_body={"some_gateway_field": {"x": 1}, "top_k": 3},
     )
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_key_without_generate_scope_is_permission_denied(
+    server: LiveServer, http: httpx.Client, tenant: dict[str, str]
+) -> None:
+    r = http.post(
+        f"/admin/tenants/{tenant['id']}/api-keys",
+        json={"name": "detector", "scopes": ["detect"]},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    assert r.status_code == 201, r.text
+    key = r.json()["api_key"]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0) as detect_only:
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            detect_only.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert err.value.code == "missing_scope" and "generate" in err.value.message
+    assert key not in str(err.value.body)
 
 
 def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
@@ -431,3 +459,46 @@ def test_rate_limit_charges_one_token_per_sample(tiny_model_dir: Path, tmp_path:
             sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert err.value.code == "rate_limited"
     assert int(err.value.response.headers["retry-after"]) >= 1
+
+
+def test_disconnect_without_stream_cancels_generation(
+    server: LiveServer, tenant: dict[str, str]
+) -> None:
+    runtime = server.app.state.runtime
+    counter = runtime.metrics.generated_tokens
+    before = counter._value.get()
+    with openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=tenant["key"], max_retries=0, timeout=0.5
+    ) as impatient:
+        with pytest.raises(openai.APITimeoutError):  # the client gives up and hangs up
+            impatient.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000)
+    deadline = time.monotonic() + 10
+    while runtime.batcher.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runtime.batcher.in_flight == 0, "the generation kept running after the disconnect"
+    assert counter._value.get() - before < 2000
+
+
+def test_idempotent_stream_replays_as_chunks(http: httpx.Client, tenant: dict[str, str]) -> None:
+    headers = {"Authorization": f"Bearer {tenant['key']}", "Idempotency-Key": uuid.uuid4().hex}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "n": 2, "stream": True}
+
+    def texts(r: httpx.Response) -> tuple[list[str], list[Any]]:
+        assert r.status_code == 200, r.text
+        events = [line.removeprefix("data: ") for line in r.text.split("\n") if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        out = ["", ""]
+        marks = []
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                out[choice["index"]] += choice["delta"].get("content") or ""
+                if choice.get("watermark"):
+                    marks.append(choice["watermark"])
+        return out, marks
+
+    first = http.post("/v1/chat/completions", json=body, headers=headers)
+    again = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert texts(again) == texts(first)
+    assert len({m["message_id"] for m in texts(first)[1]}) == 2

@@ -13,6 +13,9 @@ import asyncio
 import csv
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -321,7 +324,7 @@ def test_resume_after_a_crash_skips_finished_parts(corpus: Any, local_scan: Any)
     assert _read(out) == _read(out_local)
 
 
-def test_changed_inputs_refuse_to_resume_stale_parts(corpus: Any, tmp_path: Path) -> None:
+def test_changed_inputs_refuse_to_resume_stale_parts(tmp_path: Path) -> None:
     src = tmp_path / "one.jsonl"
     src.write_text('{"text": "a short line of text for the scan"}\n', encoding="utf-8")
     key = tmp_path / "k.key"
@@ -334,6 +337,12 @@ def test_changed_inputs_refuse_to_resume_stale_parts(corpus: Any, tmp_path: Path
     options = ScanOptions((str(src),), out, progress=False)
     with pytest.raises(ScanStateError, match="--restart"):
         run_scan(options, spec)
+    options = ScanOptions((str(src),), out, restart=True, progress=True)  # the bar, too
+    summary = run_scan(options, spec)
+    assert summary.texts == 1 and summary.errors == 0 and summary.hits == 0
+    (row,) = _read(out)
+    assert row["short_text"] is True and row["num_scored_tokens"] < 64
+    assert not state.exists()
 
 
 def test_detect_mode_scans_one_tenant(corpus: Any, smollm2_tokenizer: Any) -> None:
@@ -415,3 +424,51 @@ def test_key_files_label_the_output(tmp_path: Path) -> None:
     same = ScanKeys(loaded.keys, {}, 8)
     assert same.fingerprint() == loaded.fingerprint()
     assert ScanKeys(loaded.keys[:1], {}, 8).fingerprint() != loaded.fingerprint()
+
+
+def test_bench_scan_prints_rates_for_one_and_two_workers_on_both_engines() -> None:
+    args = ["bench-scan", "--texts", "20", "--keys", "100", "--engine-keys", "20", "--json"]
+    result = CliRunner().invoke(cli_app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    runs = {(e["engine"], e["workers"]): e for e in report["engines"]}
+    assert set(runs) == {("local", 1), ("local", 2), ("ray", 1), ("ray", 2)}
+    for run in runs.values():
+        assert run["texts_per_s"] > 0 and run["identical_output"] is True
+    per_core = report["per_core"]
+    assert per_core["tokenize_ms"] > 0 and per_core["detect_texts_per_s"] > 0
+    assert [p["keys"] for p in per_core["provenance"]] == [100]
+    from worldcup_scan.bench import format_scan_bench
+
+    text = format_scan_bench(report)
+    for engine in ("local", "ray"):
+        for workers in (1, 2):
+            assert f"{engine:<5} {workers} worker(s): " in text
+
+
+def test_killed_scan_resumes_to_the_same_output(corpus: Any, local_scan: Any) -> None:
+    """SIGKILL the CLI half-way, rerun it: finished parts are kept, the output is the same."""
+    out_local, _, _ = local_scan
+    out = corpus["root"] / "killed.jsonl"
+    state = Path(str(out) + ".parts")
+    cmd = [str(Path(sys.executable).parent / "worldcup"), "scan", str(corpus["inputs"])]
+    cmd += ["--out", str(out), "--id-field", "id", "--store", str(corpus["db"])]
+    cmd += ["--with-registry", "--workers", "1", "--part-rows", "3", "--no-progress", "--json"]
+    env = dict(os.environ, WORLDCUP_MASTER_KEY=MASTER.hex())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if state.is_dir() and len(list(state.glob("part-*.parquet"))) >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the scan finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(state.glob("part-*.parquet")))
+    assert done >= 3 and not out.exists()
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert summary["parts_resumed"] == done  # nothing finished was scanned again
+    assert summary["texts_scanned"] == summary["texts"] - 3 * done  # first parts: 3 rows each
+    assert _read(out) == _read(out_local)

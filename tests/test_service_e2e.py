@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 from servers import LiveServer, free_port
@@ -145,6 +146,32 @@ def test_metadata_registry_round_trip(
             headers={"Authorization": f"Bearer {ADMIN}"},
         )
         assert r.status_code == 200 and r.json()["metadata"] == {"user": f"u{i}"}
+
+
+def test_openai_sdk_chat_with_the_real_model(live: LiveServer, http: httpx.Client) -> None:
+    """The official SDK against SmolLM2-Instruct: chat template, n=2, registry round trip."""
+    tenant = _tenant(http, "sdk")
+    client = openai.OpenAI(
+        base_url=f"{live.url}/v1", api_key=tenant["auth"].removeprefix("Bearer "), max_retries=0
+    )
+    model = client.models.list().data[0].id
+    assert model == "SmolLM2-135M-Instruct"
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Explain why the sea has tides."}],
+        max_tokens=128,
+        n=2,
+        seed=3,
+        temperature=1.0,
+        extra_body={"min_tokens": 96, "watermark": {"metadata": {"team": "sdk"}}},
+    )
+    for choice in out.choices:
+        info = (choice.model_extra or {})["watermark"]
+        assert choice.message.content and info["num_bits"] == 16
+        match = _decode(http, tenant["auth"], choice.message.content)["registry_match"]
+        assert match is not None and match["message_id"] == info["message_id"], (match, info)
+        assert match["metadata"] == {"team": "sdk"} and match["p_value"] < 1e-6
+    client.close()
 
 
 def test_detect_separates_generated_from_human(

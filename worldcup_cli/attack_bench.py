@@ -68,6 +68,7 @@ def _settings(
         port=port,
         log_level="WARNING",
         rate_limit_per_s=0,  # only the probe budgets limit the attacker
+        request_timeout_s=3600.0,  # one 256-token generation on a busy CPU can take minutes
         **({} if budgets else off),
     )
 

@@ -20,9 +20,10 @@ Beyond the paper:
   (g-bits pointing its way, pad bits included) is exactly
   Binomial(total trials, 1/2) under H0, so each candidate gets an exact
   one-sided p-value; the best (maximum-likelihood) candidate's p-value is
-  Bonferroni-corrected for the registry size. A posterior under a uniform
-  prior over the registry, with delta estimated from the best candidate,
-  says how sure the choice is among the candidates.
+  Bonferroni-corrected for the registry size. The posterior (delta estimated
+  from the best candidate) puts half the prior on the registry and half on a
+  payload outside it, so a text watermarked with an unregistered payload is
+  not pinned on its nearest registry entry.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.detector import DetectionResult
@@ -171,6 +173,30 @@ def decode_cells(
     return out
 
 
+def _open_world_posterior(
+    beta: float,
+    agreement: npt.NDArray[np.int64],
+    best: int,
+    ones: npt.NDArray[np.int64],
+    trials: npt.NDArray[np.int64],
+    num_bits: int,
+) -> float:
+    """P(the text carries registry entry ``best`` | evidence), with half the prior on the
+    registry (uniform over its entries) and half on a payload outside it (uniform over
+    all 2**num_bits). Without the second half, a watermarked text whose payload is not
+    in the registry (another registry, an explicit payload) would be attributed to the
+    nearest entry with full confidence. Cells are independent, so the sum over every
+    payload factorises per bit; pad cells are 0 in every payload."""
+    scaled = beta * agreement.astype(np.float64)
+    log_registry = float(np.logaddexp.reduce(scaled)) - math.log(len(agreement))
+    free = slice(0, num_bits)
+    fixed = beta * float(ones[num_bits:].sum())
+    zero, one = beta * ones[free], beta * (trials[free] - ones[free])
+    log_open = float(np.logaddexp(zero, one).sum()) + fixed - num_bits * math.log(2.0)
+    log_best = float(scaled[best]) - math.log(len(agreement))
+    return math.exp(log_best - float(np.logaddexp(log_registry, log_open)))
+
+
 def match_registry(
     config: WatermarkConfig, evidence: TokenEvidence, candidates: list[str]
 ) -> RegistryMatch | None:
@@ -192,8 +218,9 @@ def match_registry(
     log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
     log_p = min(log_p_single + math.log(len(candidates)), 0.0)  # Bonferroni
     delta = a_best / total - 0.5
-    logits = _llr_scale(delta) * (agreement - a_best).astype(np.float64)
-    posterior = float(1.0 / np.exp(logits).sum())
+    posterior = _open_world_posterior(
+        _llr_scale(delta), agreement, best, ones_f, trials_f, len(candidates[0])
+    )
     runner = int(order[1]) if len(candidates) > 1 else None
     margin = (a_best - int(agreement[runner])) if runner is not None else a_best - total / 2
     return RegistryMatch(

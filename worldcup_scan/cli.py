@@ -173,6 +173,9 @@ def bench_scan(
         str, typer.Option(help="Bank sizes for the per-core provenance figures.")
     ] = "100,1000",
     engines: Annotated[str, typer.Option(help="local,ray")] = "local,ray",
+    engine_keys: Annotated[
+        int, typer.Option(min=1, max=100_000, help="Bank size of the engine runs.")
+    ] = 1000,
     worker_counts: Annotated[str, typer.Option("--workers", help="e.g. 1,2")] = "1,2",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -191,5 +194,5 @@ def bench_scan(
     def progress(msg: str) -> None:
         typer.echo(msg, err=True)
 
-    result = run_scan_bench(texts, sizes, names, counts, progress)
+    result = run_scan_bench(texts, sizes, names, counts, progress, engine_keys)
     typer.echo(json.dumps(result) if as_json else format_scan_bench(result))

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -106,21 +107,25 @@ def run_ray(
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         else:
             ray.init(
+                address="local",  # a new local instance, never someone else's cluster
                 num_cpus=workers,
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,
             )
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # our summary says what matters
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # ours counts texts; Ray's would interleave
+        ctx.print_on_execution_start = False
+        ctx.enable_auto_log_stats = False
         items = ray.data.from_items([{"part": i} for i in range(len(parts))])
         ds = items.map_batches(
             RayScanner,
             fn_constructor_kwargs={"spec": spec, "parts": list(parts)},
             batch_size=1,
             batch_format="numpy",
-            concurrency=workers,
+            compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=1,
         )
         pending: dict[int, list[dict[str, Any]]] = {}

@@ -100,9 +100,7 @@ class Scanner:
     def __init__(self, spec: ScanSpec, tokenizer: Any = None) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
         if tokenizer is None:
-            from worldcup_core.models import load_tokenizer
-
-            tokenizer = load_tokenizer(spec.model)
+            tokenizer = _tokenizer(spec.model)
         self.spec = spec
         self.tokenizer = tokenizer
         self.schemes: list[WorldCup] = [k.worldcup() for k in spec.keys.keys]
@@ -214,6 +212,18 @@ class Scanner:
             if best is None or _better(decoded, best):
                 best = decoded
         return best
+
+
+_TOKENIZERS: dict[str | None, Any] = {}
+
+
+def _tokenizer(model: str | None) -> Any:
+    """One tokenizer per process and model: loading one costs seconds, a scan reuses it."""
+    if model not in _TOKENIZERS:
+        from worldcup_core.models import load_tokenizer
+
+        _TOKENIZERS[model] = load_tokenizer(model)
+    return _TOKENIZERS[model]
 
 
 def _better(a: _Decoded, b: _Decoded) -> bool:

@@ -154,7 +154,7 @@ def install_error_handlers(app: FastAPI) -> None:
         request.app.state.metrics.rejections.labels("overloaded").inc()
         return error_response(
             503, "the server is at capacity; retry shortly", "overloaded",
-            {"Retry-After": str(exc.retry_after_s)},
+            {"Retry-After": str(exc.retry_after_s)}, path=request.url.path,
         )  # fmt: skip
 
     @app.exception_handler(KeyUnwrapError)

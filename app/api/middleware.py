@@ -49,8 +49,9 @@ class SingleAuthorization:
             count = sum(1 for name, _ in scope.get("headers", []) if name == b"authorization")
             if count > 1:
                 await _send_error(
-                    send, 400, "more than one Authorization header", "duplicate_authorization"
-                )
+                    send, 400, "more than one Authorization header", "duplicate_authorization",
+                    str(scope.get("path", "")),
+                )  # fmt: skip
                 return
         await self.app(scope, receive, send)
 

@@ -239,6 +239,9 @@ class _Sampling(OpenAIRequestModel):
         description="A model id from GET /v1/models."
     )
     max_tokens: Annotated[int | None, Field(ge=1)] = None
+    min_tokens: Annotated[int | None, Field(ge=0)] = Field(
+        None, description="vLLM's extension: no end-of-sequence before this many tokens."
+    )
     temperature: Annotated[float | None, Field(ge=0, le=2)] = Field(
         None, description="Default 1; 0 is read as 0.01 (all but greedy)."
     )
@@ -482,6 +485,7 @@ OPENAI_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for code, text in {
         400: "Invalid request (param names the field)",
         401: "Missing or invalid API key",
+        403: "The API key lacks the 'generate' scope",
         404: "Unknown model",
         409: "Idempotency conflict, or the registry is full",
         413: "Request body too large",

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.api.deps import Runtime
 from app.api.errors import APIError, openai_envelope
 from app.schemas.openai import (
+    MAX_CHOICES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -116,7 +117,7 @@ class Pending:
         return len(self.prompts) * self.n
 
 
-def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> Pending:
+async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> Pending:
     """Check the model and the limits, tokenise; 400 naming the field otherwise."""
     settings = runtime.settings
     check_model(runtime, body.model)
@@ -129,20 +130,26 @@ def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> P
             else "max_tokens"
         )
         raise APIError(400, f"{name} may be at most {limit}", "max_tokens_too_large", param=name)
+    new_tokens = min(max_tokens or DEFAULT_MAX_TOKENS, limit)
+    if body.min_tokens is not None and body.min_tokens > new_tokens:
+        raise APIError(
+            400, f"min_tokens may be at most the maximum ({new_tokens})", "min_tokens_too_large",
+            param="min_tokens",
+        )  # fmt: skip
     if isinstance(body, ChatCompletionRequest):
         kind: Literal["chat", "completion"] = "chat"
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in body.messages
         ]
-        prompts = [_tokenise(runtime, None, messages, "messages")]
+        prompts = [await _tokenise(runtime, None, messages, "messages")]
     else:
         kind = "completion"
-        prompts = [_tokenise(runtime, p, None, "prompt") for p in body.prompts()]
+        prompts = [await _tokenise(runtime, p, None, "prompt") for p in body.prompts()]
     n = body.n or 1
-    if len(prompts) * n > MAX_CHOICES_TOTAL:
+    if len(prompts) * n > MAX_CHOICES:
         raise APIError(
-            400, f"n times the number of prompts may be at most {MAX_CHOICES_TOTAL}",
+            400, f"n times the number of prompts may be at most {MAX_CHOICES}",
             "too_many_choices", param="n",
         )  # fmt: skip
     wm = body.watermark
@@ -152,7 +159,8 @@ def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> P
             temperature=temperature,
             top_k=DEFAULT_TOP_K if wm is None or wm.top_k is None else wm.top_k,
             top_p=1.0 if body.top_p is None else body.top_p,
-            max_new_tokens=min(max_tokens or DEFAULT_MAX_TOKENS, limit),
+            max_new_tokens=new_tokens,
+            min_new_tokens=body.min_tokens or 0,
             no_repeat_ngram_size=0 if wm is None else wm.no_repeat_ngram_size or 0,
             # each choice its own sample: a seed makes the whole request repeatable
             seed=None if body.seed is None else (body.seed + i) % 2**63,
@@ -162,14 +170,12 @@ def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest) -> P
     return Pending(kind, body, prompts, sampling)
 
 
-MAX_CHOICES_TOTAL = 16
-
-
-def _tokenise(
+async def _tokenise(
     runtime: Runtime, prompt: str | None, messages: list[dict[str, str]] | None, param: str
 ) -> list[int]:
+    """Off the event loop, in the CPU pool, as /generate does."""
     try:
-        return gen.prompt_ids(runtime, prompt, messages)
+        return await runtime.tenants.offload(lambda: gen.prompt_ids(runtime, prompt, messages))
     except APIError as exc:
         exc.param = param
         raise
@@ -513,8 +519,13 @@ def stream(
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def replay(stored: IdempotencyRecord, streamed: bool) -> JSONResponse | StreamingResponse:
-    """A stored response again (same Idempotency-Key and body); a stream as chunks."""
+def replay(
+    stored: IdempotencyRecord, body: ChatCompletionRequest | CompletionRequest
+) -> JSONResponse | StreamingResponse:
+    """A stored response again (same Idempotency-Key and body); a stream as one chunk
+    per choice (and the usage chunk if the request asked for it)."""
+    streamed = bool(body.stream)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     headers = {"Idempotent-Replayed": "true"}
     if not streamed:
         return JSONResponse(stored.response, status_code=stored.status_code, headers=headers)
@@ -533,7 +544,8 @@ def replay(stored: IdempotencyRecord, streamed: bool) -> JSONResponse | Streamin
             last = {**out, "logprobs": None, "finish_reason": choice["finish_reason"]}
             last["watermark"] = choice["watermark"]
             yield _sse({**head, "object": kind, "choices": [last]})
-        yield _sse({**head, "object": kind, "choices": [], "usage": response["usage"]})
+        if include_usage:
+            yield _sse({**head, "object": kind, "choices": [], "usage": response["usage"]})
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -190,10 +190,6 @@ class TenantService:
             return None
         return principal
 
-    async def tenant_for_api_key(self, api_key: str) -> TenantRecord | None:
-        principal = await self.authenticate(api_key)
-        return None if principal is None else principal.tenant
-
     async def _lookup(self, digest: str) -> Principal | None:
         record = await self.store.api_key_by_hash(digest)
         if record is not None:

@@ -39,14 +39,9 @@ def _streamed(chunk: type[Any], example: str) -> dict[int | str, dict[str, Any]]
     return {
         **OPENAI_ERROR_RESPONSES,
         200: {
-            "content": {
-                "text/event-stream": {
-                    "schema": {"type": "string"},
-                    "example": example,
-                    "x-chunk-schema": chunk.__name__,
-                }
-            },
-            "description": "JSON, or OpenAI's Server-Sent Events chunks when stream is true.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}, "example": example}},
+            "description": "JSON, or when stream is true OpenAI's Server-Sent Events: one "
+            f"{chunk.__name__} per `data:` event, then `data: [DONE]`.",
         },
     }
 
@@ -59,19 +54,19 @@ async def _serve(
     batcher: BatcherDep,
     idempotency_key: str | None,
 ) -> Any:
-    pending = serving.plan(runtime, body)
+    pending = await serving.plan(runtime, body)
     digest = serving.body_hash(pending)
     streamed = bool(body.stream)
     if idempotency_key is not None:
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
         if stored is not None:
-            return serving.replay(stored, streamed)
+            return serving.replay(stored, body)
     gen.ensure_queue_room(runtime, batcher, pending.choices)  # before allocating
     claim = None
     if idempotency_key is not None:
         claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
         if isinstance(claimed, IdempotencyRecord):
-            return serving.replay(claimed, streamed)
+            return serving.replay(claimed, body)
         claim = claimed
     try:
         run = await serving.start(runtime, batcher, tenant_id, pending)
