@@ -195,8 +195,8 @@ def test_a_broken_stored_entry_never_breaks_a_read_route(client: TestClient) -> 
         bits = MessageIdCodec(key.scheme.key, 16).payload(entry.message_id).bits
         body = {
             "prompt": "Write about tides.",
-            "max_new_tokens": 64,
-            "min_new_tokens": 64,
+            "max_new_tokens": 128,
+            "min_new_tokens": 128,
             "seed": 20 + n,
             "payload": {"bits": bits},
         }

@@ -240,7 +240,9 @@ class _Sampling(OpenAIRequestModel):
     )
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     min_tokens: Annotated[int | None, Field(ge=0)] = Field(
-        None, description="vLLM's extension: no end-of-sequence before this many tokens."
+        None,
+        description="vLLM's extension: no end-of-sequence before this many tokens "
+        "(capped at the maximum).",
     )
     temperature: Annotated[float | None, Field(ge=0, le=2)] = Field(
         None, description="Default 1; 0 is read as 0.01 (all but greedy)."
