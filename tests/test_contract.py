@@ -39,7 +39,12 @@ HUMAN = (
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    settings = make_settings(tiny_model_dir, tmp_path_factory.mktemp("db"), max_batch_texts=200)
+    settings = make_settings(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("db"),
+        max_batch_texts=200,
+        served_model_name="SmolLM2-135M-Instruct",  # the default deployment's, as in examples
+    )
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         yield c
 
@@ -190,8 +195,8 @@ def test_a_broken_stored_entry_never_breaks_a_read_route(client: TestClient) -> 
         bits = MessageIdCodec(key.scheme.key, 16).payload(entry.message_id).bits
         body = {
             "prompt": "Write about tides.",
-            "max_new_tokens": 64,
-            "min_new_tokens": 64,
+            "max_new_tokens": 128,
+            "min_new_tokens": 128,
             "seed": 20 + n,
             "payload": {"bits": bits},
         }

@@ -74,6 +74,7 @@ EXAMPLES = int(os.environ.get("WORLDCUP_FUZZ_EXAMPLES", "25"))
 RANDOM = os.environ.get("WORLDCUP_FUZZ_RANDOM", "") == "1"
 SEED = int(os.environ.get("WORLDCUP_FUZZ_SEED") or (secrets.randbits(32) if RANDOM else 0))
 BAD_AUTH_EXAMPLES = max(5, EXAMPLES // 5)
+ONLY = os.environ.get("WORLDCUP_FUZZ_ONLY", "/")  # a path prefix, to iterate on some routes
 # a streamed /generate has at most max_new_tokens_limit (64) deltas + result + [DONE]
 MAX_STREAM_EVENTS = 200
 ONLY_REJECTED = (401, 403, 413)  # 413: the body limit is checked before auth
@@ -430,6 +431,8 @@ def test_fuzz_openapi_schema(
 
         seeded_cases(fuzzer, target_id, bearer(target_key))
         for operation in operations:
+            if not operation.path.startswith(ONLY):
+                continue
             auth = fuzzer.credential(operation)
             fuzzer.fuzz(operation, "positive", auth)
             if has_inputs(operation):
@@ -455,6 +458,7 @@ def test_fuzz_openapi_schema(
     finally:
         schemathesis_asgi.shutdown_lifespans()  # drain, close the store before the cleanup
 
+    operations = [op for op in operations if op.path.startswith(ONLY)]
     labels = sorted(op.label for op in operations)
     report = f"seed {SEED}: " + fuzzer.report(labels, time.perf_counter() - started)
     with capsys.disabled():
@@ -462,7 +466,7 @@ def test_fuzz_openapi_schema(
 
     # a run that silently tested nothing must fail
     with_inputs = [op.label for op in operations if has_inputs(op)]
-    assert len(labels) >= 9 and len(with_inputs) >= 6, report
+    assert ONLY != "/" or (len(labels) >= 9 and len(with_inputs) >= 6), report
     for label in labels:
         assert fuzzer.cases(label) >= 1, report
     for label in with_inputs:

@@ -316,7 +316,7 @@ def test_wrong_key_is_authentication_error(server: LiveServer) -> None:
         ({"max_tokens": "5"}, "max_tokens"),  # strict: no string-to-int coercion
         ({"max_tokens": 5000}, "max_tokens"),  # above the server limit
         ({"n": 0}, "n"),
-        ({"min_tokens": 5}, "min_tokens"),  # above max_tokens (4)
+        ({"min_tokens": -1}, "min_tokens"),  # (above max_tokens it is capped, as on /generate)
         ({"temperature": 3}, "temperature"),
         ({"watermark": {"enabled": False}}, "watermark.enabled"),
         ({"watermark": {"payload": {"bits": "012"}}}, "watermark.payload"),

@@ -74,6 +74,13 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
             prop["maximum"] = min(prop.get("maximum", 2**31), settings.max_new_tokens_limit)
             if "default" in prop:
                 prop["default"] = min(prop["default"], prop["maximum"])
+    for model, field in (
+        ("ChatCompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_completion_tokens"),
+        ("CompletionRequest", "max_tokens"),
+    ):
+        if (prop := _property(schema, model, field)) is not None:
+            prop["maximum"] = settings.max_new_tokens_limit
     rules = "\n".join(f"* `{code}`: {text}" for code, text in UNSTATED_RULES.items())
     info = schema.setdefault("info", {})
     info["description"] = (

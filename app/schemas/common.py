@@ -15,11 +15,8 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StrictRequest(BaseModel):
-    """A request body: unknown fields are an error, and no type is coerced ("1" is not
-    1, 0 is not false), so the server accepts exactly what ``/openapi.json`` states."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class IntegralFloats(BaseModel):
+    """Mixin for strict request models: an integer field takes an integral float."""
 
     @model_validator(mode="before")
     @classmethod
@@ -33,6 +30,13 @@ class StrictRequest(BaseModel):
             k: int(v) if k in names and isinstance(v, float) and v.is_integer() else v
             for k, v in data.items()
         }
+
+
+class StrictRequest(IntegralFloats):
+    """A request body: unknown fields are an error, and no type is coerced ("1" is not
+    1, 0 is not false), so the server accepts exactly what ``/openapi.json`` states."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _integer_fields(model: type[BaseModel]) -> frozenset[str]:

@@ -10,12 +10,27 @@ it is ours, and a misspelt key must not silently fall back to the default.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
-from app.schemas.watermark import MAX_METADATA_BYTES, MAX_METADATA_DEPTH, PayloadIn
+from app.schemas.common import IntegralFloats
+from app.schemas.watermark import (
+    MAX_METADATA_BYTES,
+    MAX_METADATA_DEPTH,
+    METADATA_SCHEMA,
+    PayloadIn,
+    check_metadata,
+    metadata_bytes,
+)
 
 MAX_CHOICES = 16  # n, times the number of prompts of a completion request
 MAX_STOP = 4
@@ -48,7 +63,7 @@ COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-class OpenAIRequestModel(BaseModel):
+class OpenAIRequestModel(IntegralFloats):
     """Strict types; unknown fields ignored (the SDKs send fields we do not know)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -77,6 +92,32 @@ def _unsupported_field() -> Any:
     return Field(None, description="Not supported: 400 unless absent, null or its no-op value.")
 
 
+def _schema_rules(table: dict[str, tuple[Any, ...]], examples: list[Any]) -> Any:
+    """``json_schema_extra`` stating what the validators enforce: an unsupported field
+    takes only null or its no-op values, and stream_options needs stream: true."""
+
+    def extra(schema: dict[str, Any], _: Any) -> None:
+        properties = schema.get("properties", {})
+        for name, accepted in table.items():
+            if name in properties:
+                properties[name] = {
+                    "enum": [None, *accepted],
+                    "description": properties[name].get("description", ""),
+                }
+        schema["allOf"] = [
+            {
+                "if": {
+                    "required": ["stream_options"],
+                    "properties": {"stream_options": {"not": {"type": "null"}}},
+                },
+                "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+            }
+        ]
+        schema["examples"] = examples
+
+    return extra
+
+
 # --------------------------------------------------------------------------- watermark
 class WatermarkPayload(PayloadIn):
     """Exactly one of ``bits``, ``hex`` or ``int``; ``num_bits`` sizes hex/int."""
@@ -85,12 +126,12 @@ class WatermarkPayload(PayloadIn):
         extra="forbid",
         strict=True,
         json_schema_extra={
-            "oneOf": [{"required": ["bits"]}, {"required": ["hex"]}, {"required": ["int"]}]
+            "oneOf": PayloadIn.model_config["json_schema_extra"]["oneOf"]  # type: ignore[index]
         },
     )
 
 
-class WatermarkRequest(BaseModel):
+class WatermarkRequest(IntegralFloats):
     """The ``watermark`` extension (send it through the SDK's ``extra_body``).
 
     ``metadata`` (the service allocates a message id and records it) or an
@@ -102,14 +143,20 @@ class WatermarkRequest(BaseModel):
         extra="forbid",
         strict=True,
         json_schema_extra={
-            "not": {"anyOf": [{"required": ["metadata", "payload"]}]},
+            "not": {
+                "anyOf": [
+                    {
+                        "required": [a, b],
+                        "properties": {a: {"not": {"type": "null"}}, b: {"not": {"type": "null"}}},
+                    }
+                    for a, b in (("metadata", "payload"), ("num_bits", "payload"))
+                ]
+            },
             "examples": [{"metadata": {"user_id": "u-17"}}, {"payload": {"hex": "69a5"}}],
         },
     )
 
-    metadata: dict[str, Any] | None = Field(
-        None, description="Small JSON object; the service allocates a message id for it."
-    )
+    metadata: Annotated[dict[str, Any] | None, WithJsonSchema(METADATA_SCHEMA)] = None
     payload: WatermarkPayload | None = None
     num_bits: Annotated[int | None, Field(ge=1, le=64)] = Field(
         None, description="Payload length of the allocation (default: server setting)."
@@ -132,7 +179,8 @@ class WatermarkRequest(BaseModel):
     def _small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is None:
             return None
-        if len(json.dumps(value)) > MAX_METADATA_BYTES:
+        check_metadata(value)  # round-trips exactly, as on /generate
+        if metadata_bytes(value) > MAX_METADATA_BYTES:
             raise ValueError(f"metadata must serialise to at most {MAX_METADATA_BYTES} bytes")
         if _depth(value) > MAX_METADATA_DEPTH:
             raise ValueError(f"metadata may nest at most {MAX_METADATA_DEPTH} levels")
@@ -192,7 +240,9 @@ class _Sampling(OpenAIRequestModel):
     )
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     min_tokens: Annotated[int | None, Field(ge=0)] = Field(
-        None, description="vLLM's extension: no end-of-sequence before this many tokens."
+        None,
+        description="vLLM's extension: no end-of-sequence before this many tokens "
+        "(capped at the maximum).",
     )
     temperature: Annotated[float | None, Field(ge=0, le=2)] = Field(
         None, description="Default 1; 0 is read as 0.01 (all but greedy)."
@@ -229,16 +279,17 @@ class ChatCompletionRequest(_Sampling):
     model_config = ConfigDict(
         extra="ignore",
         strict=True,
-        json_schema_extra={
-            "examples": [
+        json_schema_extra=_schema_rules(
+            CHAT_UNSUPPORTED,
+            [
                 {
                     "model": "SmolLM2-135M-Instruct",
                     "messages": [{"role": "user", "content": "Write a note about tides."}],
                     "max_tokens": 64,
                     "watermark": {"metadata": {"user_id": "u-17"}},
                 }
-            ]
-        },
+            ],
+        ),
     )
 
     messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=64)]
@@ -277,9 +328,10 @@ class CompletionRequest(_Sampling):
     model_config = ConfigDict(
         extra="ignore",
         strict=True,
-        json_schema_extra={
-            "examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "The tide", "max_tokens": 32}]
-        },
+        json_schema_extra=_schema_rules(
+            COMPLETION_UNSUPPORTED,
+            [{"model": "SmolLM2-135M-Instruct", "prompt": "The tide", "max_tokens": 32}],
+        ),
     )
 
     prompt: (

@@ -131,11 +131,8 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
         )
         raise APIError(400, f"{name} may be at most {limit}", "max_tokens_too_large", param=name)
     new_tokens = min(max_tokens or DEFAULT_MAX_TOKENS, limit)
-    if body.min_tokens is not None and body.min_tokens > new_tokens:
-        raise APIError(
-            400, f"min_tokens may be at most the maximum ({new_tokens})", "min_tokens_too_large",
-            param="min_tokens",
-        )  # fmt: skip
+    # min_tokens above the maximum is capped at it, as /generate caps min_new_tokens:
+    # a cross-field rule JSON Schema cannot state is not a refusal
     if isinstance(body, ChatCompletionRequest):
         kind: Literal["chat", "completion"] = "chat"
         messages = [
@@ -160,7 +157,7 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
             top_k=DEFAULT_TOP_K if wm is None or wm.top_k is None else wm.top_k,
             top_p=1.0 if body.top_p is None else body.top_p,
             max_new_tokens=new_tokens,
-            min_new_tokens=body.min_tokens or 0,
+            min_new_tokens=min(body.min_tokens or 0, new_tokens),
             no_repeat_ngram_size=0 if wm is None else wm.no_repeat_ngram_size or 0,
             # each choice its own sample: a seed makes the whole request repeatable
             seed=None if body.seed is None else (body.seed + i) % 2**63,
