@@ -388,7 +388,7 @@ def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
 
 
 def test_full_queue_is_rate_limit_error(server: LiveServer, client: openai.OpenAI) -> None:
-    batcher = server.app.state.runtime.batcher
+    batcher = server.app.state.runtime.engine
     old = batcher.max_queue
     batcher.max_queue = 0  # every slot of the waiting queue is taken
     try:
@@ -428,9 +428,9 @@ def test_disconnect_mid_stream_cancels_generation(
             break
     stream.close()
     deadline = time.monotonic() + 10
-    while runtime.batcher.in_flight and time.monotonic() < deadline:
+    while runtime.engine.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert runtime.batcher.in_flight == 0, "the generation kept running after the disconnect"
+    assert runtime.engine.in_flight == 0, "the generation kept running after the disconnect"
     made = counter._value.get() - before
     time.sleep(0.3)
     assert counter._value.get() - before == made  # nothing more was generated
@@ -473,9 +473,9 @@ def test_disconnect_without_stream_cancels_generation(
         with pytest.raises(openai.APITimeoutError):  # the client gives up and hangs up
             impatient.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000)
     deadline = time.monotonic() + 10
-    while runtime.batcher.in_flight and time.monotonic() < deadline:
+    while runtime.engine.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert runtime.batcher.in_flight == 0, "the generation kept running after the disconnect"
+    assert runtime.engine.in_flight == 0, "the generation kept running after the disconnect"
     assert counter._value.get() - before < 2000
 
 
