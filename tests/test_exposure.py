@@ -280,9 +280,8 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
         {"detail": "verdict", "verdict": "watermarked"},
         {"detail": "verdict", "verdict": verdict_of(human_p)},
     ]
-    # whitespace is scored like any other text (no empty_text error since the API contract)
-    assert batch["results"][2]["error"] is None and batch["results"][2]["result"]["verdict"]
-    assert batch["num_watermarked"] == 1 and batch["num_errors"] == 0
+    assert batch["results"][2]["error"]["code"] == "text_too_long"
+    assert batch["num_watermarked"] == 1 and batch["num_errors"] == 1
     # that was this key's third query of the text (budget 3): the next is refused
     r = client.post("/decode/batch", json={"texts": [text]}, headers=verdict)
     assert r.json()["results"][0]["error"]["code"] == "probe_budget_exceeded"
