@@ -15,9 +15,9 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
-from app.api.deps import Runtime
+from app.api.deps import Runtime, known_query_parameters
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.openapi import install_openapi
@@ -139,7 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app, settings)
     for module in (generate, detection, provenance, admin, api_keys, health, openai):
-        app.include_router(module.router)
+        app.include_router(module.router, dependencies=[Depends(known_query_parameters)])
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,

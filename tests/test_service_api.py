@@ -1008,3 +1008,20 @@ def test_no_request_in_this_module_returned_500(client: TestClient) -> None:
     assert metric_value(text, "worldcup_request_duration_seconds_count") > 0
     for status in ("500", "502", "504"):
         assert metric_value(text, "worldcup_request_duration_seconds_count", status=status) == 0
+
+
+def test_unknown_query_parameters_are_refused(
+    client: TestClient, tenant: tuple[str, dict[str, str]]
+) -> None:
+    """A typo such as ``?limt=5`` must not read as if it had applied: the schema lists
+    every query parameter a route takes, and anything else is refused."""
+    assert client.get("/admin/audit?limit=5", headers=ADMIN).status_code == 200
+    r = client.get("/admin/audit?limt=5", headers=ADMIN)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "unknown_query_parameter"
+    assert "'limt'" in r.json()["error"]["message"] and "limit" in r.json()["error"]["message"]
+    _, auth = tenant
+    assert client.post("/detect", json={"text": "tides"}, headers=auth).status_code == 200
+    r = client.post("/detect?verbose=1", json={"text": "tides"}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "unknown_query_parameter"
+    r = client.get("/v1/models?x=1", headers=auth)  # OpenAI's envelope and status there
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x"

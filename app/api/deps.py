@@ -177,6 +177,33 @@ def require_generator(runtime: RuntimeDep) -> Engine:
     return runtime.engine
 
 
+def _query_names(dependant: Any) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def known_query_parameters(request: Request) -> None:
+    """Refuse query parameters the route does not declare: the schema is the contract,
+    and a silently ignored one (``?limt=5``) reads as if it had applied."""
+    if not request.query_params:
+        return
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is None:
+        return
+    allowed = _query_names(dependant)
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        takes = ", ".join(sorted(allowed)) or "none"
+        raise APIError(
+            422,
+            f"unknown query parameter {unknown[0]!r} (this route takes: {takes})",
+            "unknown_query_parameter",
+            param=unknown[0],
+        )
+
+
 AdminDep = Annotated[None, Depends(require_admin)]
 # generate scope, charged one token
 CurrentTenant = Annotated[TenantRecord, Depends(rate_limited_tenant)]

@@ -47,6 +47,7 @@ from app.schemas.openai import (
     UsageInfo,
     WatermarkInfo,
 )
+from app.schemas.watermark import DEFAULT_NO_REPEAT_NGRAM
 from app.services import generation as gen
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
@@ -158,7 +159,9 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
             top_p=1.0 if body.top_p is None else body.top_p,
             max_new_tokens=new_tokens,
             min_new_tokens=min(body.min_tokens or 0, new_tokens),
-            no_repeat_ngram_size=0 if wm is None else wm.no_repeat_ngram_size or 0,
+            no_repeat_ngram_size=DEFAULT_NO_REPEAT_NGRAM
+            if wm is None or wm.no_repeat_ngram_size is None
+            else wm.no_repeat_ngram_size,
             # each choice its own sample: a seed makes the whole request repeatable
             seed=None if body.seed is None else (body.seed + i) % 2**63,
         )
