@@ -20,10 +20,11 @@ Beyond the paper:
   (g-bits pointing its way, pad bits included) is exactly
   Binomial(total trials, 1/2) under H0, so each candidate gets an exact
   one-sided p-value; the best (maximum-likelihood) candidate's p-value is
-  Bonferroni-corrected for the registry size. The posterior (delta estimated
-  from the best candidate) puts half the prior on the registry and half on a
-  payload outside it, so a text watermarked with an unregistered payload is
-  not pinned on its nearest registry entry.
+  Bonferroni-corrected for the registry size. A posterior under a uniform
+  prior over the registry, with delta estimated from the best candidate,
+  says how sure the choice is among the candidates; it is 0 when a payload
+  cell contradicts the best entry beyond chance, so a text watermarked with
+  an unregistered payload is not pinned on its nearest registry entry.
 """
 
 from __future__ import annotations
@@ -173,28 +174,31 @@ def decode_cells(
     return out
 
 
-def _open_world_posterior(
-    beta: float,
-    agreement: npt.NDArray[np.int64],
-    best: int,
+CONTRADICTION_P = 1e-3  # a cell this far against the entry's bit rules the entry out
+
+
+def _contradicted(
+    entry: npt.NDArray[np.int64],
     ones: npt.NDArray[np.int64],
     trials: npt.NDArray[np.int64],
     num_bits: int,
-) -> float:
-    """P(the text carries registry entry ``best`` | evidence), with half the prior on the
-    registry (uniform over its entries) and half on a payload outside it (uniform over
-    all 2**num_bits). Without the second half, a watermarked text whose payload is not
-    in the registry (another registry, an explicit payload) would be attributed to the
-    nearest entry with full confidence. Cells are independent, so the sum over every
-    payload factorises per bit; pad cells are 0 in every payload."""
-    scaled = beta * agreement.astype(np.float64)
-    log_registry = float(np.logaddexp.reduce(scaled)) - math.log(len(agreement))
+) -> bool:
+    """Whether some payload cell leans against the entry's bit beyond chance.
+
+    The posterior below is over the registry only, so a text watermarked with a
+    payload outside it (another registry, an explicit payload) would go to its
+    nearest entry with full confidence. If the entry were the payload, every cell
+    would lean its way; a cell whose agreement with it is this low even under no
+    watermark at all (exact one-sided binomial, Bonferroni over the payload bits)
+    says the payload is something else. Weak cells (short texts) never trigger it.
+    """
     free = slice(0, num_bits)
-    fixed = beta * float(ones[num_bits:].sum())
-    zero, one = beta * ones[free], beta * (trials[free] - ones[free])
-    log_open = float(np.logaddexp(zero, one).sum()) + fixed - num_bits * math.log(2.0)
-    log_best = float(scaled[best]) - math.log(len(agreement))
-    return math.exp(log_best - float(np.logaddexp(log_registry, log_open)))
+    agree = np.where(entry[free] == 0, ones[free], trials[free] - ones[free])
+    live = trials[free] > 0
+    if not live.any():
+        return False
+    log_p = log_binom_half_cdf(agree[live], trials[free][live])
+    return float(log_p.min()) + math.log(num_bits) < math.log(CONTRADICTION_P)
 
 
 def match_registry(
@@ -218,9 +222,10 @@ def match_registry(
     log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
     log_p = min(log_p_single + math.log(len(candidates)), 0.0)  # Bonferroni
     delta = a_best / total - 0.5
-    posterior = _open_world_posterior(
-        _llr_scale(delta), agreement, best, ones_f, trials_f, len(candidates[0])
-    )
+    logits = _llr_scale(delta) * (agreement - a_best).astype(np.float64)
+    posterior = float(1.0 / np.exp(logits).sum())
+    if _contradicted(flat[best], ones_f, trials_f, len(candidates[0])):
+        posterior = 0.0  # the payload is not this entry, whatever the others say
     runner = int(order[1]) if len(candidates) > 1 else None
     margin = (a_best - int(agreement[runner])) if runner is not None else a_best - total / 2
     return RegistryMatch(
