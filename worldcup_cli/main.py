@@ -43,7 +43,7 @@ KeyFileOpt = Annotated[
 KOpt = Annotated[int, typer.Option("--k", help="Groups of g-value families (bits per token).")]
 LayersOpt = Annotated[int, typer.Option("--layers", help="Tournament layers m.")]
 AlphaOpt = Annotated[float, typer.Option("--alpha", help="Watermark strength alpha.")]
-SchemeOpt = Annotated[str, typer.Option("--scheme", help="worldcup or mpac (baseline).")]
+SchemeOpt = Annotated[str, typer.Option("--scheme", help="worldcup or a baseline (mpac, ...).")]
 VersionOpt = Annotated[
     str,
     typer.Option(
@@ -88,19 +88,20 @@ def _scheme(
     variant: str,
     version: str = SCHEME_V2,
 ) -> Any:
+    from worldcup_core.baselines import BASELINES, build_baseline
+
     try:
         if scheme == "worldcup":
             cfg = WatermarkConfig(
                 groups=k, layers=layers, alpha=alpha, variant=Variant(variant), version=version
             )
             return WorldCup(key, cfg)
-        if scheme == "mpac":
-            from worldcup_core.baselines.mpac import MPAC
-
-            return MPAC(key)
+        if scheme in BASELINES:
+            return build_baseline(scheme, key)
     except ValueError as exc:
         fail(str(exc))
-    fail(f"unknown scheme {scheme!r}; choose worldcup or mpac")
+    known = ", ".join(sorted(BASELINES))
+    fail(f"unknown scheme {scheme!r}; choose worldcup or a baseline: {known}")
 
 
 def _stdin_text() -> str:

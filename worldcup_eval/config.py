@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from worldcup_core.baselines import BASELINES
 from worldcup_core.config import MAX_PAYLOAD_BITS, SamplingConfig, Variant, WatermarkConfig
 
 MAIN_SCHEMES = ("unwatermarked", "worldcup-k1", "worldcup-k2", "mpac")
@@ -45,7 +46,7 @@ class SchemeSpec:
     """A named scheme configuration; ``describe()`` is what cache keys hash."""
 
     name: str
-    kind: str  # "none", "worldcup" or "mpac"
+    kind: str  # "none", "worldcup" or a baseline's name (``worldcup_core.baselines.BASELINES``)
     groups: int = 2
     layers: int = 30
     alpha: float = 1.2
@@ -73,8 +74,8 @@ def scheme_spec(name: str, layers: int = 30, alpha: float = 1.2) -> SchemeSpec:
     """Parse a scheme name (see the module docstring)."""
     if name == "unwatermarked":
         return SchemeSpec(name, "none")
-    if name == "mpac":
-        return SchemeSpec(name, "mpac", groups=1, layers=1, alpha=0.0)
+    if name in BASELINES:
+        return SchemeSpec(name, name, groups=1, layers=1, alpha=0.0)
     version = "worldcup-v1"
     rest = name
     if name.startswith("worldcup-v2-"):
@@ -88,6 +89,7 @@ def scheme_spec(name: str, layers: int = 30, alpha: float = 1.2) -> SchemeSpec:
             return SchemeSpec(name, "worldcup", k, layers, alpha, variant, version)
     known = ", ".join(
         MAIN_SCHEMES
+        + tuple(b for b in BASELINES if b not in MAIN_SCHEMES)
         + ("worldcup-v2-k1", "worldcup-v2-k2")
         + tuple(f"worldcup{v}-k{k}-{p}" for v in ("", "-v2") for k in (1, 2) for p in PRESETS)
         + tuple(f"{ABLATION_BASE}-{a}" for a in ABLATIONS)

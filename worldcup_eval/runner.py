@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from worldcup_core import Payload, SamplingConfig, WorldCup
-from worldcup_core.baselines.mpac import MPAC
+from worldcup_core.baselines import BASELINES, build_baseline
 from worldcup_core.generation import GenerationRequest, generate
 from worldcup_core.models import LoadedModel
 from worldcup_core.scheme import WatermarkScheme
@@ -83,8 +83,8 @@ def build_scheme(cfg: EvalConfig, spec: SchemeSpec) -> WatermarkScheme | None:
     key = eval_key(cfg.seed)
     if spec.kind == "none":
         return None
-    if spec.kind == "mpac":
-        return MPAC(key)
+    if spec.kind in BASELINES:
+        return build_baseline(spec.kind, key)
     return WorldCup(key, cfg.watermark_config(spec))
 
 

@@ -1,4 +1,14 @@
-"""Baselines run side by side with WorldCup through the same protocols."""
+"""Baselines run side by side with WorldCup through the same protocols.
+
+``BASELINES`` maps a scheme name to its constructor from a watermark key: the
+evaluation and the CLI select a baseline by that name and nothing else, so a new
+baseline is one module plus one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from worldcup_core.baselines.mpac import (
     MPAC,
@@ -8,12 +18,32 @@ from worldcup_core.baselines.mpac import (
     extract_mpac_evidence,
     mpac_z_score,
 )
+from worldcup_core.prf import WatermarkKey
+
+if TYPE_CHECKING:
+    from worldcup_core.scheme import WatermarkScheme
+
+BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
+    "mpac": MPAC,
+}
+
+
+def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
+    """The baseline called ``name`` under ``key``; ``ValueError`` names the known ones."""
+    try:
+        return BASELINES[name](key)
+    except KeyError:
+        known = ", ".join(sorted(BASELINES))
+        raise ValueError(f"unknown baseline {name!r}; known: {known}") from None
+
 
 __all__ = [
+    "BASELINES",
     "MPAC",
     "MPAC_VERSION",
     "MPACConfig",
     "MPACSequence",
+    "build_baseline",
     "extract_mpac_evidence",
     "mpac_z_score",
 ]
