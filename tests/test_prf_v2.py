@@ -19,7 +19,7 @@ import pytest
 import torch
 from scipy import stats
 
-from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
+from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup, siphash
 from worldcup_core.prf import (
     PRF,
     PRFV2,
@@ -101,8 +101,20 @@ def blocks_of(msg: bytes) -> tuple[list[np.ndarray], np.ndarray]:
 
 
 # --------------------------------------------------------------------------- SipHash-1-3
+@pytest.fixture(params=["compiled", "array-rounds"])
+def hash_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every SipHash test runs on both CPU paths: numba's compiled loop and the array rounds."""
+    monkeypatch.setattr(siphash, "JIT_ENABLED", request.param == "compiled")
+    return str(request.param)
+
+
+def test_the_compiled_loop_is_active() -> None:
+    """numba is a dependency: CPU hashing must not silently fall back to the slow rounds."""
+    assert siphash.jit_active()
+
+
 @pytest.mark.parametrize("length", sorted(SIPHASH13_VECTORS))
-def test_siphash13_reference_vectors_on_both_backends(length: int) -> None:
+def test_siphash13_reference_vectors_on_both_backends(length: int, hash_path: str) -> None:
     expected = struct.unpack("<Q", bytes.fromhex(SIPHASH13_VECTORS[length]))[0]
     blocks, final = blocks_of(bytes(range(length)))
     assert int(siphash13(K0, K1, blocks, final)[0]) == expected
@@ -110,7 +122,7 @@ def test_siphash13_reference_vectors_on_both_backends(length: int) -> None:
     assert int(as_u64(torch_out)[0]) == expected
 
 
-def test_siphash13_matches_cpython_hash() -> None:
+def test_siphash13_matches_cpython_hash(hash_path: str) -> None:
     """CPython hashes bytes with its own C SipHash-1-3; with PYTHONHASHSEED=0 the key
     is zero. An independent implementation, checked on random messages of 1..40 bytes."""
     rng = np.random.default_rng(5)
@@ -131,9 +143,10 @@ def test_siphash13_matches_cpython_hash() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_numpy_and_torch_are_bit_identical(seed: int) -> None:
+def test_numpy_and_torch_are_bit_identical(seed: int, hash_path: str) -> None:
     """Random per-lane keys and messages of 1..9 words, with and without a tag byte,
-    over more lanes than one numpy chunk."""
+    over more lanes than one numpy chunk; on the CPU path under test, against the
+    array rounds on numpy as the reference."""
     rng = np.random.default_rng(seed)
     n = 20_000
     words = [rng.integers(0, 2**32, n, dtype=np.uint64) for _ in range(int(rng.integers(1, 10)))]
@@ -141,6 +154,9 @@ def test_numpy_and_torch_are_bit_identical(seed: int) -> None:
     k0, k1 = rng.integers(0, 2**64, n, dtype=np.uint64), rng.integers(0, 2**64, n, dtype=np.uint64)
     blocks, final = message_blocks(words, tag)
     expected = siphash13(k0, k1, blocks, final)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(siphash, "JIT_ENABLED", False)
+        assert np.array_equal(siphash13(k0, k1, blocks, final), expected)
     t_blocks, t_final = message_blocks([as_tensor(w) for w in words], tag)
     got = siphash13(as_tensor(k0), as_tensor(k1), t_blocks, t_final)
     assert np.array_equal(as_u64(got), expected)

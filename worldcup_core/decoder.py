@@ -146,26 +146,36 @@ def decode_cells(
     live_trials = np.where(erased, 0, trials_f).sum(axis=1)
     delta = np.divide(cost.sum(axis=1), 2 * live_trials, out=np.zeros(texts), where=live_trials > 0)
     order = np.argsort(np.where(erased, np.inf, cost), axis=1, kind="stable")
-    live_count = (~erased).sum(axis=1)
+    live_count = (~erased).sum(axis=1).tolist()
+    # Only the list_size cheapest ranks can enter the list_size cheapest flip sets (each
+    # pop of the search adds at most one rank), so the per-text work reads just those.
+    head = order[:, :list_size]
+    head_costs = np.take_along_axis(cost, head, axis=1).tolist()
+    head_ranks = head.tolist()
+    z_rows, p_rows, count_rows = z.tolist(), p_vals.tolist(), counts.tolist()
+    er_text, er_bit = np.nonzero(erased)
+    er_rows = np.split(er_bit, np.searchsorted(er_text, np.arange(1, texts))) if texts else []
+    betas = [_llr_scale(d) for d in delta.tolist()]
     out = []
     for i in range(texts):
         bits = all_bits[i * num_bits : (i + 1) * num_bits]
-        beta = _llr_scale(float(delta[i]))
-        ranked = order[i, : live_count[i]].tolist()
+        base = bits.encode("ascii")
+        beta = betas[i]
+        live = min(live_count[i], list_size)
+        ranked = head_ranks[i][:live]
         alternatives = []
-        for flip_cost, flips in _top_flip_sets(cost[i, ranked].tolist(), list_size):
-            alt = bytearray(bits, "ascii")
+        for flip_cost, flips in _top_flip_sets(head_costs[i][:live], list_size):
+            alt = bytearray(base)
             for f in flips:
-                j = ranked[f]
-                alt[j] ^= 1  # '0' <-> '1'
+                alt[ranked[f]] ^= 1  # '0' <-> '1'
             alternatives.append(Alternative(alt.decode("ascii"), flip_cost, -beta * flip_cost))
         out.append(
             DecodeResult(
                 bits=bits,
-                bit_z=tuple(z[i].tolist()),
-                bit_p_values=tuple(p_vals[i].tolist()),
-                erasures=tuple(np.flatnonzero(erased[i]).tolist()),
-                position_token_counts=tuple(counts[i].tolist()),
+                bit_z=tuple(z_rows[i]),
+                bit_p_values=tuple(p_rows[i]),
+                erasures=tuple(er_rows[i].tolist()),
+                position_token_counts=tuple(count_rows[i]),
                 alternatives=tuple(alternatives),
                 estimated_bias=float(delta[i]),
                 detection=detections[i],

@@ -477,10 +477,19 @@ class ScoredTokensV2:
         columns = [ids[j : j + n] for j in range(width)]  # x_{t-c+j} for t = c .. len-1
         if width <= 2:  # the context packs exactly into one uint64
             keys = (columns[0] << np.uint64(32)) | columns[1] if width == 2 else columns[0]
-            _, first = np.unique(keys, return_index=True)
+            # First occurrences without np.unique's overhead (this runs once per text): a
+            # stable sort puts each repeat right after an earlier equal key.
+            order = np.argsort(keys, kind="stable")
+            ranked = keys[order]
+            repeat = ranked[1:] == ranked[:-1]
+            if not repeat.any():
+                return cls(np.arange(width, width + n, dtype=np.int64), tuple(columns), ids[width:])
+            keep = np.ones(n, dtype=bool)
+            keep[order[1:][repeat]] = False
+            first = np.flatnonzero(keep)
         else:
             _, first = np.unique(np.stack(columns, axis=1), axis=0, return_index=True)
-        first.sort()
+            first.sort()
         return cls(
             first + width,
             tuple(col[first] for col in columns),
