@@ -34,12 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
 import torch
 
 from worldcup_core.config import Variant
 from worldcup_core.message import Payload
 from worldcup_core.prf import PRFV2, SCHEME_V2, gvalue_words
-from worldcup_core.scheme import WorldCup
+from worldcup_core.scheme import SequenceWatermark, WorldCup
 from worldcup_core.siphash import as_signed, message_blocks, siphash13
 
 _VARIANTS: Final = (
@@ -191,6 +192,39 @@ class BatchedWorldCup:
         self._length[idx] += 1
 
     # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def reweight_mixed(
+        self,
+        slots: Sequence[int | None],
+        host: Sequence[SequenceWatermark | None],
+        candidates: torch.Tensor,
+        probs: torch.Tensor,
+    ) -> torch.Tensor:
+        """q for a batch that mixes schemes, as every engine's batch may: rows with a slot
+        take the batched step together; rows with a ``host`` watermark (v1, baselines)
+        reweight one by one on the host over their live candidates; the rest keep
+        ``probs``. Returns ``probs`` itself when no row is watermarked."""
+        q = probs
+        on_device = [i for i, s in enumerate(slots) if s is not None]
+        if len(on_device) == len(slots):
+            q = self.step([s for s in slots if s is not None], candidates, probs)
+        elif on_device:
+            index = torch.tensor(on_device, device=probs.device)
+            q = probs.clone()
+            picked = [s for s in (slots[i] for i in on_device) if s is not None]
+            q[index] = self.step(picked, candidates[index], probs[index]).to(q.dtype)
+        per_row = [i for i, wm in enumerate(host) if wm is not None]
+        if per_row:
+            q = q.clone() if q is probs else q
+            cand_np, probs_np = candidates.cpu().numpy(), probs.cpu().numpy()
+            for i in per_row:
+                wm = host[i]
+                assert wm is not None
+                live = int(np.count_nonzero(probs_np[i]))
+                reweighted = wm.reweight(cand_np[i, :live], probs_np[i, :live])
+                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
+        return q
+
     @torch.inference_mode()
     def step(
         self, slots: Sequence[int], candidates: torch.Tensor, probs: torch.Tensor

@@ -223,25 +223,9 @@ class ContinuousBatch:
         )
         width = int((probs > 0).sum(dim=1).max())  # drop columns filtered in every row
         cand, probs = cand[:, :width], probs[:, :width]
-        q = probs
-        v2 = [i for i, r in enumerate(rows) if r.slot is not None]
-        if len(v2) == len(rows):
-            q = self._batched.step([r.slot for r in rows if r.slot is not None], cand, probs)
-        elif v2:
-            index = torch.tensor(v2, device=probs.device)
-            slots = [s for s in (rows[i].slot for i in v2) if s is not None]
-            q = probs.clone()
-            q[index] = self._batched.step(slots, cand[index], probs[index])
-        per_row = [i for i, r in enumerate(rows) if r.watermark is not None]
-        if per_row:
-            q = q.clone() if q is probs else q
-            cand_np, probs_np = cand.cpu().numpy(), probs.cpu().numpy()
-            for i in per_row:
-                wm = rows[i].watermark
-                assert wm is not None
-                live = int(np.count_nonzero(probs_np[i]))
-                reweighted = wm.reweight(cand_np[i, :live], probs_np[i, :live])
-                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
+        q = self._batched.reweight_mixed(
+            [r.slot for r in rows], [r.watermark for r in rows], cand, probs
+        )
         return sample_rows(cand, q, [r.rng.random() for r in rows])
 
     def result(self, row_id: int, finish: FinishReason) -> GenerationResult:

@@ -30,7 +30,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import (
     BatchUpdate,
@@ -187,22 +186,12 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
         )
         width = int((probs > 0).sum(dim=1).max())
         cand, probs = cand[:, :width], probs[:, :width]
-        q = probs
-        v2 = [i for i, r in enumerate(rows) if r.batched]
-        if v2:
-            sub = torch.tensor(v2, device=probs.device)
-            q = probs.clone()
-            q[sub] = self._batched.step([slots[i] for i in v2], cand[sub], probs[sub])
-        per_row = [i for i, r in enumerate(rows) if r.watermark is not None]
-        if per_row:
-            q = q.clone() if q is probs else q
-            cand_np, probs_np = cand.cpu().numpy(), probs.cpu().numpy()
-            for i in per_row:
-                wm = rows[i].watermark
-                assert wm is not None
-                live = int(np.count_nonzero(probs_np[i]))
-                reweighted = wm.reweight(cand_np[i, :live], probs_np[i, :live])
-                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
+        q = self._batched.reweight_mixed(
+            [slots[i] if r.batched else None for i, r in enumerate(rows)],
+            [r.watermark for r in rows],
+            cand,
+            probs,
+        )
         out = torch.full_like(logits, -torch.inf)
         out.scatter_(1, cand.to(logits.device), q.log().to(logits.device, logits.dtype))
         for i, row in enumerate(rows):
