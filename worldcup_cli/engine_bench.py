@@ -36,8 +36,8 @@ from worldcup_cli.service_bench import (
     _free_socket,
     _Load,
     _prompts,
+    _ready_with_tenant,
     _Server,
-    _wait_ready,
     _wave_stats,
 )
 
@@ -58,13 +58,10 @@ async def _drive(
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=limits) as client:
-        await _wait_ready(client, server, timeout_s=900)
-        cold_start = time.perf_counter() - t_start
-        progress(f"ready after {cold_start:.2f} s")
-        admin = {"Authorization": f"Bearer {admin_token}"}
-        r = await client.post("/admin/tenants", json={"name": "bench"}, headers=admin)
-        r.raise_for_status()
-        load = _Load(client, r.json()["api_key"], _prompts(_articles(64), sum(ENGINE_LEVELS) + 1))
+        cold_start, api_key = await _ready_with_tenant(
+            client, server, admin_token, t_start, 900, progress
+        )
+        load = _Load(client, api_key, _prompts(_articles(64), sum(ENGINE_LEVELS) + 1))
         await load.generate()  # warm
         levels = []
         for c in ENGINE_LEVELS:

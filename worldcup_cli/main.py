@@ -402,7 +402,7 @@ def bench_service(
         typer.Option(
             "--engine",
             help="hf: the full service bench. vllm: hf, vLLM plain and vLLM + WorldCup "
-            "side by side (1/8/32 concurrent; needs the [vllm] extra).",
+            "side by side (1/8/32 concurrent; needs the vllm extra: make setup-vllm).",
         ),
     ] = "hf",
     variants: Annotated[
