@@ -409,6 +409,12 @@ def bench_service(
         str,
         typer.Option("--variants", help="With --engine vllm: which arms to run, comma-separated."),
     ] = "hf,vllm-plain,vllm-worldcup",
+    repeats: Annotated[
+        int,
+        typer.Option(
+            "--repeats", help="With --engine vllm: interleaved waves per arm and level.", min=1
+        ),
+    ] = 3,
     as_json: JsonOpt = False,
 ) -> None:
     """The HTTP service end to end: cold start, generation and detection throughput."""
@@ -428,7 +434,10 @@ def bench_service(
         if not chosen or set(chosen) - {"hf", "vllm-plain", "vllm-worldcup"}:
             fail(f"--variants: a comma list of hf, vllm-plain, vllm-worldcup; got {variants!r}")
         bench = run_engine_bench(
-            device=device, variants=chosen, progress=lambda msg: typer.echo(msg, err=True)
+            device=device,
+            variants=chosen,
+            repeats=repeats,
+            progress=lambda msg: typer.echo(msg, err=True),
         )
         _emit(as_json, bench, format_engine_bench(bench))
         return
