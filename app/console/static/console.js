@@ -352,6 +352,8 @@
         span.dataset.z = String(tok.z);
         span.style.backgroundColor = heat(tok.z);
         if (tok.z >= 2) span.classList.add("strong");
+      } else if (!ev.matched) {
+        span.classList.add("nokey");
       } else if (!tok.scored) {
         span.classList.add("unscored");
       }
@@ -395,11 +397,11 @@
       for (let j = i - half; j <= i + half; j++) if (j >= 0 && j < z.length) sum += z[j];
       return sum / WINDOW > ISLAND_Z;
     });
-    const runs = [];
+    const runs = []; // hot tokens, gaps shorter than half a window bridged
     hot.forEach((h, i) => {
       if (!h) return;
       const last = runs[runs.length - 1];
-      if (last && last[1] === i - 1) last[1] = i; else runs.push([i, i]);
+      if (last && i - last[1] <= half + 1) last[1] = i; else runs.push([i, i]);
     });
     if (!runs.length) return "No stretch of the text stands out (windows of 25 tokens).";
     return "Watermark evidence concentrated in tokens " +
@@ -433,7 +435,9 @@
     const width = left + positions * (groups * bar + gap) + 10;
     const zMax = Math.max(4, ...bits.map((b) => b.z));
     const scale = (height - top) / zMax;
-    const root = svg("svg", { width, height: height + 40, viewBox: `0 0 ${width} ${height + 40}` });
+    const total = height + 54;
+    const svgWidth = Math.max(width + 44, 360);
+    const root = svg("svg", { width: svgWidth, height: total, viewBox: `0 0 ${svgWidth} ${total}` });
     root.appendChild(svg("title", {})).textContent = "Bit confidence per message position";
     const defs = svg("defs");
     const pattern = svg("pattern", { id: "hatch", width: 6, height: 6, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)" });
@@ -480,6 +484,18 @@
       label.textContent = "p" + p;
       root.appendChild(label);
     }
+    const legend = Array.from({ length: Math.min(groups, 4) }, (_, g) => ["g" + g, "group " + g]);
+    legend.push(["erased", "erased (?)"]);
+    legend.forEach(([cls, name], i) => {
+      const x = left + 10 + i * 90;
+      root.appendChild(svg("rect", { x, y: height + 34, width: 12, height: 12, class: cls }));
+      const label = svg("text", { x: x + 16, y: height + 44 });
+      label.textContent = name;
+      root.appendChild(label);
+    });
+    const zLabel = svg("text", { x: width + 4, y: height - 2 * scale + 4 });
+    zLabel.textContent = "z = 2";
+    root.appendChild(zLabel);
     box.setAttribute("aria-label",
       `Bit confidence: ${bits.length} bits on ${positions} positions, ` +
       `${bits.filter((b) => b.erased).length} erased; the table after it lists every bit.`);
