@@ -187,9 +187,19 @@ def test_watermarked_text_names_tenant_and_metadata(
     screenshot(page, shots, "watermarked.png")
 
 
-def test_human_text_has_no_watermark(page: Any, acme: dict[str, Any], shots: list[Path]) -> None:
+def test_human_text_has_no_watermark(
+    page: Any, acme: dict[str, Any], shots: list[Path], tmp_path: Path
+) -> None:
+    """Loaded from a .txt file this time, not pasted."""
     sign_in(page, ADMIN_TOKEN)
-    verdict = check(page, HUMAN_A + HUMAN_B)
+    upload = tmp_path / "suspect.txt"
+    upload.write_text(HUMAN_A + HUMAN_B, encoding="utf-8")
+    page.get_by_test_id("file-input").set_input_files(str(upload))
+    page.get_by_test_id("status").filter(has_text="Loaded suspect.txt").wait_for()
+    assert page.get_by_test_id("text-input").input_value() == HUMAN_A + HUMAN_B
+    page.get_by_test_id("run-provenance").click()
+    page.get_by_test_id("status").filter(has_text="Done.").wait_for()
+    verdict = page.get_by_test_id("verdict").inner_text()
     assert verdict.startswith("No watermark found (best p = ")
     assert float(verdict.split("= ")[1].rstrip(")")) > 0.01
     assert page.get_by_test_id("metadata-none").is_visible()
@@ -273,6 +283,10 @@ def test_decode_mode_charts_bits_and_marks_erasures(
     assert api["erasures"], api  # a few tokens cannot reach every position
     sign_in(page, acme["auth"]["Authorization"].split()[1])
     assert page.get_by_test_id("who").inner_text().startswith("API key of tenant acme")
+    # provenance under a scope holder's key: the verdict, but per-token evidence is the admin's
+    assert check(page, acme["gen"]["text"]).startswith("Watermarked — tenant acme, message ")
+    assert "admin token" in page.get_by_test_id("heatmap-note").inner_text()
+    assert page.get_by_test_id("heatmap").locator("[data-token-index]").count() == 0
     page.get_by_test_id("mode-decode").check()
     check(page, short)
     chart = page.get_by_test_id("position-chart")
@@ -297,6 +311,10 @@ def test_keyboard_only_use_and_sign_out(page: Any, acme: dict[str, Any]) -> None
     assert page.evaluate("document.activeElement.dataset.testid") == "text-input"
     assert page.evaluate("sessionStorage.length") == 1
     assert ADMIN_TOKEN not in page.url
+    assert page.context.cookies() == []
+    page.reload()  # the tab keeps its session
+    page.get_by_test_id("text-input").wait_for(state="visible")
+    page.get_by_test_id("text-input").focus()
     page.keyboard.type(acme["gen"]["text"][:400])
     page.get_by_test_id("run-provenance").focus()
     page.keyboard.press("Enter")
@@ -353,3 +371,47 @@ def test_embedded_model_text_in_the_console(
         context.close()
     assert verdict.startswith(f"Watermarked — tenant smol, message {gen['message_id']}"), verdict
     assert tenant_id
+
+
+def _rgba(css: str) -> tuple[float, float, float, float]:
+    parts = [float(x) for x in css[css.index("(") + 1 : -1].split(",")]
+    return (parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else 1.0)
+
+
+def _luminance(rgb: tuple[float, float, float]) -> float:
+    def channel(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(fg: str, bg: str) -> float:
+    """WCAG contrast ratio of text ``fg`` on ``bg`` laid over white."""
+    f, b = _rgba(fg), _rgba(bg)
+    over = tuple(b[3] * b[i] + (1 - b[3]) * 255 for i in range(3))
+    lf, lb = _luminance(f[:3]), _luminance((over[0], over[1], over[2]))
+    return (max(lf, lb) + 0.05) / (min(lf, lb) + 0.05)
+
+
+def test_every_control_is_labelled_and_heatmap_text_has_contrast(
+    page: Any, acme: dict[str, Any]
+) -> None:
+    """Labels on every control; every token's text against its heat colour, and the
+    verdict, at WCAG AA (4.5:1)."""
+    unlabelled = page.evaluate(
+        """() => Array.from(document.querySelectorAll('input, textarea, select'))
+             .filter(e => e.labels.length === 0 && !e.getAttribute('aria-label'))
+             .map(e => e.outerHTML)"""
+    )
+    assert unlabelled == []
+    sign_in(page, ADMIN_TOKEN)
+    check(page, HUMAN_A + acme["gen"]["text"] + HUMAN_B)
+    colours = page.eval_on_selector_all(
+        "[data-testid=heatmap] [data-token-index], [data-testid=verdict]",
+        "els => els.map(e => [getComputedStyle(e).color, getComputedStyle(e).backgroundColor])",
+    )
+    assert len(colours) > 200
+    worst = min(contrast(fg, bg) for fg, bg in colours)
+    assert worst >= 4.5, worst
