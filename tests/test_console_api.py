@@ -130,6 +130,21 @@ def test_console_script_never_writes_html() -> None:
     assert re.search(r"sessionStorage\.removeItem\(STORE\)", source)
 
 
+def test_the_package_ships_the_console_files() -> None:
+    """A non-editable install (the docker image) needs the templates and static files."""
+    import fnmatch
+    import tomllib
+
+    root = STATIC.parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = project["tool"]["setuptools"]["package-data"]["app"]
+    files = [p.relative_to(root / "app").as_posix() for p in (root / "app" / "console").rglob("*")]
+    data = [f for f in files if not f.endswith(".py") and "__pycache__" not in f and "." in f]
+    assert {"console/templates/console.html", "console/static/console.js"} <= set(data)
+    for name in data:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
+
+
 def test_console_session_says_who_the_credential_is(
     client: TestClient, owner: tuple[str, dict[str, str], dict[str, Any]]
 ) -> None:

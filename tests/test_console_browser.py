@@ -300,6 +300,32 @@ def test_decode_mode_charts_bits_and_marks_erasures(
     )
 
 
+def test_the_browser_enforces_the_csp_and_refuses_framing(
+    page: Any, playwright_browser: Any, live: LiveServer
+) -> None:
+    """Not only sent: an inline script injected into the page does not run, and the
+    console does not render inside a frame."""
+    ran = page.evaluate(
+        """() => new Promise(resolve => {
+             document.addEventListener('securitypolicyviolation',
+               e => resolve(['blocked', e.violatedDirective]));
+             const s = document.createElement('script');
+             s.textContent = 'window.__inline = 1';
+             document.body.appendChild(s);
+             setTimeout(() => resolve(['ran', String(window.__inline)]), 2000);
+           })"""
+    )
+    assert ran[0] == "blocked" and ran[1].startswith("script-src"), ran
+    assert page.evaluate("window.__inline") is None
+    context = playwright_browser.new_context()
+    framer = context.new_page()
+    framer.set_content(f'<iframe src="{live.url}/console" width="600" height="400"></iframe>')
+    framer.wait_for_timeout(1000)
+    inner = framer.frames[1]
+    assert "provenance console" not in inner.content().lower()
+    context.close()
+
+
 def test_keyboard_only_use_and_sign_out(page: Any, acme: dict[str, Any]) -> None:
     """Tab, type and Enter reach every step; arrows walk the heatmap; sign-out forgets."""
     page.keyboard.press("Tab")  # the skip link
