@@ -241,12 +241,23 @@ def test_copy_paste_mix_locates_the_watermarked_span(
     screenshot(page, shots, "mixed.png")
 
 
-def test_wrong_key_gets_an_error_message(page: Any, live: LiveServer) -> None:
+def test_wrong_key_gets_an_error_message(page: Any, live: LiveServer, acme: dict[str, Any]) -> None:
     page.get_by_test_id("api-key").fill("wc_this-is-not-a-key")
     page.get_by_test_id("sign-in").click()
     error = page.get_by_test_id("signin-error")
     error.filter(has_text="refused").wait_for()
     assert "invalid or revoked API key" in error.inner_text()
+    assert page.get_by_test_id("text-input").is_hidden()
+    assert page.evaluate("sessionStorage.length") == 0
+    # a real key that can check nothing (generate only) is turned away too, with a reason
+    body = {"name": "writer", "scopes": ["generate"], "detail": "full"}
+    r = httpx.post(
+        f"{live.url}/admin/tenants/{acme['tenant_id']}/api-keys", json=body, headers=ADMIN
+    )
+    assert r.status_code == 201, r.text
+    page.get_by_test_id("api-key").fill(r.json()["api_key"])
+    page.get_by_test_id("sign-in").click()
+    error.filter(has_text="none of the provenance").wait_for()
     assert page.get_by_test_id("text-input").is_hidden()
     assert page.evaluate("sessionStorage.length") == 0
 

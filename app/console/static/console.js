@@ -105,7 +105,13 @@
   }
 
   async function startSession() {
-    session = await api("GET", "/console/session");
+    const me = await api("GET", "/console/session");
+    const usable = ["provenance", "decode", "detect"].filter((s) => me.scopes.includes(s));
+    if (!usable.length) {
+      throw new Error("This API key has none of the provenance, decode or detect scopes: " +
+        "ask an admin for a key with the provenance scope.");
+    }
+    session = me;
     const who = session.role === "admin"
       ? "admin"
       : `API key of tenant ${session.tenant_name} (${session.scopes.join(", ")}; ${session.detail})`;
