@@ -22,6 +22,7 @@ from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.openapi import install_openapi
 from app.api.routes import admin, api_keys, detection, generate, health, openai, provenance
+from app.console import ConsoleHeaders, install_console
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
 from app.core.metrics import Metrics
@@ -140,6 +141,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_openapi(app, settings)
     for module in (generate, detection, provenance, admin, api_keys, health, openai):
         app.include_router(module.router, dependencies=[Depends(known_query_parameters)])
+    install_console(app, dependencies=[Depends(known_query_parameters)])
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
@@ -147,6 +149,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(SingleAuthorization)
     app.add_middleware(RequestContext, metrics=metrics)
+    app.add_middleware(ConsoleHeaders)
     return app
 
 

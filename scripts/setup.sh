@@ -12,6 +12,15 @@ if [ ! -f /usr/share/wordnet/data.noun ] && [ -z "${WORLDCUP_WORDNET_DIR:-}" ]; 
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends wordnet-base
 fi
+# Chromium for the console's browser tests (Playwright drives it through
+# executable_path; Playwright's own browser download cannot work here): Debian's
+# package, installed only when missing.
+if [ ! -x /usr/bin/chromium ] && [ -z "${WORLDCUP_CHROMIUM:-}" ]; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends chromium
+fi
 stamp=.venv/.setup-$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

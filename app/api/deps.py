@@ -103,6 +103,11 @@ def _is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None
     )
 
 
+def is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether the credentials are the admin token (constant-time compare)."""
+    return _is_admin(runtime, credentials)
+
+
 async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
     if not _is_admin(runtime, credentials):
         raise APIError(

@@ -323,10 +323,19 @@ Z_DESCRIPTION = (
 )
 
 
+EVIDENCE_DESCRIPTION = (
+    "Per-token evidence (the console's heatmap) and per-bit confidence. The strongest "
+    "oracle there is (it shows which tokens carry the watermark), so it is for analysts "
+    "only: on /provenance the admin token, on /decode a `full` API key that also holds "
+    "the `provenance` scope (403 `evidence_not_allowed` otherwise)."
+)
+
+
 class DecodeRequest(StrictRequest):
     text: Text
     num_bits: Annotated[int | None, Field(ge=1, le=64)] = None
     key_version: Annotated[int | None, Field(ge=1, le=2**31 - 1)] = None
+    evidence: bool = Field(False, description=EVIDENCE_DESCRIPTION)
 
     model_config = {
         "extra": "forbid",
@@ -349,6 +358,42 @@ class RegistryMatchOut(StrictModel):
     exact: bool = Field(description="True if the decoded bits equal the entry's payload.")
 
 
+class TokenEvidenceOut(StrictModel):
+    index: int = Field(description="Token index in the text (tokenizer of this service).")
+    text: str = Field(
+        description="The characters of this token (with any whitespace before it); the "
+        "pieces of all tokens concatenate to the text. A character split over several "
+        "tokens is in the first piece."
+    )
+    scored: bool = Field(description="False for the first c tokens and repeated contexts.")
+    position: int | None = Field(description="The message position this token votes on.")
+    g_mean: list[float] | None = Field(description="Mean g per group; 0.5 is chance.")
+    z: float | None = Field(
+        description="Agreement of this token's g-values with the bits the other tokens of "
+        "its cells point to (leave-one-out), standardised: mean 0 and variance 1 on text "
+        "without this key's watermark. None when its cells have no other tokens."
+    )
+
+
+class BitEvidenceOut(StrictModel):
+    index: int
+    position: int = Field(description="Message position (index // groups).")
+    group: int
+    bit: Literal["0", "1", "?"]
+    z: float = Field(description="|2 ones - trials| / sqrt(trials) of this bit's cell.")
+    erased: bool = Field(description="No scored token fell on this position.")
+
+
+class EvidenceOut(StrictModel):
+    matched: bool = Field(
+        description="False when no key matched (provenance): tokens then carry no marks."
+    )
+    groups: int
+    num_bits: int
+    tokens: list[TokenEvidenceOut]
+    bits: list[BitEvidenceOut]
+
+
 class DecodeResponse(StrictModel):
     bits: str = Field(description="'0'/'1' per bit; '?' marks an erasure")
     bit_confidence: list[BitConfidence]
@@ -360,6 +405,7 @@ class DecodeResponse(StrictModel):
     num_scored_tokens: int
     key_version: int
     registry_match: RegistryMatchOut | None
+    evidence: EvidenceOut | None = None
 
 
 class DetectRequest(StrictRequest):
@@ -442,6 +488,7 @@ class ProvenanceRequest(StrictRequest):
     include_token_scores: bool = Field(
         False, description="Per-token scores of the best key; admin token only (403 otherwise)."
     )
+    evidence: bool = Field(False, description=EVIDENCE_DESCRIPTION)
 
     model_config = {
         "extra": "forbid",
@@ -489,3 +536,4 @@ class ProvenanceResponse(StrictModel):
     )
     num_full_scans: int
     token_scores: list[TokenScore] | None = None
+    evidence: EvidenceOut | None = None

@@ -38,6 +38,7 @@ from app.schemas.watermark import (
     RegistryMatchOut,
     check_metadata,
 )
+from app.services.evidence import evidence_block, token_pieces
 from app.services.probes import Sketch, retry_after
 from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
 from app.stores.base import ProbeDecision
@@ -349,9 +350,18 @@ async def decode(
     body: DecodeRequest, runtime: RuntimeDep, principal: DecodeKey
 ) -> DecodeResponse | DecodeVerdict:
     """Recover the payload and, if it was issued from the registry, whose it is.
-    A ``verdict`` key gets the verdict and the registry entry only."""
+    A ``verdict`` key gets the verdict and the registry entry only; ``evidence`` is
+    for a ``full`` key that also holds the ``provenance`` scope (an analyst's key)."""
     tenant = principal.tenant
-    ids = await token_ids(runtime, body.text)
+    pieces: list[str] = []
+    if body.evidence:
+        _check_evidence_allowed(principal)
+        check_text(runtime, body.text)
+        ids, pieces = await runtime.tenants.offload(
+            lambda: token_pieces(runtime.tokenizer, body.text)
+        )
+    else:
+        ids = await token_ids(runtime, body.text)
     await _admit_one(runtime, principal, "decode", ids)
     num_bits = body.num_bits or runtime.settings.default_num_bits
     try:
@@ -360,7 +370,26 @@ async def decode(
         raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
     schemes = await _schemes(runtime, tenant.tenant_id)
     answer = _decode_response(runtime, schemes, num_bits, outcome)
+    if body.evidence:
+        scheme, found = schemes[outcome.key_version], outcome.result
+        answer.evidence = await runtime.tenants.offload(
+            lambda: evidence_block(scheme, ids, pieces, found)
+        )
     return _decode_verdict(answer) if _is_verdict(principal) else answer
+
+
+def _check_evidence_allowed(principal: Principal) -> None:
+    """Per-token evidence shows which tokens to edit: one query would do what the probe
+    budget exists to prevent. So it is never given to ``verdict`` keys (public
+    checkers) and, under ``full``, only to keys that also hold the ``provenance``
+    scope, which the admin grants per tenant to its trust-and-safety analysts."""
+    if principal.key.detail != "full" or "provenance" not in principal.scopes:
+        raise APIError(
+            403,
+            "per-token evidence needs a 'full' API key that also holds the 'provenance' "
+            "scope (granted by an admin)",
+            "evidence_not_allowed",
+        )
 
 
 @router.post(

@@ -15,7 +15,7 @@ from fastapi import APIRouter
 
 from app.api.deps import InvestigatorDep, RuntimeDep
 from app.api.errors import APIError
-from app.api.routes.detection import registry_match, token_ids
+from app.api.routes.detection import check_text, registry_match, token_ids
 from app.core.logging import request_id_var
 from app.schemas.common import ERROR_RESPONSES
 from app.schemas.watermark import (
@@ -25,6 +25,7 @@ from app.schemas.watermark import (
     ProvenanceResponse,
     TokenScore,
 )
+from app.services.evidence import evidence_block, token_pieces, unmatched_evidence
 from app.services.tenants import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
@@ -60,11 +61,25 @@ def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
 async def provenance(
     body: ProvenanceRequest, runtime: RuntimeDep, who: InvestigatorDep
 ) -> ProvenanceResponse:
-    """Which tenant, key version and registry entry produced this text, if any."""
+    """Which tenant, key version and registry entry produced this text, if any.
+    ``evidence`` (admin token only) adds the best key's per-token evidence."""
     if body.include_token_scores and not who.is_admin:
         raise APIError(403, "per-token scores are for the admin token only", "admin_only")
+    if body.evidence and not who.is_admin:
+        raise APIError(
+            403,
+            "per-token evidence of a provenance search is for the admin token only",
+            "evidence_not_allowed",
+        )
     settings = runtime.settings
-    ids = await token_ids(runtime, body.text)
+    pieces: list[str] = []
+    if body.evidence:
+        check_text(runtime, body.text)
+        ids, pieces = await runtime.tenants.offload(
+            lambda: token_pieces(runtime.tokenizer, body.text)
+        )
+    else:
+        ids = await token_ids(runtime, body.text)
     outcome = await runtime.tenants.provenance(
         ids, settings.significance, settings.default_num_bits
     )
@@ -93,12 +108,22 @@ async def provenance(
             actor=who.actor,
             action="provenance",
             request_id=request_id_var.get(),
-            outcome=_outcome_summary(outcome),
+            outcome={**_outcome_summary(outcome), "evidence": body.evidence},
         )
     )
     scores = None
     if body.include_token_scores and outcome.scheme is not None:
         scores = _token_scores(outcome.scheme, ids)
+    evidence = None
+    if body.evidence:
+        best, best_decode = outcome.scheme, outcome.decoded
+        if best is not None and best_decode is not None:
+            found = best_decode.result
+            evidence = await runtime.tenants.offload(
+                lambda: evidence_block(best, ids, pieces, found)
+            )
+        else:
+            evidence = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
     per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None
     return ProvenanceResponse(
         found=outcome.significant,
@@ -120,4 +145,5 @@ async def provenance(
         screened=result.screened,
         num_full_scans=result.num_full_scans,
         token_scores=scores,
+        evidence=evidence,
     )

@@ -1,0 +1,86 @@
+"""The per-token evidence block of /provenance and /decode (the console's heatmap).
+
+The numbers come from :func:`worldcup_core.evidence.text_evidence`; this module
+only adds what the service knows: which characters of the text each token covers
+(the tokenizer's offsets) and the decoder's per-bit confidence. Nothing here is
+key material.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.schemas.watermark import BitEvidenceOut, EvidenceOut, TokenEvidenceOut
+from worldcup_core import WorldCup
+from worldcup_core.decoder import DecodeResult
+from worldcup_core.evidence import text_evidence
+
+
+def token_pieces(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
+    """Token ids of ``text`` and the characters of each token, as consecutive pieces
+    that concatenate to ``text`` (the ids are those :func:`encode_texts` gives)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encoding = backend.encode(text, add_special_tokens=False)
+        ids, ends = list(encoding.ids), [end for _, end in encoding.offsets]
+    else:  # a slow tokenizer has no offsets: the decoded prefix lengths stand in
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+    pieces, cut = [], 0
+    for end in ends:
+        stop = min(max(end, cut), len(text))  # byte-level tokens of one character share it
+        pieces.append(text[cut:stop])
+        cut = stop
+    if pieces:
+        pieces[-1] += text[cut:]
+    return ids, pieces
+
+
+def unmatched_evidence(pieces: list[str], groups: int, num_bits: int) -> EvidenceOut:
+    """No key matched: the text's tokens, with no marks."""
+    return EvidenceOut(
+        matched=False,
+        groups=groups,
+        num_bits=num_bits,
+        tokens=[
+            TokenEvidenceOut(index=i, text=p, scored=False, position=None, g_mean=None, z=None)
+            for i, p in enumerate(pieces)
+        ],
+        bits=[],
+    )
+
+
+def evidence_block(
+    scheme: WorldCup, ids: list[int], pieces: list[str], decoded: DecodeResult
+) -> EvidenceOut:
+    """Marks of every token under ``scheme`` and the bits of ``decoded`` (CPU work:
+    call it in a worker)."""
+    num_bits, groups = decoded.num_bits, scheme.config.groups
+    marks = {m.index: m for m in text_evidence(scheme, ids, num_bits)}
+    tokens = []
+    for i, piece in enumerate(pieces):
+        mark = marks.get(i)
+        z = mark.z if mark is not None else None
+        tokens.append(
+            TokenEvidenceOut(
+                index=i,
+                text=piece,
+                scored=mark is not None,
+                position=mark.position if mark is not None else None,
+                g_mean=[round(g, 4) for g in mark.g_mean] if mark is not None else None,
+                z=round(z, 3) if z is not None else None,
+            )
+        )
+    erased = set(decoded.erasures)
+    bits = [
+        BitEvidenceOut(
+            index=i,
+            position=i // groups,
+            group=i % groups,
+            bit=bit,  # type: ignore[arg-type]  # decoder bits are '0', '1' or '?'
+            z=round(decoded.bit_z[i], 4),
+            erased=i in erased,
+        )
+        for i, bit in enumerate(decoded.bits)
+    ]
+    return EvidenceOut(matched=True, groups=groups, num_bits=num_bits, tokens=tokens, bits=bits)
