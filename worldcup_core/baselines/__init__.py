@@ -10,6 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from worldcup_core.baselines.bimark import (
+    BIMARK_VERSION,
+    BiMark,
+    BiMarkConfig,
+    BiMarkSequence,
+    bimark_reweight,
+    extract_bimark_evidence,
+)
 from worldcup_core.baselines.mpac import (
     MPAC,
     MPAC_VERSION,
@@ -25,6 +33,7 @@ if TYPE_CHECKING:
 
 BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "mpac": MPAC,
+    "bimark": BiMark,
 }
 
 
@@ -39,11 +48,17 @@ def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
 
 __all__ = [
     "BASELINES",
+    "BIMARK_VERSION",
+    "BiMark",
+    "BiMarkConfig",
+    "BiMarkSequence",
     "MPAC",
     "MPAC_VERSION",
     "MPACConfig",
     "MPACSequence",
+    "bimark_reweight",
     "build_baseline",
+    "extract_bimark_evidence",
     "extract_mpac_evidence",
     "mpac_z_score",
 ]
