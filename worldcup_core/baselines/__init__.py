@@ -26,6 +26,14 @@ from worldcup_core.baselines.mpac import (
     extract_mpac_evidence,
     mpac_z_score,
 )
+from worldcup_core.baselines.stealthink import (
+    STEALTHINK_VERSION,
+    StealthInk,
+    StealthInkConfig,
+    StealthInkSequence,
+    extract_stealthink_evidence,
+    stealthink_reweight,
+)
 from worldcup_core.prf import WatermarkKey
 
 if TYPE_CHECKING:
@@ -34,6 +42,7 @@ if TYPE_CHECKING:
 BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "mpac": MPAC,
     "bimark": BiMark,
+    "stealthink": StealthInk,
 }
 
 
@@ -56,9 +65,15 @@ __all__ = [
     "MPAC_VERSION",
     "MPACConfig",
     "MPACSequence",
+    "STEALTHINK_VERSION",
+    "StealthInk",
+    "StealthInkConfig",
+    "StealthInkSequence",
     "bimark_reweight",
     "build_baseline",
     "extract_bimark_evidence",
     "extract_mpac_evidence",
+    "extract_stealthink_evidence",
     "mpac_z_score",
+    "stealthink_reweight",
 ]
