@@ -107,3 +107,29 @@ def chi_square_against(counts: npt.NDArray[np.int64], probs: npt.NDArray[np.floa
     """Pearson chi-square p-value of token counts against a distribution."""
     expected = probs / probs.sum() * counts.sum()
     return float(stats.chisquare(counts, expected).pvalue)
+
+
+def model_round_trip(
+    scheme: WatermarkScheme, model: Any, data_dir: Path, prompts: int = 8, bits: int = 16
+) -> tuple[list[Payload], list[list[int]]]:
+    """Generate with the embedded model from news prompts, then re-tokenise the *text*:
+    (payloads, token ids of each detokenised response)."""
+    from worldcup_core.config import SamplingConfig
+    from worldcup_core.generation import GenerationRequest, generate
+
+    tok = model.tokenizer
+    articles = [row["article"] for row in _read_jsonl(data_dir / "cnn_dailymail_test.jsonl")]
+    rng = np.random.default_rng(2026)
+    payloads = [Payload.random(bits, rng) for _ in range(prompts)]
+    requests = [
+        GenerationRequest(
+            tok(article, add_special_tokens=False).input_ids[:40],
+            SamplingConfig(max_new_tokens=128, min_new_tokens=96, seed=i),
+            scheme,
+            payload,
+        )
+        for i, (article, payload) in enumerate(zip(articles, payloads, strict=False))
+    ]
+    results = generate(model.model, requests, model.eos_token_ids, model.pad_token_id)
+    texts = [tok.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    return payloads, [list(tok(t, add_special_tokens=False).input_ids) for t in texts]

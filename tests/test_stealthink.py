@@ -18,6 +18,7 @@ from baselinelib import (
     chi_square_against,
     generate_synthetic,
     human_chunks,
+    model_round_trip,
     random_texts,
 )
 from scipy import stats
@@ -303,6 +304,32 @@ def test_wrong_key_sees_nothing() -> None:
     assert max(p_own) < 1e-4
     assert stats.kstest(p_other, "uniform").pvalue > 1e-3
     assert np.mean(np.array(p_other) < 0.05) <= 0.15
+
+
+@pytest.mark.model
+def test_round_trip_on_the_embedded_model(data_dir: Path) -> None:
+    """SmolLM2 generates (top-k 50, top-p 0.95), the text is detokenised and re-tokenised:
+    the payload comes back, and another key sees chance bits and no watermark."""
+    from worldcup_core.models import load_model
+
+    stealthink = StealthInk(KEY)
+    payloads, texts = model_round_trip(stealthink, load_model(), data_dir, prompts=6)
+    accuracies, p_values, wrong_p = [], [], []
+    wrong = StealthInk(_key("wrong"))
+    correct = 0
+    for payload, ids in zip(payloads, texts, strict=True):
+        decoded = stealthink.decode(ids, NUM_BITS)
+        accuracies.append(
+            np.mean([a == b for a, b in zip(decoded.bits, payload.bits, strict=True)])
+        )
+        p_values.append(decoded.detection.p_value)
+        other = wrong.decode(ids, NUM_BITS)
+        correct += sum(a == b for a, b in zip(other.bits, payload.bits, strict=True))
+        wrong_p.append(other.detection.p_value)
+    assert np.mean(accuracies) >= 0.85, accuracies
+    assert float(np.median(p_values)) < 1e-3, p_values
+    assert stats.binomtest(correct, NUM_BITS * len(texts), 0.5).pvalue > 1e-3
+    assert min(wrong_p) > 1e-3, wrong_p
 
 
 # --- calibration under H0 -----------------------------------------------------
