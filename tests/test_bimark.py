@@ -379,3 +379,13 @@ def test_repr_hides_key() -> None:
 def test_bad_config_raises(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         BiMarkConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_degenerate_inputs() -> None:
+    """Nothing to score, one candidate: no error, no watermark, nothing changed."""
+    bimark = BiMark(KEY)
+    assert bimark.detect([]).p_value == 1.0
+    assert bimark.decode([], NUM_BITS).bits == "?" * NUM_BITS
+    assert bimark.match([], ["0101"]) is None
+    seq = bimark.sequence(Payload("01"))
+    assert seq.reweight(np.array([3]), np.array([1.0])).tolist() == [1.0]

@@ -416,3 +416,13 @@ def test_repr_hides_key() -> None:
 def test_bad_config_raises(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         StealthInkConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_degenerate_inputs() -> None:
+    """Nothing to score, one candidate: no error, no watermark, nothing changed."""
+    stealthink = StealthInk(KEY)
+    assert stealthink.detect([]).p_value == 1.0
+    assert stealthink.decode([], NUM_BITS).bits == "?" * NUM_BITS
+    assert stealthink.match([], ["0101"]) is None
+    seq = stealthink.sequence(Payload("01"))
+    assert seq.reweight(np.array([3]), np.array([1.0])).tolist() == [1.0]
