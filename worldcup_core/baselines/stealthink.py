@@ -19,8 +19,13 @@ written as one formula. Under the key pairing that reverses the permutation
 position, the tokens of each colour and takes the *least* frequent colour as
 the message value.
 
-Settings (Appendix B of the WorldCup paper): the "simple_3" seeding family
-with ``H = 1`` bit per message chunk and a context window of 2 tokens.
+Settings (Appendix B of the WorldCup paper): "simple_3" seeding, ``H = 1``,
+window 2, hash key 15485863. The appendix is ambiguous on two points, read
+here as follows. ``H = 1`` is the chunk capacity of one bit (two colour
+lists, one payload bit per position), the reference's own default
+(``capacity = 1``). "simple_3" in the reference is an additive PRF over the
+last *three* tokens, while the appendix says window 2: we use window 2, the
+window every scheme in the comparison shares, with our keyed PRF (below).
 
 Departures from the reference implementation
 (``every_step_1_24_direct_detect.py`` and ``hash_scheme.py`` of the authors'
@@ -47,9 +52,10 @@ derivation or so that its p-value is exact:
   vocabulary size, which is what unbiasedness needs (``torch.chunk`` of an odd
   vocabulary does not swap exactly).
 * **Where it acts.** On the final filtered distribution (after temperature,
-  top-k and top-p: :meth:`StealthInkSequence.reweight`), restricted to the
-  candidates, not on the full-vocabulary softmax before the other warpers;
-  unbiasedness then holds for the distribution actually sampled.
+  top-k and top-p: :meth:`StealthInkSequence.reweight`), not on the
+  full-vocabulary softmax before the other warpers; unbiasedness then holds
+  for the distribution actually sampled. Computing it over the candidates
+  only is exact: the other tokens have zero width on the permuted cdf.
 * **Repeated contexts** are neither reweighted nor scored. The reference skips
   them at generation but counts them again at detection, where a repeated
   seed counts twice and the null distribution is no longer binomial.
