@@ -267,7 +267,7 @@ def test_round_trip_on_the_embedded_model(data_dir: Path) -> None:
     from worldcup_core.models import load_model
 
     bimark = BiMark(KEY)
-    payloads, texts = model_round_trip(bimark, load_model(), data_dir, prompts=6)
+    payloads, texts = model_round_trip(bimark, load_model(), data_dir, prompts=4)
     accuracies, p_values, wrong_p = [], [], []
     wrong = BiMark(_key("wrong"))
     correct = 0
