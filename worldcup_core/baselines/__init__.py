@@ -10,6 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from worldcup_core.baselines.bimark import (
+    BIMARK_VERSION,
+    BiMark,
+    BiMarkConfig,
+    BiMarkSequence,
+    bimark_reweight,
+    extract_bimark_evidence,
+)
 from worldcup_core.baselines.mpac import (
     MPAC,
     MPAC_VERSION,
@@ -18,6 +26,14 @@ from worldcup_core.baselines.mpac import (
     extract_mpac_evidence,
     mpac_z_score,
 )
+from worldcup_core.baselines.stealthink import (
+    STEALTHINK_VERSION,
+    StealthInk,
+    StealthInkConfig,
+    StealthInkSequence,
+    extract_stealthink_evidence,
+    stealthink_reweight,
+)
 from worldcup_core.prf import WatermarkKey
 
 if TYPE_CHECKING:
@@ -25,6 +41,8 @@ if TYPE_CHECKING:
 
 BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "mpac": MPAC,
+    "bimark": BiMark,
+    "stealthink": StealthInk,
 }
 
 
@@ -39,11 +57,23 @@ def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
 
 __all__ = [
     "BASELINES",
+    "BIMARK_VERSION",
+    "BiMark",
+    "BiMarkConfig",
+    "BiMarkSequence",
     "MPAC",
     "MPAC_VERSION",
     "MPACConfig",
     "MPACSequence",
+    "STEALTHINK_VERSION",
+    "StealthInk",
+    "StealthInkConfig",
+    "StealthInkSequence",
+    "bimark_reweight",
     "build_baseline",
+    "extract_bimark_evidence",
     "extract_mpac_evidence",
+    "extract_stealthink_evidence",
     "mpac_z_score",
+    "stealthink_reweight",
 ]

@@ -1,0 +1,361 @@
+"""BiMark, the unbiased multilayer baseline (Feng et al., ICML 2025), behind WorldCup's protocols.
+
+BiMark ("BiMark: Unbiased Multilayer Watermarking for Large Language Models")
+reweights the next-token distribution ``d`` times in a row. Layer ``l`` has a
+keyed half/half vocabulary partition ``(V0_l, V1_l)`` and a pseudo-random
+*bit flip* ``c_l`` drawn from the context; with ``e_l = c_l XOR b`` (``b`` the
+message bit the context selects) it scales ``V0_l`` up by ``1 + delta`` and
+``V1_l`` down by ``1 - beta`` when ``e_l = 1``, and the reverse when
+``e_l = 0``, where ``P0`` is the current mass of ``V0_l``,
+``delta = min(delta~, P1/P0)`` and ``beta = delta * P0/P1`` (mass is kept and
+no probability goes negative). ``c_l`` is a fair coin that the generator never
+reveals, so each layer is unbiased over keys, ``E_c[q] = p``, whatever the
+message and whatever earlier layers did; stacking ``d`` layers compounds the
+signal without compounding distortion. The detector, holding the key,
+recomputes ``c_l`` and reads each layer as a vote for a bit,
+``[x in V0_l] XOR c_l``; a payload bit is the majority of the votes of every
+layer of every token that the context hash assigned to it.
+
+Settings (Appendix B of the WorldCup paper, as in BiMark's own experiments):
+``d = 10`` layers, base scaling factor ``delta~ = 1.0``, ``gamma = 0.5``, and
+a context window of 2 tokens.
+
+Departures from the reference implementation (``WatermarkBimark.py`` and
+``detect_watermark_dump.py`` of the authors' code), all on the keying side or
+where our generation loop differs, so that BiMark draws from the project's
+audited key derivation:
+
+* **Keys.** One subkey of its own, ``WatermarkKey.subkey("bimark")`` (keyed
+  BLAKE2b), instead of the integer keys ``c_key = 530773`` and
+  ``bit_idx_key = 283519`` fed to SHA-256 over the decimal string of the
+  context. No other scheme hashes under this subkey, so BiMark's randomness
+  never collides with WorldCup's or MPAC's.
+* **Context.** The last ``context_width = 2`` *generated* tokens with
+  WorldCup's sentinel padding (``context_at`` / ``pack_context``), as MPAC
+  does; prompts never enter. The reference skips the first ``window`` steps
+  instead; with padding they are watermarked and scored like any other
+  (first-occurrence) context.
+* **Per-context randomness.** ``BLAKE2b(0x00 || context)`` gives two 64-bit
+  words: the flip seed, expanded by SplitMix64 into ``c_0 .. c_{d-1}``, and the
+  position hash, ``mod b`` the message bit (``torch``/``numpy`` generators
+  seeded with the hashes in the reference).
+* **Partitions.** Fixed per key and layer, as in the reference (there
+  ``np.random.default_rng(l)`` for ``l = 0..9``, the same for everyone): seed
+  ``BLAKE2b(0x01 || l)``, and token ``x`` is in ``V0_l`` when the top bit of
+  ``SplitMix64(seed_l, x)`` is set. Each token's side is an independent fair
+  bit instead of an exact half split, as in MPAC; the reweighting adapts
+  ``delta`` to ``P0`` either way.
+* **Where it acts.** On the final filtered distribution (after temperature,
+  top-k and top-p: :meth:`BiMarkSequence.reweight`), not on the top-50 of the
+  raw logits before the other warpers. Unbiasedness then holds for the
+  distribution that is actually sampled.
+* **Repeated contexts** are neither reweighted nor scored, as in the
+  reference and in MPAC and WorldCup.
+
+Detection. The reference scores ``G = sum_b max(votes_b(0), votes_b(1))`` with
+``z = (G - T/2) / sqrt(T/4)`` (``T`` = all votes, ``d`` per scored token). As
+for MPAC, the majorities are chosen after looking at the counts, so under H0
+``E[z] > 0`` and the test is anti-conservative: that native z is reported only
+as ``DetectionResult.paper_z_score``. Under H0 each vote is a fair coin
+independent of every other (``c_l`` are independent keyed bits of distinct
+contexts, whatever the token), so a position's vote count is exactly
+Binomial(``d * tokens``, 1/2): the calibrated ``p_value`` is WorldCup's
+detector on these counts (randomised two-sided exact binomial per position,
+Fisher-combined; Šidák scan over ``b = 1..64`` when ``b`` is unknown).
+
+Reuse. A scored token becomes :class:`~worldcup_core.scoring.TokenEvidence`
+with one group and ``d`` trials, ``ones`` = its votes for bit 0. With
+``WatermarkConfig(groups=1, layers=d)`` one cell is one payload bit, so the
+existing ``detect``, ``decode`` (majority, erasures, per-bit binomial
+statistics, list decoding) and ``match_registry`` apply unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from worldcup_core.baselines.mpac import mpac_z_score
+from worldcup_core.config import WatermarkConfig
+from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch, decode
+from worldcup_core.decoder import match_registry as _match_registry
+from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, detect
+from worldcup_core.message import Payload
+from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context, splitmix64
+from worldcup_core.scoring import TokenEvidence
+
+if TYPE_CHECKING:
+    from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+U64Array = npt.NDArray[np.uint64]
+
+BIMARK_VERSION: Final = "bimark-v1"
+SUBKEY_LABEL: Final = "bimark"
+# Prefix of the text digest that seeds the detector's tie-break uniforms, so BiMark's
+# randomisation of a text is independent of WorldCup's and MPAC's.
+_TIEBREAK_DOMAIN: Final = b"bimark"
+_CONTEXT_DOMAIN: Final = b"\x00"
+_PARTITION_DOMAIN: Final = b"\x01"
+_TOP_BIT: Final = np.uint64(63)
+
+
+@dataclass(frozen=True)
+class BiMarkConfig:
+    """What BiMark's generator and detector share (besides the key).
+
+    >>> BiMarkConfig().layers, BiMarkConfig().base_delta
+    (10, 1.0)
+    """
+
+    layers: int = 10  # d
+    base_delta: float = 1.0  # delta~
+    gamma: float = 0.5
+    context_width: int = 2
+
+    def __post_init__(self) -> None:
+        if self.gamma != 0.5:
+            raise ValueError(
+                f"only gamma = 0.5 is supported (BiMark's half/half partitions, as in the "
+                f"paper's Appendix B), got {self.gamma}"
+            )
+        if not 1 <= self.layers <= 64:
+            raise ValueError(f"layers (d) must be in 1..64, got {self.layers}")
+        if not (math.isfinite(self.base_delta) and 0.0 <= self.base_delta <= 1.0):
+            # above 1 the down-scaled side 1 - delta would go negative
+            raise ValueError(f"base_delta must be in [0, 1], got {self.base_delta}")
+        if not 1 <= self.context_width <= 8:
+            raise ValueError(f"context_width must be in 1..8, got {self.context_width}")
+
+    @property
+    def cell_config(self) -> WatermarkConfig:
+        """The WorldCup configuration under which one cell is one payload bit."""
+        return WatermarkConfig(groups=1, layers=self.layers, context_width=self.context_width)
+
+
+class BiMarkPRF:
+    """BiMark's keyed functions, all under the subkey ``bimark``."""
+
+    __slots__ = ("_hasher", "partition_seeds")
+
+    def __init__(self, key: WatermarkKey, layers: int) -> None:
+        self._hasher = hashlib.blake2b(key=key.subkey(SUBKEY_LABEL), digest_size=16)
+        seeds = []
+        for layer in range(layers):
+            h = self._hasher.copy()
+            h.update(_PARTITION_DOMAIN + struct.pack("<I", layer))
+            seeds.append(int.from_bytes(h.digest()[:8], "little"))
+        self.partition_seeds: U64Array = np.array(seeds, dtype=np.uint64)
+
+    def __repr__(self) -> str:
+        return "BiMarkPRF(<keyed>)"
+
+    def context_hash(self, packed_context: bytes) -> tuple[int, int]:
+        """(flip seed, position hash) of one context."""
+        h = self._hasher.copy()
+        h.update(_CONTEXT_DOMAIN + packed_context)
+        digest = h.digest()
+        return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little")
+
+    def flips(self, flip_seeds: U64Array) -> npt.NDArray[np.uint8]:
+        """The bit flips ``c_l``, shape (n, d), for n flip seeds."""
+        layers = np.arange(self.partition_seeds.shape[0], dtype=np.int64)
+        bits = splitmix64(flip_seeds[:, None], layers[None, :]) >> _TOP_BIT
+        return bits.astype(np.uint8)
+
+    def in_v0(self, token_ids: IntArray) -> BoolArray:
+        """Partition membership ``x in V0_l``, shape (d, n)."""
+        raw = splitmix64(self.partition_seeds[:, None], token_ids[None, :]) >> _TOP_BIT
+        out: BoolArray = raw.astype(bool)
+        return out
+
+
+def bimark_reweight(
+    probs: FloatArray, in_v0: BoolArray, scale_v0_up: npt.NDArray[np.bool_], base_delta: float
+) -> FloatArray:
+    """Apply the ``d`` bit-flip layers in order to a distribution over candidates.
+
+    ``in_v0`` is (d, n); ``scale_v0_up[l]`` is ``e_l = c_l XOR b``. A layer whose
+    partition leaves one side empty (``P0`` or ``P1`` = 0) does nothing. Each layer
+    keeps the total mass; the final division only removes rounding.
+    """
+    q = np.array(probs, dtype=np.float64)
+    for layer in range(in_v0.shape[0]):
+        mask = in_v0[layer]
+        p0 = float(q[mask].sum())
+        p1 = float(q[~mask].sum())
+        if p0 <= 0.0 or p1 <= 0.0:
+            continue
+        delta = min(base_delta, p1 / p0)
+        beta = delta * p0 / p1
+        if scale_v0_up[layer]:
+            q = np.where(mask, q * (1.0 + delta), q * (1.0 - beta))
+        else:
+            q = np.where(mask, q * (1.0 - delta), q * (1.0 + beta))
+    q = np.maximum(q, 0.0)
+    out: FloatArray = q / q.sum()
+    return out
+
+
+def extract_bimark_evidence(
+    prf: BiMarkPRF, config: BiMarkConfig, token_ids: Sequence[int]
+) -> TokenEvidence:
+    """Layer votes of a response (response tokens only, never the prompt).
+
+    A token is scored only where its context occurs for the first time,
+    mirroring :meth:`BiMarkSequence.reweight`.
+    """
+    ids = [int(t) for t in token_ids]
+    width = config.context_width
+    seen: set[bytes] = set()
+    seeds: list[int] = []
+    positions: list[int] = []
+    tokens: list[int] = []
+    for t, token in enumerate(ids):
+        packed = pack_context(context_at(ids, t, width))
+        if packed in seen:
+            continue
+        seen.add(packed)
+        seed, position = prf.context_hash(packed)
+        seeds.append(seed)
+        positions.append(position)
+        tokens.append(token)
+    n = len(positions)
+    flips = prf.flips(np.array(seeds, dtype=np.uint64).reshape(n))  # (n, d)
+    in_v0 = prf.in_v0(np.array(tokens, dtype=np.int64).reshape(n)).T  # (n, d)
+    votes_for_one = in_v0.astype(np.int64) ^ flips.astype(np.int64)
+    ones = (config.layers - votes_for_one.sum(axis=1)).reshape(n, 1)  # votes for bit 0
+    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
+    return TokenEvidence(
+        position_u64=np.array(positions, dtype=np.uint64).reshape(n),
+        ones=ones.astype(np.int64),
+        trials_per_token=config.layers,
+        num_tokens=len(ids),
+        text_digest=_TIEBREAK_DOMAIN + digest,
+    )
+
+
+class BiMarkSequence:
+    """Per-sequence BiMark state: the response so far and the contexts seen."""
+
+    modifies_logits = False  # it reweights the final filtered distribution
+
+    def __init__(self, prf: BiMarkPRF, config: BiMarkConfig, payload: Payload) -> None:
+        self._prf = prf
+        self._config = config
+        self._bits = np.frombuffer(payload.bits.encode("ascii"), dtype=np.uint8) - ord("0")
+        self.generated: list[int] = []
+        self._seen: set[Context] = set()
+        self.watermarked_steps = 0
+
+    def __repr__(self) -> str:
+        return f"BiMarkSequence(config={self._config!r}, generated={len(self.generated)})"
+
+    def _context(self) -> Context:
+        return context_at(self.generated, len(self.generated), self._config.context_width)
+
+    def layer_directions(self) -> npt.NDArray[np.bool_] | None:
+        """``e_l = c_l XOR b`` for this step (True: scale V0 up), or None on a repeat."""
+        context = self._context()
+        if context in self._seen:
+            return None
+        seed, position = self._prf.context_hash(pack_context(context))
+        bit = self._bits[position % self._bits.shape[0]]
+        flips = self._prf.flips(np.array([seed], dtype=np.uint64))[0]
+        out: npt.NDArray[np.bool_] = (flips ^ bit).astype(bool)
+        return out
+
+    def process_logits(self, logits: FloatArray) -> FloatArray:
+        """BiMark leaves logits alone."""
+        return logits
+
+    def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
+        """The ``d`` bit-flip layers on the surviving candidates."""
+        directions = self.layer_directions()
+        if directions is None:
+            return probs
+        self.watermarked_steps += 1
+        in_v0 = self._prf.in_v0(np.asarray(candidates, dtype=np.int64))
+        return bimark_reweight(probs, in_v0, directions, self._config.base_delta)
+
+    def observe(self, token: int) -> None:
+        self._seen.add(self._context())
+        self.generated.append(int(token))
+
+
+class BiMark:
+    """The BiMark baseline with one key and configuration.
+
+    >>> bimark = BiMark(WatermarkKey(bytes(32)))
+    >>> bimark.detect([1, 2, 3], num_bits=8).num_scored_tokens
+    3
+    """
+
+    name = "bimark"
+    version = BIMARK_VERSION
+
+    def __init__(self, key: WatermarkKey, config: BiMarkConfig | None = None) -> None:
+        self.key = key
+        self.config = config or BiMarkConfig()
+        self._cells = self.config.cell_config
+        self._prf = PRF(key)  # the detector's tie-break stream only
+        self._bimark_prf = BiMarkPRF(key, self.config.layers)
+
+    def __repr__(self) -> str:
+        return f"BiMark(key_id={self.key.key_id!r}, config={self.config!r})"
+
+    def sequence(self, payload: Payload) -> BiMarkSequence:
+        return BiMarkSequence(self._bimark_prf, self.config, payload)
+
+    def evidence(self, token_ids: Sequence[int]) -> TokenEvidence:
+        return extract_bimark_evidence(self._bimark_prf, self.config, token_ids)
+
+    def _detect(
+        self, ev: TokenEvidence, num_bits: int | None, significance: float
+    ) -> DetectionResult:
+        result = detect(self._prf, self._cells, ev, num_bits, significance)
+        if num_bits is None:
+            # the scan's paper z, sum |2*ones - trials| / sqrt(T) over the selected
+            # grouping, is already BiMark's native z
+            return result
+        return replace(result, paper_z_score=mpac_z_score(ev, num_bits))
+
+    def detect(
+        self,
+        token_ids: Sequence[int],
+        num_bits: int | None = None,
+        significance: float = DEFAULT_SIGNIFICANCE,
+    ) -> DetectionResult:
+        return self._detect(self.evidence(token_ids), num_bits, significance)
+
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        num_bits: int,
+        list_size: int = DEFAULT_LIST_SIZE,
+        significance: float = DEFAULT_SIGNIFICANCE,
+    ) -> DecodeResult:
+        ev = self.evidence(token_ids)
+        detection = self._detect(ev, num_bits, significance)
+        return decode(self._cells, ev, num_bits, detection, list_size)
+
+    def match(self, token_ids: Sequence[int], candidates: list[str]) -> RegistryMatch | None:
+        return _match_registry(self._cells, self.evidence(token_ids), candidates)
+
+
+if TYPE_CHECKING:  # static proof that BiMark fits the harness's protocols
+
+    def _as_scheme(b: BiMark) -> WatermarkScheme:
+        return b
+
+    def _as_sequence(s: BiMarkSequence) -> SequenceWatermark:
+        return s
