@@ -18,6 +18,14 @@ from worldcup_core.baselines.mpac import (
     extract_mpac_evidence,
     mpac_z_score,
 )
+from worldcup_core.baselines.segmark import (
+    SEGMARK_VERSION,
+    SegMark,
+    SegMarkConfig,
+    SegMarkSequence,
+    extract_segmark_evidence,
+    rs_code_for,
+)
 from worldcup_core.prf import WatermarkKey
 
 if TYPE_CHECKING:
@@ -25,6 +33,7 @@ if TYPE_CHECKING:
 
 BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "mpac": MPAC,
+    "segmark": SegMark,
 }
 
 
@@ -43,7 +52,13 @@ __all__ = [
     "MPAC_VERSION",
     "MPACConfig",
     "MPACSequence",
+    "SEGMARK_VERSION",
+    "SegMark",
+    "SegMarkConfig",
+    "SegMarkSequence",
     "build_baseline",
     "extract_mpac_evidence",
+    "extract_segmark_evidence",
     "mpac_z_score",
+    "rs_code_for",
 ]
