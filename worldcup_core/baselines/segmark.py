@@ -49,7 +49,13 @@ Departures from the reference, and why:
   is not biased and its token is not scored.
 * **Erasures.** A segment that no scored token reached is passed to the
   Reed-Solomon decoder as an erasure (it corrects ``e`` errors and ``f``
-  erasures when ``2e + f <= n - k``) instead of as the argmax of zeros.
+  erasures when ``2e + f <= n - k``) instead of as the argmax of zeros; and a
+  word beyond hard-decision decoding goes to generalized minimum-distance
+  decoding over the segments' margins (:func:`read_codeword`), where the
+  reference falls back to the raw segments at once. With ``2^m`` values and a
+  few tokens per segment, tied maxima are common (a third of the segments at 32
+  bits and 128 tokens); erasing them rescues words hard decision cannot. Both
+  only add successes to the reference's decoder.
 * **Payload lengths** the rule cannot encode exactly (e.g. 17 bits) are
   zero-padded to the next length it can; the decoder drops the pad bits.
 * No newline or EOS logit tweaks (the reference's generator bans EOS and
@@ -93,7 +99,6 @@ from scipy import special
 
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.decoder import (
-    CONTRADICTION_P,
     DEFAULT_LIST_SIZE,
     Alternative,
     DecodeResult,
@@ -422,6 +427,40 @@ def native_score(count: IntArray, sizes: IntArray) -> tuple[int, float]:
     return s, (s - 0.5 * total) / (0.5 * math.sqrt(total))
 
 
+def read_codeword(
+    rs: ReedSolomon, count: IntArray, sizes: IntArray
+) -> tuple[IntArray, tuple[int, ...] | None]:
+    """Each segment's argmax (lowest value on ties), and the codeword decoded from it.
+
+    First the reference's hard decision: the argmax word, with segments no scored
+    token reached as erasures. If that is beyond the decoding radius, generalized
+    minimum-distance decoding (Forney, 1966): erase the ``s`` least reliable
+    segments (smallest margin between the top two counts; ties have margin 0) for
+    ``s`` up to ``n - k``, and keep the decoded codeword with the most green tokens.
+    A known-unreliable segment costs one unit of the ``n - k`` budget as an erasure
+    but two as an error, so this only adds successes to hard decision.
+    """
+    raw = count.argmax(axis=1)
+    empty = [int(i) for i in np.flatnonzero(sizes == 0)]
+    word = rs.decode(raw.tolist(), empty)
+    if word is not None:
+        return raw, word
+    top2 = np.sort(count, axis=1)[:, -2:]
+    margin = np.where(sizes > 0, top2[:, 1] - top2[:, 0], -1)  # empty segments first
+    order = np.argsort(margin, kind="stable")
+    rows = np.arange(count.shape[0])
+    best: tuple[int, ...] | None = None
+    best_green = -1
+    for erasures in range(len(empty) + 1, rs.code.n - rs.code.k + 1):
+        candidate = rs.decode(raw.tolist(), sorted(order[:erasures].tolist()))
+        if candidate is None:
+            continue
+        green = int(count[rows, np.array(candidate)].sum())
+        if green > best_green:
+            best, best_green = candidate, green
+    return raw, best
+
+
 class SegMarkSequence:
     """Per-sequence SegMark state: the response so far and the contexts seen."""
 
@@ -572,9 +611,8 @@ class SegMark:
         rs = reed_solomon(code)
         count, sizes = ev.counts(code.n, code.m)
         order = np.argsort(-count, axis=1, kind="stable")
-        raw = order[:, 0]
+        raw, word = read_codeword(rs, count, sizes)
         erased = [int(i) for i in np.flatnonzero(sizes == 0)]
-        word = rs.decode(raw.tolist(), erased)
         if word is None:
             symbols = raw.tolist()
             bits = "".join(
@@ -648,7 +686,14 @@ class SegMark:
         For a fixed entry each scored token is green under its segment's value
         with probability exactly 1/2 under H0, so the agreement is exactly
         Binomial(T, 1/2): an exact p-value, Bonferroni-corrected for the
-        registry size. Posterior and the contradiction rule as WorldCup's.
+        registry size. The posterior is WorldCup's (uniform prior over the
+        registry, bias estimated from the best entry) with one more competitor: the
+        payload Reed-Solomon-decoded from the text itself when it is not in the
+        registry. A wrong entry differs from the embedded codeword in at least
+        ``n - k + 1`` segments, so a text watermarked with an unregistered payload
+        is not pinned on its nearest entry. (WorldCup's rule, a cell leaning
+        against the entry's bit beyond chance, has no analogue here: a wrong value
+        of a ``2^m``-ary segment sits at chance, it is not pushed below it.)
         """
         if not candidates:
             return None
@@ -674,10 +719,11 @@ class SegMark:
         delta = a_best / total - 0.5
         logits = _llr_scale(delta) * (agreement - a_best).astype(np.float64)
         posterior = float(1.0 / np.exp(logits).sum())
-        live = sizes > 0
-        contradiction = log_binom_half_cdf(per_segment[best][live], sizes[live])
-        if float(contradiction.min()) + math.log(code.n) < math.log(CONTRADICTION_P):
-            posterior = 0.0  # some segment leans against this entry beyond chance
+        _, decoded = read_codeword(reed_solomon(code), count, sizes)
+        if decoded is not None and not (words == np.array(decoded)).all(axis=1).any():
+            # the text's own payload is outside the registry: it competes as one more entry
+            outside = int(count[np.arange(code.n), np.array(decoded)].sum())
+            posterior = 1.0 / (1.0 / posterior + math.exp(_llr_scale(delta) * (outside - a_best)))
         runner = int(ranked[1]) if len(candidates) > 1 else None
         margin = a_best - int(agreement[runner]) if runner is not None else a_best - total / 2
         return RegistryMatch(
