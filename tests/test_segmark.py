@@ -454,3 +454,20 @@ def test_registry_match_is_calibrated_on_null_text() -> None:
         assert match is not None
         p.append(match.p_value)
     assert np.mean(np.array(p) < 0.05) <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / len(p))
+
+
+# --- the evaluation report -----------------------------------------------------------------
+
+
+def test_report_states_the_settings_of_every_baseline_in_the_run() -> None:
+    from worldcup_core.baselines import BASELINE_SETTINGS, describe_settings
+    from worldcup_eval.report import _baseline_settings
+
+    assert set(BASELINE_SETTINGS) == set(BASELINES)  # a new baseline must say its settings
+    lines = _baseline_settings(["unwatermarked", "worldcup-k2", "segmark"])
+    assert len(lines) == 2 and "segmark" in lines[1] and "RS(6,4)" in lines[1]
+    assert "mpac" not in "".join(lines)  # only what the run holds
+    assert _baseline_settings(["unwatermarked", "worldcup-k2"]) == []
+    assert "delta=2" in describe_settings("segmark") and "gamma=0.5" in describe_settings("mpac")
+    with pytest.raises(ValueError, match="unknown baseline"):
+        describe_settings("nope")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from worldcup_core.baselines import mpac, segmark
 from worldcup_core.baselines.mpac import (
     MPAC,
     MPAC_VERSION,
@@ -36,6 +37,21 @@ BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "segmark": SegMark,
 }
 
+# One line per baseline: its settings as the evaluation report states them.
+BASELINE_SETTINGS: dict[str, str] = {
+    "mpac": mpac.SETTINGS,
+    "segmark": segmark.SETTINGS,
+}
+
+
+def describe_settings(name: str) -> str:
+    """The settings line of baseline ``name`` (each module's ``SETTINGS``)."""
+    try:
+        return BASELINE_SETTINGS[name]
+    except KeyError:
+        known = ", ".join(sorted(BASELINE_SETTINGS))
+        raise ValueError(f"unknown baseline {name!r}; known: {known}") from None
+
 
 def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
     """The baseline called ``name`` under ``key``; ``ValueError`` names the known ones."""
@@ -48,6 +64,7 @@ def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
 
 __all__ = [
     "BASELINES",
+    "BASELINE_SETTINGS",
     "MPAC",
     "MPAC_VERSION",
     "MPACConfig",
@@ -57,6 +74,7 @@ __all__ = [
     "SegMarkConfig",
     "SegMarkSequence",
     "build_baseline",
+    "describe_settings",
     "extract_mpac_evidence",
     "extract_segmark_evidence",
     "mpac_z_score",

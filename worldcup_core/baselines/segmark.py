@@ -132,11 +132,13 @@ SEGMARK_VERSION: Final = "segmark-v1"
 MIN_RATE: Final = 0.6
 MIN_CORRECTABLE: Final = 0.15
 SYMBOL_BITS: Final = range(2, 9)  # GF(2^2) .. GF(2^8), as rs_search.py
+# What the evaluation report says about this baseline (``describe_settings``).
 SETTINGS: Final = (
-    "SegMark: RSBH (segments hashed from the context, Reed-Solomon over GF(2^m), "
-    "code per payload length by the reference's rule k/n >= 0.6, t/n >= 0.15, smallest n: "
-    "16 bits RS(6,4,m=4), 24 RS(5,3,m=8), 32 RS(6,4,m=8), 48 RS(10,6,m=8)), "
-    "gamma=0.5, delta=2"
+    "SegMark: RSBH, segments hashed from the last c=2 generated tokens, Reed-Solomon over "
+    "GF(2^m) chosen per payload length by the reference's rule (k/n >= 0.6, t/n >= 0.15, "
+    "smallest n: 16 bits RS(6,4) m=4, 24 RS(5,3) m=8, 32 RS(6,4) m=8, 48 RS(10,6) m=8), "
+    "green list shifted by the segment value, gamma=0.5, delta=2; calibrated p-value from "
+    "the exact null law of the native max-sum score, native z (anti-conservative) beside it"
 )
 
 
