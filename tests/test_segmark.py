@@ -360,7 +360,7 @@ def test_null_pvalues_are_exact_and_native_z_is_not(random_texts: list[list[int]
     assert stats.kstest(p, "uniform").pvalue > 1e-3
     z = np.array([r.paper_z_score for r in results])
     assert z.mean() > 5.0  # sums of maxima of 256 binomials: far from centred
-    assert np.mean(z > 2.326) > 0.5  # the reference's nominal 1% test fires on most null texts
+    assert np.mean(z > 2.326) > 0.95  # the reference's nominal 1% test fires on null text
     assert min(r.num_scored_tokens for r in results[-200:]) < 64  # repeats were skipped
 
 
