@@ -37,10 +37,14 @@ Departures from the reference, and why:
   per context). Scored contexts are distinct, so every scored token lands in
   each segment with probability exactly ``1 / n``, independently, on *any*
   text: the expected balance the reference buys with the frequency table, with
-  multinomial spread (a table keyed on one token sends every successor of a
-  recurring token to the same segment, which adds spread), and segment labels
-  that are independent of the colours under H0, which the exact p-value below
-  needs. The frequency-balanced table itself is not implemented.
+  multinomial spread, and segment labels that are independent of the colours
+  under H0, which the exact p-value below needs. A table keyed on one token
+  sends every successor of a recurring token to the same segment, which adds
+  spread: on the project's human text (793 chunks of 256 SmolLM2 tokens,
+  repeated contexts dropped), a frequency-balanced table fitted *in sample* (its
+  best case) gives segment sizes with a mean coefficient of variation of 0.185
+  at n = 6 and 0.25 at n = 10, against 0.141 and 0.193 for context hashing.
+  The frequency-balanced table itself is not implemented.
 * **Colouring.** Each token's colour is an independent Bernoulli(1/2) bit
   (``vocab_bits``: SplitMix64 keyed by the seed) instead of an exact half split
   of ``torch.randperm``, and the shift by ``v`` is over the integers (token
