@@ -1,4 +1,4 @@
-"""The evaluation harness: WorldCup vs MPAC vs unwatermarked, as in the paper's Section 4.
+"""The evaluation harness: WorldCup vs the baselines vs unwatermarked, as in the paper's Section 4.
 
 ``worldcup eval`` (or :func:`run_eval`) generates every (scheme, payload
 length) cell once, caches it batch by batch, and turns the cache into

@@ -16,6 +16,8 @@ the same thing:
   ``worldcup-v2-`` forms): the non-distortionary preset (no subtraction; unbiased
   over keys), a main scheme users choose for text quality;
 * ``mpac``: the MPAC baseline (lefthash, c=2, gamma=0.5, delta=2);
+* ``segmark``: the SegMark baseline (RSBH: Reed-Solomon segments, c=2, gamma=0.5, delta=2);
+  every baseline's settings are in ``worldcup_core.baselines.BASELINE_SETTINGS``;
 * ``worldcup-k2-no-entropy``, ``-no-subtraction``, ``-random-second``: the
   paper's ablations (Section 5.1), listed under ``ablations`` and run only at
   ``ablation_bits`` x ``ablation_lengths``.

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from worldcup_core.baselines import BASELINES, describe_settings
+
 NA = "—"
 
 
@@ -47,6 +49,18 @@ def _status(results: dict[str, Any]) -> str:
     )
 
 
+def _baseline_settings(schemes: Iterable[str]) -> list[str]:
+    """One protocol line per baseline in the run, in the words of its own module."""
+    present = [s for s in schemes if s in BASELINES]
+    if not present:
+        return []
+    lines = [
+        "- Baselines (each as in the WorldCup paper's Appendix B; departures from the "
+        "reference code are listed in each module's docstring):"
+    ]
+    return lines + [f"  - `{s}`: {describe_settings(s)}." for s in present]
+
+
 def _protocol(results: dict[str, Any]) -> str:
     cfg, p = results["config"], results["protocol"]
     by_ds = ", ".join(f"{n} {d}" for d, n in p["prompts_by_dataset"].items())
@@ -61,9 +75,10 @@ def _protocol(results: dict[str, Any]) -> str:
         f"{', '.join(map(str, cfg['lengths']))}; temperature {cfg['temperature']}, top-k "
         f"{cfg['top_k']}, top-p {cfg['top_p']}, "
         f"no_repeat_ngram_size {cfg['no_repeat_ngram_size']}, "
-        f"context width c=2; WorldCup m={cfg['layers']}, alpha={cfg['alpha']}; MPAC lefthash, "
-        "gamma=0.5, delta=2. Batched generation, batch size "
-        f"{cfg['batch_size']}, seed {cfg['seed']}, watermark key id `{p['key_id']}`.",
+        f"context width c=2; WorldCup m={cfg['layers']}, alpha={cfg['alpha']}. Batched "
+        f"generation, batch size {cfg['batch_size']}, seed {cfg['seed']}, watermark key id "
+        f"`{p['key_id']}`.",
+        *_baseline_settings(cfg["schemes"]),
         f"- **One generation per cell, at {p['generated_length']} tokens.** A shorter table "
         "reads the first tokens of the same texts: sampling is causal (token t depends only "
         "on the prompt and the tokens before it, and stopping at EOS is decided token by "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from worldcup_core.baselines import bimark, mpac, segmark, stealthink
 from worldcup_core.baselines.bimark import (
     BIMARK_VERSION,
     BiMark,
@@ -25,6 +26,14 @@ from worldcup_core.baselines.mpac import (
     MPACSequence,
     extract_mpac_evidence,
     mpac_z_score,
+)
+from worldcup_core.baselines.segmark import (
+    SEGMARK_VERSION,
+    SegMark,
+    SegMarkConfig,
+    SegMarkSequence,
+    extract_segmark_evidence,
+    rs_code_for,
 )
 from worldcup_core.baselines.stealthink import (
     STEALTHINK_VERSION,
@@ -42,8 +51,26 @@ if TYPE_CHECKING:
 BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "mpac": MPAC,
     "bimark": BiMark,
+    "segmark": SegMark,
     "stealthink": StealthInk,
 }
+
+# One line per baseline: its settings as the evaluation report states them.
+BASELINE_SETTINGS: dict[str, str] = {
+    "mpac": mpac.SETTINGS,
+    "bimark": bimark.SETTINGS,
+    "segmark": segmark.SETTINGS,
+    "stealthink": stealthink.SETTINGS,
+}
+
+
+def describe_settings(name: str) -> str:
+    """The settings line of baseline ``name`` (each module's ``SETTINGS``)."""
+    try:
+        return BASELINE_SETTINGS[name]
+    except KeyError:
+        known = ", ".join(sorted(BASELINE_SETTINGS))
+        raise ValueError(f"unknown baseline {name!r}; known: {known}") from None
 
 
 def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
@@ -57,6 +84,7 @@ def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
 
 __all__ = [
     "BASELINES",
+    "BASELINE_SETTINGS",
     "BIMARK_VERSION",
     "BiMark",
     "BiMarkConfig",
@@ -65,15 +93,22 @@ __all__ = [
     "MPAC_VERSION",
     "MPACConfig",
     "MPACSequence",
+    "SEGMARK_VERSION",
     "STEALTHINK_VERSION",
+    "SegMark",
+    "SegMarkConfig",
+    "SegMarkSequence",
     "StealthInk",
     "StealthInkConfig",
     "StealthInkSequence",
     "bimark_reweight",
     "build_baseline",
+    "describe_settings",
     "extract_bimark_evidence",
     "extract_mpac_evidence",
+    "extract_segmark_evidence",
     "extract_stealthink_evidence",
     "mpac_z_score",
+    "rs_code_for",
     "stealthink_reweight",
 ]

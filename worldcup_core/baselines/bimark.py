@@ -100,6 +100,11 @@ BoolArray = npt.NDArray[np.bool_]
 U64Array = npt.NDArray[np.uint64]
 
 BIMARK_VERSION: Final = "bimark-v1"
+SETTINGS: Final = (
+    "BiMark: bit-flip unbiased multilayer reweighting over the last c=2 generated tokens, "
+    "d=10 layers, base scaling delta~=1.0, gamma=0.5; calibrated p-value from exact binomial "
+    "layer votes, native z (not calibrated) reported beside it"
+)
 SUBKEY_LABEL: Final = "bimark"
 # Prefix of the text digest that seeds the detector's tie-break uniforms, so BiMark's
 # randomisation of a text is independent of WorldCup's and MPAC's.

@@ -79,6 +79,12 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 MPAC_VERSION: Final = "mpac-v1"
+# What the evaluation report says about this baseline (``describe_settings``).
+SETTINGS: Final = (
+    "MPAC: lefthash over the last c=2 generated tokens, gamma=0.5 (binary colours, one "
+    "payload bit per position), delta=2; calibrated p-value from exact binomial cells, "
+    "native z (anti-conservative) reported beside it"
+)
 # Prefix of the text digest: it seeds the detector's tie-break uniforms, so
 # MPAC's and WorldCup's randomisations of the same text stay independent.
 _TIEBREAK_DOMAIN: Final = b"mpac"

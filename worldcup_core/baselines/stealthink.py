@@ -105,6 +105,12 @@ IntArray = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
 STEALTHINK_VERSION: Final = "stealthink-v1"
+SETTINGS: Final = (
+    "StealthInk: keyed permutation seeded from the last c=2 generated tokens (the appendix's "
+    "window; the reference's simple_3 reads 3), H=1 (two colour lists, one bit per position), "
+    "red-interval removal with mirror doubling; calibrated p-value from exact binomial colour "
+    "counts, native z (not calibrated) reported beside it"
+)
 SUBKEY_LABEL: Final = "stealthink"
 # Prefix of the text digest that seeds the detector's tie-break uniforms.
 _TIEBREAK_DOMAIN: Final = b"stealthink"
