@@ -15,7 +15,8 @@ the same thing:
 * ``worldcup-k1-nondistortionary``, ``worldcup-k2-nondistortionary`` (and the
   ``worldcup-v2-`` forms): the non-distortionary preset (no subtraction; unbiased
   over keys), a main scheme users choose for text quality;
-* ``mpac``: the MPAC baseline (lefthash, c=2, gamma=0.5, delta=2);
+* ``mpac``, ``bimark``, ``segmark``, ``stealthink``: the paper's baselines (each
+  module's ``SETTINGS``; any name in ``worldcup_core.baselines.BASELINES``);
 * ``segmark``: the SegMark baseline (RSBH: Reed-Solomon segments, c=2, gamma=0.5, delta=2);
   every baseline's settings are in ``worldcup_core.baselines.BASELINE_SETTINGS``;
 * ``worldcup-k2-no-entropy``, ``-no-subtraction``, ``-random-second``: the
@@ -35,7 +36,18 @@ from typing import Any
 from worldcup_core.baselines import BASELINES
 from worldcup_core.config import MAX_PAYLOAD_BITS, SamplingConfig, Variant, WatermarkConfig
 
-MAIN_SCHEMES = ("unwatermarked", "worldcup-k1", "worldcup-k2", "mpac")
+# The paper's Table 1 (WorldCup and the four baselines) and WorldCup's quality preset.
+MAIN_SCHEMES = (
+    "unwatermarked",
+    "worldcup-k1",
+    "worldcup-k2",
+    "worldcup-k1-nondistortionary",
+    "worldcup-k2-nondistortionary",
+    "mpac",
+    "bimark",
+    "segmark",
+    "stealthink",
+)
 ABLATIONS = ("no-entropy", "no-subtraction", "random-second")
 PRESETS = ("nondistortionary",)  # variants run as main schemes, not as ablations
 ATTACKS = ("deletion", "synonym", "copy-paste", "paraphrase")
@@ -89,13 +101,14 @@ def scheme_spec(name: str, layers: int = 30, alpha: float = 1.2) -> SchemeSpec:
         if rest.startswith(base + "-") and rest.removeprefix(base + "-") in ABLATIONS + PRESETS:
             variant = rest.removeprefix(base + "-")
             return SchemeSpec(name, "worldcup", k, layers, alpha, variant, version)
-    known = ", ".join(
+    names = (
         MAIN_SCHEMES
-        + tuple(b for b in BASELINES if b not in MAIN_SCHEMES)
+        + tuple(BASELINES)
         + ("worldcup-v2-k1", "worldcup-v2-k2")
         + tuple(f"worldcup{v}-k{k}-{p}" for v in ("", "-v2") for k in (1, 2) for p in PRESETS)
         + tuple(f"{ABLATION_BASE}-{a}" for a in ABLATIONS)
     )
+    known = ", ".join(dict.fromkeys(names))  # each once, in this order
     raise ValueError(f"unknown scheme {name!r}; known: {known}")
 
 
