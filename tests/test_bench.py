@@ -55,3 +55,33 @@ def test_bench_encoding_pairs_wall_and_cpu_time() -> None:
     assert all(s > 0 for s in result["plain_cpu_seconds"] + result["watermarked_cpu_seconds"])
     assert 0.0 < result["ratio_cpu"] < 10.0 and 0.0 < result["ratio"] < 10.0
     assert result["reweight_us_per_token"] > 0  # the batched v2 step was timed
+
+
+def test_engine_bench_ratio_is_paired_per_repeat() -> None:
+    """The vLLM ratio pairs each repeat's waves: a repeat run under heavy load (both arms
+    slow) must not move it, where a ratio of medians would."""
+    import pytest
+
+    from worldcup_cli.engine_bench import _level_summary, paired_ratio
+
+    def wave(tps: float) -> dict[str, object]:
+        return {
+            "concurrency": 8,
+            "tokens_per_s": tps,
+            "ttft_median_s": 1.0,
+            "per_sequence_tokens_per_s": tps / 8,
+        }
+
+    plain = [wave(100.0), wave(20.0), wave(100.0)]  # the second repeat ran under load
+    marked = [wave(96.0), wave(19.2), wave(97.0)]
+    assert paired_ratio(marked, plain) == 0.96
+    # pairs 0.99, 0.9, 0.833: median 0.9, where the ratio of the medians (50/60) is 0.833
+    assert (
+        paired_ratio([wave(99.0), wave(18.0), wave(50.0)], [wave(100.0), wave(20.0), wave(60.0)])
+        == 0.9
+    )
+    summary = _level_summary(plain)
+    assert summary["tokens_per_s"] == 100.0 and summary["repeats"] == 3
+    assert summary["tokens_per_s_each"] == [100.0, 20.0, 100.0]
+    with pytest.raises(ValueError):
+        paired_ratio(marked, plain[:2])

@@ -197,6 +197,15 @@ def _level_summary(waves: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def paired_ratio(marked: list[dict[str, Any]], plain: list[dict[str, Any]]) -> float:
+    """Median over repeats of tokens/s marked / plain, each repeat's two waves taken
+    back to back: a load change between repeats cancels within each pair."""
+    if not marked or len(marked) != len(plain):
+        raise ValueError("one plain wave per watermarked wave is needed")
+    pairs = zip(marked, plain, strict=True)
+    return round(statistics.median(m["tokens_per_s"] / p["tokens_per_s"] for m, p in pairs), 3)
+
+
 def run_engine_bench(
     *,
     device: str = "cpu",
@@ -235,15 +244,7 @@ def run_engine_bench(
     if {"vllm-plain", "vllm-worldcup"} <= set(results):
         by = {a.variant: a for a in arms}
         ratios = {
-            c: round(
-                statistics.median(
-                    m["tokens_per_s"] / p["tokens_per_s"]
-                    for m, p in zip(
-                        by["vllm-worldcup"].waves[c], by["vllm-plain"].waves[c], strict=True
-                    )
-                ),
-                3,
-            )
+            c: paired_ratio(by["vllm-worldcup"].waves[c], by["vllm-plain"].waves[c])
             for c in ENGINE_LEVELS
         }
         out["worldcup_over_plain"] = {str(c): r for c, r in ratios.items()}
