@@ -267,7 +267,7 @@ STAT_PROMPTS = (
 
 
 def test_statistical_round_trip_32_bits(service: Service, data_dir: Path) -> None:
-    """8 prompts, 128 tokens, 32-bit payloads: mean bit accuracy >= 0.95 and every detect
+    """8 prompts, 128 tokens, 32-bit payloads: mean bit accuracy >= 0.92 and every detect
     p < 1e-6; human texts (null) stay unflagged. Sampled from the model's full distribution
     (temperature 1, top-k 200, top-p off): the embedded 135M model is confident, and its
     default nucleus leaves too little entropy to carry 32 bits in 128 tokens reliably."""
@@ -300,7 +300,11 @@ def test_statistical_round_trip_32_bits(service: Service, data_dir: Path) -> Non
         accuracies.append(sum(a == b for a, b in zip(dec["bits"], bits, strict=True)) / 32)
         det = service.http.post("/detect", json={"text": text}, headers=service.auth).json()
         assert det["p_value"] < 1e-6, det
-    assert sum(accuracies) / len(accuracies) >= 0.95, accuracies
+    # ~0.965 expected (hf engine, quiet machine: 0.961-0.977 over four runs; batch
+    # composition varies with request timing, so texts do too); 8 texts give a standard
+    # error of ~0.011, so 0.92 sits 4 SE below: a watermark that works passes, a broken
+    # one (0.5) cannot
+    assert sum(accuracies) / len(accuracies) >= 0.92, accuracies
     lines = (data_dir / "cnn_dailymail_test.jsonl").read_text().splitlines()[:8]
     for line in lines:
         human = json.loads(line)
