@@ -6,7 +6,12 @@ temporary directory), all up at once in this process:
 1. ``hf``: our continuous-batching loop;
 2. ``vllm-plain``: vLLM without the WorldCup processor (requests run with
    vLLM's own sampling and carry no watermark): the baseline;
-3. ``vllm-worldcup``: vLLM with the processor, as served.
+3. ``vllm-worldcup``: vLLM with the processor, as served;
+4. ``vllm-plain-unfiltered`` (opt-in): the plain baseline with top-k and top-p
+   off, i.e. vLLM sampling the whole distribution at the request's temperature.
+   The processor applies top-k/top-p itself and hands vLLM a distribution with
+   nothing left to filter, so on a CPU, where vLLM's own top-k/top-p sampler is
+   costly, this arm isolates what the processor itself costs.
 
 The arms start one after another (cold start: app creation to the first
 ``/ready`` 200, weights already converted and cached). Then the waves are
@@ -49,6 +54,7 @@ from worldcup_cli.service_bench import (
 ENGINE_LEVELS = (1, 8, 32)
 TARGET_RATIO = 0.95  # vLLM + WorldCup against vLLM plain, at 8 and 32 concurrent
 VARIANTS = ("hf", "vllm-plain", "vllm-worldcup")
+KNOWN_VARIANTS = (*VARIANTS, "vllm-plain-unfiltered")
 
 
 def _settings(variant: str, device: str, max_batch: int, port: int, tmp: str, token: str) -> Any:
@@ -91,7 +97,7 @@ class _Arm:
 
     @property
     def watermarked(self) -> bool:
-        return self.variant != "vllm-plain"
+        return not self.variant.startswith("vllm-plain")
 
 
 def _start_arm(
@@ -106,10 +112,15 @@ def _start_arm(
     port = sock.getsockname()[1]
     stack.callback(sock.close)
     load = vllm_engine.VLLMEngine.load
-    if variant == "vllm-plain":
-        # the baseline only: the service never loads vLLM without the processor
+    if variant.startswith("vllm-plain"):
+        # the baselines only: the service never loads vLLM without the processor
+        unfiltered = variant == "vllm-plain-unfiltered"
+
         def plain(s: Any, m: Any, watermark: bool = True) -> Any:
-            return load(s, m, watermark=False)
+            engine, tokenizer, name = load(s, m, watermark=False)
+            if unfiltered:
+                engine._params = _unfiltered(engine._params)
+            return engine, tokenizer, name
 
         vllm_engine.VLLMEngine.load = plain  # type: ignore[method-assign,assignment]
     progress(f"{variant}: starting the service on 127.0.0.1:{port}")
@@ -123,6 +134,17 @@ def _start_arm(
     finally:
         vllm_engine.VLLMEngine.load = load  # type: ignore[method-assign]
     return arm
+
+
+def _unfiltered(params: Any) -> Any:
+    """``VLLMEngine._params`` with the request's top-k and top-p switched off."""
+    from dataclasses import replace
+
+    def build(request: Any, handle: str) -> Any:
+        sampling = replace(request.sampling, top_k=0, top_p=1.0)
+        return params(replace(request, sampling=sampling), handle)
+
+    return build
 
 
 async def _ready(arm: _Arm, t_start: float, progress: Progress) -> float:
@@ -256,6 +278,12 @@ def run_engine_bench(
             }
             for c in (8, 32)
         }
+    if {"vllm-plain-unfiltered", "vllm-worldcup"} <= set(results):
+        by = {a.variant: a for a in arms}
+        out["worldcup_over_plain_unfiltered"] = {
+            str(c): paired_ratio(by["vllm-worldcup"].waves[c], by["vllm-plain-unfiltered"].waves[c])
+            for c in ENGINE_LEVELS
+        }
     return out
 
 
@@ -289,6 +317,9 @@ def format_engine_bench(result: dict[str, Any]) -> str:
         ]
         lines.append(f"{name:<15} {r['cold_start_seconds']:>8.1f} s   " + "   ".join(cells))
     ratios = ", ".join(f"{c}: {r}" for c, r in result["worldcup_over_plain"].items())
+    if "worldcup_over_plain_unfiltered" in result:
+        unf = ", ".join(f"{c}: {r}" for c, r in result["worldcup_over_plain_unfiltered"].items())
+        lines.append(f"vLLM + WorldCup / vLLM plain without top-k/top-p: {unf}")
     lines.append(
         f"vLLM + WorldCup / vLLM plain, median of paired repeats: {ratios} "
         f"(target >= {TARGET_RATIO} at 8 and 32)"

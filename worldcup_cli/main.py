@@ -407,7 +407,11 @@ def bench_service(
     ] = "hf",
     variants: Annotated[
         str,
-        typer.Option("--variants", help="With --engine vllm: which arms to run, comma-separated."),
+        typer.Option(
+            "--variants",
+            help="With --engine vllm: which arms to run, comma-separated "
+            "(also vllm-plain-unfiltered: plain with top-k/top-p off).",
+        ),
     ] = "hf,vllm-plain,vllm-worldcup",
     repeats: Annotated[
         int,
@@ -431,8 +435,9 @@ def bench_service(
                 "'worldcup[vllm]'"
             )
         chosen = tuple(v.strip() for v in variants.split(",") if v.strip())
-        if not chosen or set(chosen) - {"hf", "vllm-plain", "vllm-worldcup"}:
-            fail(f"--variants: a comma list of hf, vllm-plain, vllm-worldcup; got {variants!r}")
+        known = ("hf", "vllm-plain", "vllm-worldcup", "vllm-plain-unfiltered")
+        if not chosen or set(chosen) - set(known):
+            fail(f"--variants: a comma list of {', '.join(known)}; got {variants!r}")
         bench = run_engine_bench(
             device=device,
             variants=chosen,
