@@ -76,17 +76,15 @@ import hashlib
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from worldcup_core.baselines.cells import CountCellScheme
 from worldcup_core.baselines.mpac import mpac_z_score
 from worldcup_core.config import WatermarkConfig
-from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch, decode
-from worldcup_core.decoder import match_registry as _match_registry
-from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, detect
 from worldcup_core.message import Payload
 from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context, splitmix64
 from worldcup_core.scoring import TokenEvidence
@@ -297,7 +295,7 @@ class BiMarkSequence:
         self.generated.append(int(token))
 
 
-class BiMark:
+class BiMark(CountCellScheme):
     """The BiMark baseline with one key and configuration.
 
     >>> bimark = BiMark(WatermarkKey(bytes(32)))
@@ -324,37 +322,8 @@ class BiMark:
     def evidence(self, token_ids: Sequence[int]) -> TokenEvidence:
         return extract_bimark_evidence(self._bimark_prf, self.config, token_ids)
 
-    def _detect(
-        self, ev: TokenEvidence, num_bits: int | None, significance: float
-    ) -> DetectionResult:
-        result = detect(self._prf, self._cells, ev, num_bits, significance)
-        if num_bits is None:
-            # the scan's paper z, sum |2*ones - trials| / sqrt(T) over the selected
-            # grouping, is already BiMark's native z
-            return result
-        return replace(result, paper_z_score=mpac_z_score(ev, num_bits))
-
-    def detect(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int | None = None,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DetectionResult:
-        return self._detect(self.evidence(token_ids), num_bits, significance)
-
-    def decode(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int,
-        list_size: int = DEFAULT_LIST_SIZE,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DecodeResult:
-        ev = self.evidence(token_ids)
-        detection = self._detect(ev, num_bits, significance)
-        return decode(self._cells, ev, num_bits, detection, list_size)
-
-    def match(self, token_ids: Sequence[int], candidates: list[str]) -> RegistryMatch | None:
-        return _match_registry(self._cells, self.evidence(token_ids), candidates)
+    def _native_z(self, ev: TokenEvidence, num_bits: int) -> float:
+        return mpac_z_score(ev, num_bits)
 
 
 if TYPE_CHECKING:  # static proof that BiMark fits the harness's protocols

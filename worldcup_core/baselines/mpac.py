@@ -58,16 +58,14 @@ import hashlib
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from worldcup_core.baselines.cells import CountCellScheme
 from worldcup_core.config import WatermarkConfig
-from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch, decode
-from worldcup_core.decoder import match_registry as _match_registry
-from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, detect
 from worldcup_core.message import Payload
 from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context, vocab_bits
 from worldcup_core.scoring import TokenEvidence
@@ -220,7 +218,7 @@ class MPACSequence:
         self.generated.append(int(token))
 
 
-class MPAC:
+class MPAC(CountCellScheme):
     """The MPAC baseline with one key and configuration.
 
     >>> mpac = MPAC(WatermarkKey(bytes(32)))
@@ -246,37 +244,8 @@ class MPAC:
     def evidence(self, token_ids: Sequence[int]) -> TokenEvidence:
         return extract_mpac_evidence(self._prf, self.config, token_ids)
 
-    def _detect(
-        self, ev: TokenEvidence, num_bits: int | None, significance: float
-    ) -> DetectionResult:
-        result = detect(self._prf, self._cells, ev, num_bits, significance)
-        if num_bits is None:
-            # The scan's paper z, |2*ones - trials| summed over the selected
-            # grouping / sqrt(T), is already MPAC's native z at gamma = 1/2.
-            return result
-        return replace(result, paper_z_score=mpac_z_score(ev, num_bits, self.config.gamma))
-
-    def detect(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int | None = None,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DetectionResult:
-        return self._detect(self.evidence(token_ids), num_bits, significance)
-
-    def decode(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int,
-        list_size: int = DEFAULT_LIST_SIZE,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DecodeResult:
-        ev = self.evidence(token_ids)
-        detection = self._detect(ev, num_bits, significance)
-        return decode(self._cells, ev, num_bits, detection, list_size)
-
-    def match(self, token_ids: Sequence[int], candidates: list[str]) -> RegistryMatch | None:
-        return _match_registry(self._cells, self.evidence(token_ids), candidates)
+    def _native_z(self, ev: TokenEvidence, num_bits: int) -> float:
+        return mpac_z_score(ev, num_bits, self.config.gamma)
 
 
 if TYPE_CHECKING:  # static proof that MPAC fits the harness's protocols

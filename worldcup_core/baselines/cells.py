@@ -1,0 +1,66 @@
+"""What MPAC, BiMark and StealthInk share once their evidence is count cells.
+
+Each of the three packs a scored token as one trial in one (position, group)
+cell, ``ones`` counting the votes for bit 0 (see ``mpac.py``), so WorldCup's
+exact detector, decoder and registry match apply to them unchanged. This base
+class is that shared half: a baseline supplies ``evidence`` (its own PRF and
+colouring) and ``_native_z`` (its paper's score, reported beside the calibrated
+p-value), and inherits ``detect``, ``decode`` and ``match``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from worldcup_core.config import WatermarkConfig
+from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch, decode
+from worldcup_core.decoder import match_registry as _match_registry
+from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, detect
+from worldcup_core.prf import PRF
+from worldcup_core.scoring import TokenEvidence
+
+
+class CountCellScheme:
+    """Detection, decoding and registry matching over count-cell evidence."""
+
+    _prf: PRF  # the detector's tie-break stream
+    _cells: WatermarkConfig  # the cell layout: one group, one trial a token
+
+    def evidence(self, token_ids: Sequence[int]) -> TokenEvidence:
+        raise NotImplementedError
+
+    def _native_z(self, ev: TokenEvidence, num_bits: int) -> float:
+        raise NotImplementedError
+
+    def _detect(
+        self, ev: TokenEvidence, num_bits: int | None, significance: float
+    ) -> DetectionResult:
+        result = detect(self._prf, self._cells, ev, num_bits, significance)
+        if num_bits is None:
+            # the scan's paper z, sum |2*ones - trials| / sqrt(T) over the selected
+            # grouping, is already the native z of these schemes at gamma = 1/2
+            return result
+        return replace(result, paper_z_score=self._native_z(ev, num_bits))
+
+    def detect(
+        self,
+        token_ids: Sequence[int],
+        num_bits: int | None = None,
+        significance: float = DEFAULT_SIGNIFICANCE,
+    ) -> DetectionResult:
+        return self._detect(self.evidence(token_ids), num_bits, significance)
+
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        num_bits: int,
+        list_size: int = DEFAULT_LIST_SIZE,
+        significance: float = DEFAULT_SIGNIFICANCE,
+    ) -> DecodeResult:
+        ev = self.evidence(token_ids)
+        detection = self._detect(ev, num_bits, significance)
+        return decode(self._cells, ev, num_bits, detection, list_size)
+
+    def match(self, token_ids: Sequence[int], candidates: list[str]) -> RegistryMatch | None:
+        return _match_registry(self._cells, self.evidence(token_ids), candidates)
