@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from worldcup_core import Payload, SamplingConfig, Variant, WatermarkConfig, WatermarkKey, WorldCup
+from worldcup_core import (
+    Payload,
+    SamplingConfig,
+    Variant,
+    WatermarkConfig,
+    WatermarkKey,
+    WorldCup,
+    batched,
+)
 from worldcup_core.baselines import MPAC
 from worldcup_core.batched import BatchedWorldCup
 from worldcup_core.generation import ContinuousBatch, GenerationRequest, generate
@@ -47,8 +55,22 @@ def random_step(
     return cand, probs / probs.sum(axis=1, keepdims=True)
 
 
+@pytest.fixture(params=["compiled", "tensor"])
+def step_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The equality tests run on both CPU paths: numba's compiled loop and the tensor ops
+    (which every other device runs)."""
+    monkeypatch.setattr(batched, "JIT_ENABLED", request.param == "compiled")
+    assert batched.compiled_step_active() == (request.param == "compiled")
+    return str(request.param)
+
+
+def test_the_compiled_step_is_active() -> None:
+    """numba is a dependency: CPU steps must not silently fall back to the tensor path."""
+    assert batched.compiled_step_active()
+
+
 @pytest.mark.parametrize("seed", range(12))
-def test_batched_step_equals_the_per_row_reference(seed: int) -> None:
+def test_batched_step_equals_the_per_row_reference(seed: int, step_path: str) -> None:
     rng = np.random.default_rng(seed)
     rows = int(rng.integers(1, 10))
     n = int(rng.integers(1, 40))

@@ -40,12 +40,13 @@ from worldcup_core import (
     WatermarkKey,
     WorldCup,
 )
-from worldcup_core.batched import BatchedWorldCup
+from worldcup_core.batched import BatchedWorldCup, compiled_step_active
 from worldcup_core.encoder import IntArray
 from worldcup_core.generation import GenerationRequest, generate
 from worldcup_core.models import LoadedModel, load_model
 from worldcup_core.sampling import filter_logits_torch
 from worldcup_core.scheme import SequenceWatermark
+from worldcup_core.siphash import jit_active
 from worldcup_core.tournament import FloatArray
 
 Progress = Callable[[str], None]
@@ -507,6 +508,8 @@ def run_bench(
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "compiled_siphash": jit_active(),
+            "compiled_step": compiled_step_active(),
             "data_dir": str(data),
         },
         "encoding": encoding,

@@ -73,12 +73,18 @@ def _kernel(k0: U64, k1: U64, kstride: int, blocks: U64, final: U64, out: U64) -
         out[i] = v0 ^ v1 ^ v2 ^ v3
 
 
+def _lanes(key: U64 | int, n: int) -> U64:
+    """A key as n contiguous uint64 lanes (copied only when it must be)."""
+    if isinstance(key, np.ndarray) and key.shape == (n,):
+        return np.ascontiguousarray(key, dtype=np.uint64)
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(key, dtype=np.uint64), (n,)))
+
+
 def siphash13_jit(k0: U64 | int, k1: U64 | int, blocks: list[U64], final: U64) -> U64:
     """SipHash-1-3 of every lane: uint64 arrays of shape (N,), or scalar keys."""
     n = int(final.shape[0])
     if isinstance(k0, np.ndarray) or isinstance(k1, np.ndarray):
-        key0 = np.ascontiguousarray(np.broadcast_to(np.asarray(k0, dtype=np.uint64), (n,)))
-        key1 = np.ascontiguousarray(np.broadcast_to(np.asarray(k1, dtype=np.uint64), (n,)))
+        key0, key1 = _lanes(k0, n), _lanes(k1, n)
         stride = 1
     else:
         key0 = np.array([int(k0) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)

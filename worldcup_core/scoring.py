@@ -73,8 +73,11 @@ class TokenEvidence:
         return ones, trials, counts
 
 
-def symbol_index(position_u64: npt.NDArray[np.uint64], num_symbols: int, version: str) -> I64:
-    """The message position of each scored token: ``p mod B`` (v1), ``((p >> 32) B) >> 32`` (v2)."""
+def symbol_index(
+    position_u64: npt.NDArray[np.uint64], num_symbols: int | npt.NDArray[np.uint64], version: str
+) -> I64:
+    """The message position of each scored token: ``p mod B`` (v1), ``((p >> 32) B) >> 32`` (v2);
+    ``num_symbols`` may differ per token (the batched step's rows)."""
     if version == SCHEME_V1:
         return (position_u64 % np.uint64(num_symbols)).astype(np.int64)
     hi = position_u64 >> np.uint64(32)
