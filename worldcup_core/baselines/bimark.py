@@ -82,12 +82,13 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
-from worldcup_core.baselines.cells import CountCellScheme
+from worldcup_core.baselines.cells import CountCellScheme, hashed_contexts
 from worldcup_core.baselines.mpac import mpac_z_score
+from worldcup_core.baselines.sequence import ContextSequence
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.message import Payload
-from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context, splitmix64
-from worldcup_core.scoring import TokenEvidence
+from worldcup_core.prf import PRF, WatermarkKey, pack_context, splitmix64
+from worldcup_core.scoring import TokenEvidence, text_digest
 
 if TYPE_CHECKING:
     from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
@@ -218,68 +219,41 @@ def extract_bimark_evidence(
     mirroring :meth:`BiMarkSequence.reweight`.
     """
     ids = [int(t) for t in token_ids]
-    width = config.context_width
-    seen: set[bytes] = set()
-    seeds: list[int] = []
-    positions: list[int] = []
-    tokens: list[int] = []
-    for t, token in enumerate(ids):
-        packed = pack_context(context_at(ids, t, width))
-        if packed in seen:
-            continue
-        seen.add(packed)
-        seed, position = prf.context_hash(packed)
-        seeds.append(seed)
-        positions.append(position)
-        tokens.append(token)
+    seeds, positions, tokens = hashed_contexts(ids, config.context_width, prf.context_hash)
     n = len(positions)
-    flips = prf.flips(np.array(seeds, dtype=np.uint64).reshape(n))  # (n, d)
-    in_v0 = prf.in_v0(np.array(tokens, dtype=np.int64).reshape(n)).T  # (n, d)
+    flips = prf.flips(seeds)  # (n, d)
+    in_v0 = prf.in_v0(tokens).T  # (n, d)
     votes_for_one = in_v0.astype(np.int64) ^ flips.astype(np.int64)
     ones = (config.layers - votes_for_one.sum(axis=1)).reshape(n, 1)  # votes for bit 0
-    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
     return TokenEvidence(
-        position_u64=np.array(positions, dtype=np.uint64).reshape(n),
+        position_u64=positions,
         ones=ones.astype(np.int64),
         trials_per_token=config.layers,
         num_tokens=len(ids),
-        text_digest=_TIEBREAK_DOMAIN + digest,
+        text_digest=_TIEBREAK_DOMAIN + text_digest(ids),
     )
 
 
-class BiMarkSequence:
-    """Per-sequence BiMark state: the response so far and the contexts seen."""
+class BiMarkSequence(ContextSequence):
+    """Per-sequence BiMark state: the payload's bits on top of the shared bookkeeping."""
 
-    modifies_logits = False  # it reweights the final filtered distribution
+    _config: BiMarkConfig
 
     def __init__(self, prf: BiMarkPRF, config: BiMarkConfig, payload: Payload) -> None:
+        super().__init__(config)
         self._prf = prf
-        self._config = config
         self._bits = np.frombuffer(payload.bits.encode("ascii"), dtype=np.uint8) - ord("0")
-        self.generated: list[int] = []
-        self._seen: set[Context] = set()
-        self.watermarked_steps = 0
-
-    def __repr__(self) -> str:
-        return f"BiMarkSequence(config={self._config!r}, generated={len(self.generated)})"
-
-    def _context(self) -> Context:
-        return context_at(self.generated, len(self.generated), self._config.context_width)
 
     def layer_directions(self) -> npt.NDArray[np.bool_] | None:
         """``e_l = c_l XOR b`` for this step (True: scale V0 up), or None on a repeat."""
-        context = self._context()
-        if context in self._seen:
+        context = self.fresh_context()
+        if context is None:
             return None
         seed, position = self._prf.context_hash(pack_context(context))
         bit = self._bits[position % self._bits.shape[0]]
         flips = self._prf.flips(np.array([seed], dtype=np.uint64))[0]
         out: npt.NDArray[np.bool_] = (flips ^ bit).astype(bool)
         return out
-
-    def process_logits(self, logits: FloatArray) -> FloatArray:
-        """BiMark leaves logits alone."""
-        return logits
 
     def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
         """The ``d`` bit-flip layers on the surviving candidates."""
@@ -289,10 +263,6 @@ class BiMarkSequence:
         self.watermarked_steps += 1
         in_v0 = self._prf.in_v0(np.asarray(candidates, dtype=np.int64))
         return bimark_reweight(probs, in_v0, directions, self._config.base_delta)
-
-    def observe(self, token: int) -> None:
-        self._seen.add(self._context())
-        self.generated.append(int(token))
 
 
 class BiMark(CountCellScheme):

@@ -10,15 +10,41 @@ p-value), and inherits ``detect``, ``decode`` and ``match``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
 
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch, decode
 from worldcup_core.decoder import match_registry as _match_registry
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, detect
-from worldcup_core.prf import PRF
+from worldcup_core.prf import PRF, context_at, pack_context
 from worldcup_core.scoring import TokenEvidence
+
+
+def first_contexts(ids: Sequence[int], width: int) -> Iterator[tuple[int, bytes]]:
+    """``(t, packed context)`` of each response token whose context occurs for the first
+    time: the tokens a count-cell scheme biased at generation, so the only ones scored."""
+    seen: set[bytes] = set()
+    for t in range(len(ids)):
+        packed = pack_context(context_at(ids, t, width))
+        if packed not in seen:
+            seen.add(packed)
+            yield t, packed
+
+
+def hashed_contexts(
+    ids: Sequence[int], width: int, context_hash: Callable[[bytes], tuple[int, int]]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """(seeds, position hashes, tokens) of the scored tokens, for schemes whose context
+    hash yields a (seed, position) pair (BiMark, StealthInk)."""
+    scored = [(*context_hash(packed), ids[t]) for t, packed in first_contexts(ids, width)]
+    seeds = np.array([s for s, _, _ in scored], dtype=np.uint64).reshape(len(scored))
+    positions = np.array([p for _, p, _ in scored], dtype=np.uint64).reshape(len(scored))
+    tokens = np.array([x for _, _, x in scored], dtype=np.int64).reshape(len(scored))
+    return seeds, positions, tokens
 
 
 class CountCellScheme:

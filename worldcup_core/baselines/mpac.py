@@ -54,9 +54,7 @@ decoding) and ``match_registry`` apply unchanged.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -64,11 +62,12 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
-from worldcup_core.baselines.cells import CountCellScheme
+from worldcup_core.baselines.cells import CountCellScheme, first_contexts
+from worldcup_core.baselines.sequence import GreenListSequence
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.message import Payload
-from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context, vocab_bits
-from worldcup_core.scoring import TokenEvidence
+from worldcup_core.prf import PRF, Context, WatermarkKey, pack_context, vocab_bits
+from worldcup_core.scoring import TokenEvidence, text_digest
 
 if TYPE_CHECKING:
     from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
@@ -128,26 +127,19 @@ def extract_mpac_evidence(prf: PRF, config: MPACConfig, token_ids: Sequence[int]
     mirroring :meth:`MPACSequence.process_logits`.
     """
     ids = [int(t) for t in token_ids]
-    width = config.context_width
-    seen: set[bytes] = set()
     positions: list[int] = []
     colours: list[int] = []
-    for t, token in enumerate(ids):
-        packed = pack_context(context_at(ids, t, width))
-        if packed in seen:
-            continue
-        seen.add(packed)
+    for t, packed in first_contexts(ids, config.context_width):
         seed = prf.mpac_seed(packed)
         positions.append(_position_u64(prf, seed))
-        colours.append(int(vocab_bits(seed, np.array([token], dtype=np.int64))[0]))
+        colours.append(int(vocab_bits(seed, np.array([ids[t]], dtype=np.int64))[0]))
     n = len(positions)
-    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
     return TokenEvidence(
         position_u64=np.array(positions, dtype=np.uint64).reshape(n),
         ones=(1 - np.array(colours, dtype=np.int64)).reshape(n, 1),  # 1 <=> colour 0
         trials_per_token=1,
         num_tokens=len(ids),
-        text_digest=_TIEBREAK_DOMAIN + digest,
+        text_digest=_TIEBREAK_DOMAIN + text_digest(ids),
     )
 
 
@@ -165,57 +157,21 @@ def mpac_z_score(evidence: TokenEvidence, num_bits: int, gamma: float = 0.5) -> 
     return (majority - gamma * total) / math.sqrt(total * gamma * (1.0 - gamma))
 
 
-class MPACSequence:
-    """Per-sequence MPAC state: the response so far and the contexts seen."""
+class MPACSequence(GreenListSequence):
+    """Per-sequence MPAC state: the payload's bits on top of the shared bookkeeping."""
 
-    modifies_logits = True  # the loop must hand over full-vocabulary logits
+    _config: MPACConfig
 
     def __init__(self, prf: PRF, config: MPACConfig, payload: Payload) -> None:
+        super().__init__(config)
         self._prf = prf
-        self._config = config
         self._bits = np.frombuffer(payload.bits.encode("ascii"), dtype=np.uint8) - ord("0")
-        self._vocab: IntArray = np.arange(0, dtype=np.int64)
-        self.generated: list[int] = []
-        self._seen: set[Context] = set()
-        self.watermarked_steps = 0
 
-    def __repr__(self) -> str:
-        return f"MPACSequence(config={self._config!r}, generated={len(self.generated)})"
-
-    def _context(self) -> Context:
-        return context_at(self.generated, len(self.generated), self._config.context_width)
-
-    def green_mask(self, vocab_size: int) -> npt.NDArray[np.bool_] | None:
-        """This step's green list, or None where the context repeats."""
-        context = self._context()
-        if context in self._seen:
-            return None
-        if self._vocab.shape[0] != vocab_size:
-            self._vocab = np.arange(vocab_size, dtype=np.int64)
+    def _green(self, context: Context, vocab: IntArray) -> npt.NDArray[np.bool_]:
         seed = self._prf.mpac_seed(pack_context(context))
         bit = self._bits[_position_u64(self._prf, seed) % self._bits.shape[0]]
-        mask: npt.NDArray[np.bool_] = vocab_bits(seed, self._vocab) == bit
+        mask: npt.NDArray[np.bool_] = vocab_bits(seed, vocab) == bit
         return mask
-
-    def process_logits(self, logits: FloatArray) -> FloatArray:
-        """Full-vocabulary logits (last axis) plus ``delta`` on the green list.
-
-        Applied before temperature/top-k/top-p, as in KGW and MPAC.
-        """
-        mask = self.green_mask(logits.shape[-1])
-        if mask is None:
-            return logits
-        self.watermarked_steps += 1
-        out: FloatArray = logits + self._config.delta * mask
-        return out
-
-    def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
-        """MPAC acts on logits only."""
-        return probs
-
-    def observe(self, token: int) -> None:
-        self._seen.add(self._context())
-        self.generated.append(int(token))
 
 
 class MPAC(CountCellScheme):

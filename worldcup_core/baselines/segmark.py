@@ -108,6 +108,7 @@ import numpy.typing as npt
 import reedsolo
 from scipy import special
 
+from worldcup_core.baselines.sequence import GreenListSequence
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.decoder import (
     DEFAULT_LIST_SIZE,
@@ -474,58 +475,23 @@ def read_codeword(
     return raw, best
 
 
-class SegMarkSequence:
-    """Per-sequence SegMark state: the response so far and the contexts seen."""
+class SegMarkSequence(GreenListSequence):
+    """Per-sequence SegMark state: the payload's codeword on top of the shared bookkeeping."""
 
-    modifies_logits = True  # the loop must hand over full-vocabulary logits
+    _config: SegMarkConfig
 
     def __init__(self, hasher: _Hasher, config: SegMarkConfig, payload: Payload) -> None:
+        super().__init__(config)
         self._hasher = hasher
-        self._config = config
         self._code = rs_code_for(len(payload.bits))
         self._codeword = np.array(encode_payload(payload.bits), dtype=np.int64)
-        self._vocab: IntArray = np.arange(0, dtype=np.int64)
-        self.generated: list[int] = []
-        self._seen: set[Context] = set()
-        self.watermarked_steps = 0
 
-    def __repr__(self) -> str:
-        return f"SegMarkSequence(config={self._config!r}, generated={len(self.generated)})"
-
-    def _context(self) -> Context:
-        return context_at(self.generated, len(self.generated), self._config.context_width)
-
-    def green_mask(self, vocab_size: int) -> npt.NDArray[np.bool_] | None:
-        """This step's green list (shifted by its segment's value), or None on a repeat."""
-        context = self._context()
-        if context in self._seen:
-            return None
-        if self._vocab.shape[0] != vocab_size:
-            self._vocab = np.arange(vocab_size, dtype=np.int64)
+    def _green(self, context: Context, vocab: IntArray) -> npt.NDArray[np.bool_]:
+        """The green list, shifted by the value of this context's segment."""
         colour, segment = self._hasher.seeds(pack_context(context))
         value = int(self._codeword[int(segment_index(segment, self._code.n))])
-        mask: npt.NDArray[np.bool_] = vocab_bits(colour, self._vocab + value) == 1
+        mask: npt.NDArray[np.bool_] = vocab_bits(colour, vocab + value) == 1
         return mask
-
-    def process_logits(self, logits: FloatArray) -> FloatArray:
-        """Full-vocabulary logits (last axis) plus ``delta`` on the green list.
-
-        Applied before temperature/top-k/top-p, as in KGW and the reference.
-        """
-        mask = self.green_mask(logits.shape[-1])
-        if mask is None:
-            return logits
-        self.watermarked_steps += 1
-        out: FloatArray = logits + self._config.delta * mask
-        return out
-
-    def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
-        """SegMark acts on logits only."""
-        return probs
-
-    def observe(self, token: int) -> None:
-        self._seen.add(self._context())
-        self.generated.append(int(token))
 
 
 class SegMark:

@@ -80,7 +80,6 @@ unchanged.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -88,12 +87,13 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import numpy.typing as npt
 
-from worldcup_core.baselines.cells import CountCellScheme
+from worldcup_core.baselines.cells import CountCellScheme, hashed_contexts
 from worldcup_core.baselines.mpac import mpac_z_score
+from worldcup_core.baselines.sequence import ContextSequence
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.message import Payload
-from worldcup_core.prf import PRF, Context, WatermarkKey, context_at, pack_context, splitmix64
-from worldcup_core.scoring import TokenEvidence
+from worldcup_core.prf import PRF, WatermarkKey, pack_context, splitmix64
+from worldcup_core.scoring import TokenEvidence, text_digest
 
 if TYPE_CHECKING:
     from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
@@ -202,72 +202,38 @@ def extract_stealthink_evidence(
     mirroring :meth:`StealthInkSequence.reweight`.
     """
     ids = [int(t) for t in token_ids]
-    width = config.context_width
-    seen: set[bytes] = set()
-    seeds: list[int] = []
-    positions: list[int] = []
-    tokens: list[int] = []
-    for t, token in enumerate(ids):
-        packed = pack_context(context_at(ids, t, width))
-        if packed in seen:
-            continue
-        seen.add(packed)
-        seed, position = prf.context_hash(packed)
-        seeds.append(seed)
-        positions.append(position)
-        tokens.append(token)
+    seeds, positions, tokens = hashed_contexts(ids, config.context_width, prf.context_hash)
     n = len(positions)
-    words = prf.token_words(
-        np.array(seeds, dtype=np.uint64).reshape(n), np.array(tokens, dtype=np.int64).reshape(n)
-    )
-    colour = (words >> _TOP_BIT).astype(np.int64)
-    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=16).digest()
+    colour = (prf.token_words(seeds, tokens) >> _TOP_BIT).astype(np.int64)
     return TokenEvidence(
-        position_u64=np.array(positions, dtype=np.uint64).reshape(n),
+        position_u64=positions,
         ones=colour.reshape(n, 1),  # 1 <=> colour 1, the count favouring bit 0
         trials_per_token=1,
         num_tokens=len(ids),
-        text_digest=_TIEBREAK_DOMAIN + digest,
+        text_digest=_TIEBREAK_DOMAIN + text_digest(ids),
     )
 
 
-class StealthInkSequence:
-    """Per-sequence StealthInk state: the response so far and the contexts seen."""
+class StealthInkSequence(ContextSequence):
+    """Per-sequence StealthInk state: the payload's bits on top of the shared bookkeeping."""
 
-    modifies_logits = False  # it reweights the final filtered distribution
+    _config: StealthInkConfig
 
     def __init__(self, prf: StealthInkPRF, config: StealthInkConfig, payload: Payload) -> None:
+        super().__init__(config)
         self._prf = prf
-        self._config = config
         self._bits = np.frombuffer(payload.bits.encode("ascii"), dtype=np.uint8) - ord("0")
-        self.generated: list[int] = []
-        self._seen: set[Context] = set()
-        self.watermarked_steps = 0
-
-    def __repr__(self) -> str:
-        return f"StealthInkSequence(config={self._config!r}, generated={len(self.generated)})"
-
-    def _context(self) -> Context:
-        return context_at(self.generated, len(self.generated), self._config.context_width)
-
-    def process_logits(self, logits: FloatArray) -> FloatArray:
-        """StealthInk leaves logits alone."""
-        return logits
 
     def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
         """Remove the red interval's mass and double its mirror, over the candidates."""
-        context = self._context()
-        if context in self._seen:
+        context = self.fresh_context()
+        if context is None:
             return probs
         self.watermarked_steps += 1
         seed, position = self._prf.context_hash(pack_context(context))
         bit = int(self._bits[position % self._bits.shape[0]])
         words = self._prf.token_words(seed, np.asarray(candidates, dtype=np.int64))
         return stealthink_reweight(probs, words, bit)
-
-    def observe(self, token: int) -> None:
-        self._seen.add(self._context())
-        self.generated.append(int(token))
 
 
 class StealthInk(CountCellScheme):
