@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from worldcup_cli.bench import bench_decoding
 
 
@@ -54,6 +56,10 @@ def test_bench_encoding_pairs_wall_and_cpu_time() -> None:
     assert len(result["plain_cpu_seconds"]) == len(result["watermarked_cpu_seconds"]) == 2
     assert all(s > 0 for s in result["plain_cpu_seconds"] + result["watermarked_cpu_seconds"])
     assert 0.0 < result["ratio_cpu"] < 10.0 and 0.0 < result["ratio"] < 10.0
+    cpu = result["plain_cpu_seconds"], result["watermarked_cpu_seconds"]
+    paired = [p / w for p, w in zip(*cpu, strict=True)]
+    # the median of the two pairs' ratios (the seconds above are rounded to 1 ms)
+    assert result["ratio_cpu_paired"] == pytest.approx(sum(paired) / 2, rel=0.05)
     assert result["reweight_us_per_token"] > 0  # the batched v2 step was timed
 
 

@@ -39,6 +39,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from worldcup_cli.bench import paired_median
 from worldcup_cli.service_bench import (
     PAYLOAD_BITS,
     Progress,
@@ -224,8 +225,8 @@ def paired_ratio(marked: list[dict[str, Any]], plain: list[dict[str, Any]]) -> f
     back to back: a load change between repeats cancels within each pair."""
     if not marked or len(marked) != len(plain):
         raise ValueError("one plain wave per watermarked wave is needed")
-    pairs = zip(marked, plain, strict=True)
-    return round(statistics.median(m["tokens_per_s"] / p["tokens_per_s"] for m, p in pairs), 3)
+    rates = [m["tokens_per_s"] for m in marked], [p["tokens_per_s"] for p in plain]
+    return round(paired_median(*rates), 3)
 
 
 def run_engine_bench(
