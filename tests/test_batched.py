@@ -69,6 +69,26 @@ def test_the_compiled_step_is_active() -> None:
     assert batched.compiled_step_active()
 
 
+def test_warm_up_compiles_every_kernel_once() -> None:
+    """Engines warm up at load; afterwards no batch size compiles a kernel again."""
+    from worldcup_core import _siphash_jit, _step_jit
+
+    batched.warm_up()
+    kernels = (_step_jit.step_kernel, _step_jit.context_kernel, _siphash_jit._kernel)
+    compiled = [len(k.signatures) for k in kernels]
+    assert compiled[:2] == [1, 1]  # (the SipHash loop also serves other callers)
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 8):  # one row's arrays are C-contiguous whatever their strides
+        batch = BatchedWorldCup(capacity=rows)
+        for slot in range(rows):
+            batch.set_row(slot, random_scheme(rng), Payload.random(16, rng))
+        for _ in range(4):
+            cand, probs = random_step(rng, rows, 7, 100)
+            batch.step(list(range(rows)), torch.from_numpy(cand), torch.from_numpy(probs))
+            batch.append(list(range(rows)), torch.from_numpy(cand[:, 0]))
+    assert [len(k.signatures) for k in kernels] == compiled
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_batched_step_equals_the_per_row_reference(seed: int, step_path: str) -> None:
     rng = np.random.default_rng(seed)

@@ -244,6 +244,8 @@ def test_dockerfile_pins(name: str) -> None:
     assert ".[service]" in text
     assert re.search(r"^USER worldcup$", text, flags=re.MULTILINE)  # non-root
     assert "load_model(" in text  # embedded model pre-converted at build time
+    assert "warm_up()" in text  # and the compiled CPU loops in numba's cache ...
+    assert "NUMBA_CACHE_DIR=/opt/worldcup/cache/numba" in text  # ... which the user can write
     assert re.search(r'^CMD \["worldcup", "serve", "--host", "0\.0\.0\.0"', text, re.MULTILINE)
 
 

@@ -88,6 +88,28 @@ def compiled_step_active() -> bool:
     return _kernels() is not None
 
 
+def warm_up(device: str | torch.device = "cpu") -> float:
+    """One throwaway step, so that numba compiles the CPU loops now (~10 s; ~1 s from its
+    disk cache) rather than on the first watermarked request. Returns the seconds taken.
+
+    >>> warm_up() >= 0.0
+    True
+    """
+    import time
+
+    from worldcup_core.config import WatermarkConfig
+    from worldcup_core.prf import WatermarkKey
+
+    start = time.perf_counter()
+    scheme = WorldCup(WatermarkKey(bytes(32)), WatermarkConfig(version=SCHEME_V2))
+    batch = BatchedWorldCup(device, capacity=1)
+    batch.set_row(0, scheme, Payload("01"))
+    for token in (1, 2):  # past the first c tokens, so the whole step runs
+        batch.append([0], torch.tensor([token]))
+    batch.step([0], torch.tensor([[3, 4]]), torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    return time.perf_counter() - start
+
+
 @dataclass(frozen=True)
 class _Row:
     """What the step needs to know about a slot without reading device memory."""
@@ -407,10 +429,12 @@ class BatchedWorldCup:
         context_kernel(self._history.numpy(), self._length.numpy(), idx, width, ctx, live)
 
         keys = self._keys.numpy().view(np.uint64)[idx]  # (B, 3, 2)
-        cfg = self._config.numpy()[idx]  # (B, 5): k, m, c, symbols, variant
+        # (5, B): k, m, c, symbols, variant; each kernel argument C-contiguous, so numba
+        # compiles one specialisation for every batch size
+        cfg = np.ascontiguousarray(self._config.numpy()[idx].T)
         context = [col.view(np.uint64) for col in ctx.T.copy()]  # c lanes of (B,)
         position = v2_positions((keys[:, 0, 0], keys[:, 0, 1]), context)
-        symbol = symbol_index(position, cfg[:, 3].astype(np.uint64), SCHEME_V2)
+        symbol = symbol_index(position, cfg[3].astype(np.uint64), SCHEME_V2)
         sym_bits = self._bits.numpy()[idx, symbol].astype(np.int64)  # (B, 8)
 
         repeated = [np.repeat(col, n) for col in context]
@@ -432,16 +456,7 @@ class BatchedWorldCup:
         out = torch.empty_like(p64)
         alpha = self._alpha.numpy()[idx].astype(np.float64)
         step_kernel(
-            gwords,
-            alt,
-            sym_bits,
-            cfg[:, 0],
-            cfg[:, 1],
-            cfg[:, 4],
-            alpha,
-            p64.numpy(),
-            live,
-            out.numpy(),
+            gwords, alt, sym_bits, cfg[0], cfg[1], cfg[4], alpha, p64.numpy(), live, out.numpy()
         )
         return out.to(self.dtype)
 

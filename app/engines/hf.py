@@ -20,6 +20,7 @@ from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.engines.base import EngineStopped, GenerationJob, QueueFull
 from worldcup_core import SamplingConfig
+from worldcup_core.batched import warm_up
 from worldcup_core.generation import (
     ContinuousBatch,
     GenerationRequest,
@@ -49,6 +50,7 @@ class HFEngine:
             SamplingConfig(max_new_tokens=1, seed=0),
         )
         run_generation(lm.model, [warmup], lm.eos_token_ids, lm.pad_token_id)
+        warm_up(lm.device)  # the watermark step's compiled CPU loops, before /health says ready
         engine = cls(
             lm.model,
             lm.eos_token_ids,

@@ -38,7 +38,7 @@ from vllm.v1.sample.logits_processor import (
 )
 
 from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, KeyClient, RowSpec
-from worldcup_core.batched import BatchedWorldCup
+from worldcup_core.batched import BatchedWorldCup, warm_up
 from worldcup_core.sampling import NGramBlocker, filter_logits_torch
 from worldcup_core.scheme import SequenceWatermark
 
@@ -63,6 +63,7 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.device = torch.device(device)
         self._batched = BatchedWorldCup(self.device)
+        warm_up(self.device)  # compiled CPU loops now, while vLLM loads, not on a request
         self._rows: dict[int, _Row] = {}
         self._keys = KeyClient()
 
