@@ -46,6 +46,20 @@ def generate_synthetic(
     return out
 
 
+def registry_around(
+    bits: str, rng: np.random.Generator, size: int = 500, at: int = 137
+) -> list[str]:
+    """A registry of ``size`` distinct payloads of ``bits``' length, ``bits`` at index ``at``."""
+    others: set[str] = set()
+    while len(others) < size - 1:
+        candidate = Payload.random(len(bits), rng).bits
+        if candidate != bits:
+            others.add(candidate)
+    registry = sorted(others)
+    registry.insert(at, bits)
+    return registry
+
+
 def random_texts(seed: int, count: int, small_vocab: int = 400) -> list[list[int]]:
     """Uniform token ids of lengths 128/256, the last ``small_vocab`` over 8 ids (many
     repeated contexts, so the skip rule is exercised)."""

@@ -26,6 +26,7 @@ from baselinelib import (
     human_chunks,
     model_round_trip,
     random_texts,
+    registry_around,
 )
 from scipy import stats
 
@@ -149,13 +150,7 @@ def test_registry_match_finds_true_message(spec: Spec) -> None:
     scheme = spec.build()
     payload = Payload.random(NUM_BITS, rng)
     tokens = generate_synthetic(scheme, payload, 200, rng)
-    others: set[str] = set()
-    while len(others) < 499:
-        cand = Payload.random(NUM_BITS, rng).bits
-        if cand != payload.bits:
-            others.add(cand)
-    candidates = sorted(others)
-    candidates.insert(137, payload.bits)
+    candidates = registry_around(payload.bits, rng)
     match = scheme.match(tokens, candidates)
     assert match is not None
     assert (match.index, match.bits) == (137, payload.bits)

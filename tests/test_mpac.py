@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from baselinelib import registry_around
 from scipy import stats
 
 from worldcup_core.baselines import MPAC, MPACConfig, extract_mpac_evidence, mpac_z_score
@@ -150,13 +151,7 @@ def test_registry_match_finds_true_message() -> None:
     mpac = MPAC(KEY)
     payload = Payload.random(16, rng)
     tokens = _generate(mpac, payload, 250, rng)
-    others: set[str] = set()
-    while len(others) < 499:
-        cand = Payload.random(16, rng).bits
-        if cand != payload.bits:
-            others.add(cand)
-    candidates = sorted(others)
-    candidates.insert(137, payload.bits)
+    candidates = registry_around(payload.bits, rng)
     match = mpac.match(tokens, candidates)
     assert match is not None
     assert (match.index, match.bits) == (137, payload.bits)
