@@ -39,6 +39,7 @@ float64 on random batches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -48,9 +49,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from worldcup_core.config import Variant
+from worldcup_core.config import Variant, WatermarkConfig
 from worldcup_core.message import Payload
-from worldcup_core.prf import PRFV2, SCHEME_V2, gvalue_words, v2_gwords, v2_positions
+from worldcup_core.prf import (
+    PRFV2,
+    SCHEME_V2,
+    WatermarkKey,
+    gvalue_words,
+    v2_gwords,
+    v2_positions,
+)
 from worldcup_core.scheme import SequenceWatermark, WorldCup
 from worldcup_core.scoring import symbol_index
 from worldcup_core.siphash import as_signed, message_blocks, siphash13
@@ -95,11 +103,6 @@ def warm_up(device: str | torch.device = "cpu") -> float:
     >>> warm_up() >= 0.0
     True
     """
-    import time
-
-    from worldcup_core.config import WatermarkConfig
-    from worldcup_core.prf import WatermarkKey
-
     start = time.perf_counter()
     scheme = WorldCup(WatermarkKey(bytes(32)), WatermarkConfig(version=SCHEME_V2))
     batch = BatchedWorldCup(device, capacity=1)
@@ -321,9 +324,11 @@ class BatchedWorldCup:
         probs: torch.Tensor,
     ) -> torch.Tensor:
         dev = self.device
+        words_needed = max(gvalue_words(r.groups, r.layers) for r in rows)
+        any_alt = any(r.variant is Variant.RANDOM_SECOND for r in rows)
         kernels = _kernels() if dev.type == "cpu" else None
         if kernels is not None:
-            return self._step_cpu(kernels, slots, rows, width, cand, probs)
+            return self._step_cpu(kernels, slots, width, words_needed, any_alt, cand, probs)
         batch, n = cand.shape
         idx = torch.tensor(slots, device=dev)
         cfg = self._config[idx]  # (B, 5): k, m, c, B, variant
@@ -351,8 +356,6 @@ class BatchedWorldCup:
         ctx_cols = [ctx[:, j] for j in range(width)]
         flat_tokens = cand.reshape(-1)
         ctx_rep = [col.repeat_interleave(n) for col in ctx_cols]
-        words_needed = max(gvalue_words(r.groups, r.layers) for r in rows)
-        any_alt = any(r.variant is Variant.RANDOM_SECOND for r in rows)
         pos64, gwords, altwords = self._hash(
             keys, ctx_cols, ctx_rep, flat_tokens, n, words_needed, any_alt
         )
@@ -413,8 +416,9 @@ class BatchedWorldCup:
         self,
         kernels: _Kernels,
         slots: list[int],
-        rows: list[_Row],
         width: int,
+        words: int,
+        any_alt: bool,
         cand: torch.Tensor,
         probs: torch.Tensor,
     ) -> torch.Tensor:
@@ -439,7 +443,6 @@ class BatchedWorldCup:
 
         repeated = [np.repeat(col, n) for col in context]
         tokens = cand.contiguous().numpy().reshape(-1).view(np.uint64)
-        words = max(gvalue_words(r.groups, r.layers) for r in rows)
 
         def planes(key: int) -> npt.NDArray[np.int64]:
             lanes = (np.repeat(keys[:, key, 0], n), np.repeat(keys[:, key, 1], n))
@@ -447,11 +450,7 @@ class BatchedWorldCup:
             return np.stack(out).view(np.int64).reshape(words, batch, n)
 
         gwords = planes(1)
-        alt = (
-            planes(2)
-            if any(r.variant is Variant.RANDOM_SECOND for r in rows)
-            else np.zeros((0, batch, n), dtype=np.int64)
-        )
+        alt = planes(2) if any_alt else np.zeros((0, batch, n), dtype=np.int64)
         p64 = probs.to(torch.float64).contiguous()
         out = torch.empty_like(p64)
         alpha = self._alpha.numpy()[idx].astype(np.float64)

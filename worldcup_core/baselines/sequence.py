@@ -45,9 +45,12 @@ class ContextSequence:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(config={self._config!r}, generated={len(self.generated)})"
 
+    def _context(self) -> Context:
+        return context_at(self.generated, len(self.generated), self._config.context_width)
+
     def fresh_context(self) -> Context | None:
         """This step's context, or None where it was seen before in this response."""
-        context = context_at(self.generated, len(self.generated), self._config.context_width)
+        context = self._context()
         return None if context in self._seen else context
 
     def process_logits(self, logits: FloatArray) -> FloatArray:
@@ -59,7 +62,7 @@ class ContextSequence:
         return probs
 
     def observe(self, token: int) -> None:
-        self._seen.add(context_at(self.generated, len(self.generated), self._config.context_width))
+        self._seen.add(self._context())
         self.generated.append(int(token))
 
 
