@@ -1,40 +1,45 @@
 """The batched watermark step of scheme ``worldcup-v2``: one call per decoding step, on the
 model's device, for every row of a batch.
 
-:class:`BatchedWorldCup` keeps per-row state in slots of device tensors (each
-row's SipHash subkeys, configuration, payload bits and generated tokens), so
-that a decoding step is a fixed sequence of tensor operations whatever the
-batch size: no Python loop over rows. Callers that keep a persistent batch
+:class:`BatchedWorldCup` keeps per-row state in slot tables on the device (each
+row's SipHash subkeys, its configuration k, m, c, B, variant and a live flag,
+alpha, its payload's symbol bits and its generated tokens; layout in
+:mod:`worldcup_core.step_layout`). A step reads them by slot, so its Python
+work is the same whatever the batch size: no list of rows, no grouping by
+context width, no host synchronisation. Callers that keep a persistent batch
 (vLLM) use batch indices as slots and move or swap them; callers that compact
 their batch (``ContinuousBatch``) hand out slots from a free list.
 
-What a step computes, all in torch on the device, for rows ``b`` with
-candidates ``x`` and filtered probabilities ``p`` of shape (B, n):
+What a step computes for rows ``b`` with candidates ``x`` and filtered
+probabilities ``p`` of shape (B, n):
 
-1. the context (last c generated tokens) and whether it was seen before in the
-   row (then, and for the first c tokens, ``p`` is returned unchanged: the
-   per-row reference's rule, which the detector mirrors);
-2. SipHash-1-3 of the context (the position) and of every (context, candidate)
-   (the g-words), in one pass over all lanes;
-3. the 2k-family, m-layer tournament in closed form over (B, 2k, m, n), the
-   layer loop vectorised over rows, families and candidates;
+1. the context (the row's last c generated tokens) and whether it was seen at an
+   earlier step (then, and for the first c tokens, ``p`` is returned unchanged:
+   the per-row reference's rule, which the detector mirrors);
+2. SipHash-1-3 of the context (the position, then the symbol) and of every
+   (context, candidate, word) (the g-words);
+3. the 2k-family, m-layer tournament;
 4. ``lambda = alpha * tanh(H)`` (per variant), ``sum q_int - lambda sum q_other``,
    clipping and normalisation (with the reference's fallback).
 
-Rows may mix keys, payloads, k, m, alpha and variants; layers beyond a row's m
-are played with g = 0 everywhere, which leaves q unchanged.
+Rows may mix keys, payloads, k, m, c, alpha and variants. Three paths compute it,
+one per kind of device (:class:`StepPath`):
 
-On the CPU the same step runs through two compiled loops
-(:mod:`worldcup_core._step_jit`, numba) over numpy views of the same slot
-tensors, with the PRF's own array functions in between: on one CPU thread each
-of the tensor path's ~300 small kernels costs ~3 us to dispatch, which made
-the step ~1.3 ms at batch 1 and 28 us a row at batch 64; the compiled loops
-take ~0.2 ms and ~8 us. Any other device (CUDA) runs the tensor path, and so
-does a CPU without numba.
+* ``fused`` (CUDA): one Triton kernel, one program per row
+  (:mod:`worldcup_core._step_triton`); the launch depends only on host-known
+  shapes, so the step can be captured in a CUDA graph (see :meth:`BatchedWorldCup.step`);
+* ``compiled`` (CPU): the same algorithm as one numba loop over rows
+  (:mod:`worldcup_core._step_jit`); on one CPU thread each of the tensor
+  path's small kernels costs ~3 us to dispatch;
+* ``tensor`` (any other device, or without numba/Triton): torch ops over the
+  whole batch, sized by the live rows' largest k, m and c (kept on the host as
+  rows come and go); layers beyond a row's m are played with g = 0, which
+  leaves q unchanged.
 
 The per-row reference (:class:`worldcup_core.encoder.WorldCupSequenceV2`) stays
-the readable definition; ``tests/test_batched.py`` checks both paths equal it to 1e-12 in
-float64 on random batches.
+the readable definition; ``tests/test_batched.py`` checks all three paths equal
+it to 1e-12 in float64 on random batches (the fused kernel under
+``TRITON_INTERPRET=1`` where there is no GPU).
 """
 
 from __future__ import annotations
@@ -42,63 +47,94 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cache
 from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 import torch
+import torch.nn.functional as F
 
-from worldcup_core.config import Variant, WatermarkConfig
+from worldcup_core.config import WatermarkConfig
 from worldcup_core.message import Payload
-from worldcup_core.prf import (
-    PRFV2,
-    SCHEME_V2,
-    WatermarkKey,
-    gvalue_words,
-    v2_gwords,
-    v2_positions,
-)
+from worldcup_core.prf import MAX_GROUPS, PRFV2, SCHEME_V2, WatermarkKey
 from worldcup_core.scheme import SequenceWatermark, WorldCup
-from worldcup_core.scoring import symbol_index
-from worldcup_core.siphash import as_signed, message_blocks, siphash13
-
-_VARIANTS: Final = (
-    Variant.WORLDCUP,
-    Variant.NO_ENTROPY,
-    Variant.NO_SUBTRACTION,
-    Variant.RANDOM_SECOND,
-    Variant.NONDISTORTIONARY,
+from worldcup_core.siphash import as_signed
+from worldcup_core.step_layout import (
+    ALT_KEY,
+    CONFIG_COLUMNS,
+    GVALUE_KEY,
+    MAX_SYMBOLS,
+    POSITION_KEY,
+    Column,
+    VariantCode,
 )
-_MAX_SYMBOLS: Final = 64
-JIT_ENABLED = True  # tests switch the compiled CPU loop off to check the tensor path
-_MAX_GROUPS: Final = 8
 
 
-_Kernels = tuple[Callable[..., None], Callable[..., None]]
+class StepPath(StrEnum):
+    """How a step is computed (module docstring)."""
+
+    FUSED = "fused"  # one Triton kernel: CUDA (or the CPU under TRITON_INTERPRET=1)
+    COMPILED = "compiled"  # one numba loop: the CPU
+    TENSOR = "tensor"  # torch ops: any device
+
+
+# None: each device's own path. Tests and benchmarks force one (the fused kernel on the
+# CPU needs TRITON_INTERPRET=1 set before Triton is first imported).
+FORCE_PATH: StepPath | None = None
+JIT_ENABLED = True  # False: the CPU runs the tensor path (as without numba)
+
+# A float32 step (``dtype=torch.float32``) against the float64 reference: within this
+# absolute tolerance for tournaments of up to FLOAT32_MAX_LAYERS layers (the default m is
+# 30; 1.5e-5 at worst over 13,000 random rows, tensor and fused paths alike). Deeper
+# tournaments can push a token's mass below float32's resolution (1 - E_q[g] rounds to 0)
+# and crown another winner: run them in float64, the default.
+FLOAT32_TOLERANCE: Final = 1e-4
+FLOAT32_MAX_LAYERS: Final = 48
+
+_Kernel = Callable[..., None]
 
 
 @cache
-def _load_kernels() -> _Kernels | None:
+def _compiled_kernel() -> _Kernel | None:
     try:
-        from worldcup_core._step_jit import context_kernel, step_kernel
+        from worldcup_core._step_jit import step_kernel
     except ImportError:  # numba missing or unusable here: the tensor path does the work
         return None
-    return context_kernel, step_kernel
+    return step_kernel
 
 
-def _kernels() -> _Kernels | None:
-    return _load_kernels() if JIT_ENABLED else None
+@cache
+def _fused_kernel() -> Callable[..., None] | None:
+    try:
+        from worldcup_core._step_triton import fused_step
+    except ImportError:  # Triton missing (a CPU-only install): the tensor path does the work
+        return None
+    return fused_step
+
+
+def step_path(device: str | torch.device) -> StepPath:
+    """The path a step on ``device`` takes (reported by the benchmarks)."""
+    if FORCE_PATH is not None:
+        return FORCE_PATH
+    kind = torch.device(device).type
+    if kind == "cpu" and JIT_ENABLED and _compiled_kernel() is not None:
+        return StepPath.COMPILED
+    if kind == "cuda" and _fused_kernel() is not None:
+        return StepPath.FUSED
+    return StepPath.TENSOR
 
 
 def compiled_step_active() -> bool:
-    """Whether CPU steps run through the compiled loops (reported by the benchmarks)."""
-    return _kernels() is not None
+    """Whether CPU steps run through the compiled loop (reported by the benchmarks)."""
+    return step_path("cpu") is StepPath.COMPILED
 
 
 def warm_up(device: str | torch.device = "cpu") -> float:
-    """One throwaway step, so that numba compiles the CPU loops now (~10 s; ~1 s from its
-    disk cache) rather than on the first watermarked request. Returns the seconds taken.
+    """Throwaway steps, so that numba (CPU) or Triton (CUDA) compiles the step now (~10 s;
+    ~1 s from their disk caches) rather than on the first watermarked request; on CUDA
+    for the candidate widths of the usual top-k (up to 16, 32 and 64). Returns the
+    seconds taken.
 
     >>> warm_up() >= 0.0
     True
@@ -109,19 +145,31 @@ def warm_up(device: str | torch.device = "cpu") -> float:
     batch.set_row(0, scheme, Payload("01"))
     for token in (1, 2):  # past the first c tokens, so the whole step runs
         batch.append([0], torch.tensor([token]))
-    batch.step([0], torch.tensor([[3, 4]]), torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    widths = (16, 32, 64) if step_path(device) is StepPath.FUSED else (2,)
+    for n in widths:
+        cand = torch.arange(3, 3 + n)[None, :]
+        batch.step([0], cand, torch.full((1, n), 1.0 / n, dtype=torch.float64))
     return time.perf_counter() - start
 
 
 @dataclass(frozen=True)
-class _Row:
-    """What the step needs to know about a slot without reading device memory."""
+class _Live:
+    """What the tensor path and the history's growth need to know about the live rows,
+    kept on the host and recomputed only when rows come or go."""
 
-    width: int
-    groups: int
-    layers: int
-    variant: Variant
-    start: int  # the append counter when the row was set
+    rows: int
+    width: int  # the largest c
+    groups: int  # the largest k
+    layers: int  # the largest m
+    words: int  # the most g-words a row needs
+    alternate: bool  # a row plays the random-second ablation
+    mixed_groups: bool
+    first_append: int  # the append count when the oldest live row was set
+
+
+# the host copy of each slot's configuration: Column's columns, then the append count at set
+_START: Final = CONFIG_COLUMNS
+_EMPTY_LIVE: Final = _Live(0, 0, 0, 0, 0, False, False, 0)
 
 
 class BatchedWorldCup:
@@ -147,19 +195,22 @@ class BatchedWorldCup:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
-        self._rows: list[_Row | None] = []
+        self.layout_version = 0  # bumped whenever a table is reallocated (see step)
         self._appends = 0
+        self._host = np.zeros((0, CONFIG_COLUMNS + 1), dtype=np.int64)
+        self._live: _Live | None = _EMPTY_LIVE
+        self._ranges: dict[tuple[int, int, int], torch.Tensor] = {}
         empty = torch.zeros(0, device=self.device)
         self._keys: torch.Tensor = empty  # (C, 3, 2) SipHash subkeys: position, g, alt
-        self._config: torch.Tensor = empty  # (C, 5): k, m, c, symbols, variant
-        self._alpha: torch.Tensor = empty  # (C,)
+        self._config: torch.Tensor = empty  # (C, CONFIG_COLUMNS): Column's columns
+        self._alpha: torch.Tensor = empty  # (C,) float64
         self._bits: torch.Tensor = empty  # (C, 64, 8): the payload's symbol bits
         self._history: torch.Tensor = empty  # (C, T): generated tokens
         self._length: torch.Tensor = empty  # (C,)
         self._alloc(max(1, capacity), max(8, history))
 
     def __repr__(self) -> str:
-        live = sum(r is not None for r in self._rows)
+        live = int(self._host[:, Column.LIVE].sum())
         return f"BatchedWorldCup({live} rows on {self.device})"
 
     @staticmethod
@@ -167,11 +218,13 @@ class BatchedWorldCup:
         """True for WorldCup schemes of version ``worldcup-v2`` (others step per row)."""
         return isinstance(scheme, WorldCup) and scheme.version == SCHEME_V2
 
+    @property
+    def path(self) -> StepPath:
+        return step_path(self.device)
+
     # ------------------------------------------------------------------ slots
     def _alloc(self, capacity: int, history: int) -> None:
         dev = self.device
-        old = len(self._rows)
-        self._rows += [None] * (capacity - old)
 
         def grow(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             new = torch.zeros(shape, dtype=dtype, device=dev)
@@ -180,22 +233,40 @@ class BatchedWorldCup:
             return new
 
         self._keys = grow(self._keys, (capacity, 3, 2), torch.int64)
-        self._config = grow(self._config, (capacity, 5), torch.int64)
-        self._alpha = grow(self._alpha, (capacity,), self.dtype)
-        self._bits = grow(self._bits, (capacity, _MAX_SYMBOLS, _MAX_GROUPS), torch.uint8)
+        self._config = grow(self._config, (capacity, CONFIG_COLUMNS), torch.int64)
+        self._alpha = grow(self._alpha, (capacity,), torch.float64)
+        self._bits = grow(self._bits, (capacity, MAX_SYMBOLS, MAX_GROUPS), torch.uint8)
         self._history = grow(self._history, (capacity, history), torch.int64)
         self._length = grow(self._length, (capacity,), torch.int64)
+        host = np.zeros((capacity, CONFIG_COLUMNS + 1), dtype=np.int64)
+        host[: self._host.shape[0]] = self._host
+        self._host = host
+        self.layout_version += 1
+
+    def reserve(self, capacity: int, history: int | None = None) -> None:
+        """Grow the tables now to at least ``capacity`` slots and ``history`` tokens a row,
+        e.g. before capturing steps in a CUDA graph (a growth reallocates the tables)."""
+        horizon = self._history.shape[1]
+        if capacity > self.capacity or (history is not None and history > horizon):
+            self._alloc(max(capacity, self.capacity), max(history or 0, horizon))
+
+    def _fit(self, *slots: int) -> None:
+        """Every table holds ``slots`` (adds, moves and swaps may name any index)."""
+        top = max(slots)
+        if top >= self.capacity:
+            self._alloc(max(top + 1, 2 * self.capacity), self._history.shape[1])
 
     @property
     def capacity(self) -> int:
-        return len(self._rows)
+        return int(self._host.shape[0])
 
     def set_row(self, slot: int, scheme: WorldCup, payload: Payload) -> None:
         """Start a fresh sequence in ``slot`` (its generated history is empty)."""
         if not self.supports(scheme):
             raise ValueError("the batched step serves worldcup-v2 WorldCup schemes only")
-        if slot >= self.capacity:
-            self._alloc(max(slot + 1, 2 * self.capacity), self._history.shape[1])
+        if slot < 0:
+            raise ValueError(f"a slot is a non-negative index, got {slot}")
+        self._fit(slot)
         cfg = scheme.config
         prf = scheme.prf
         assert isinstance(prf, PRFV2)
@@ -204,48 +275,99 @@ class BatchedWorldCup:
             [[as_signed(k0), as_signed(k1)] for k0, k1 in keys], dtype=torch.int64
         )
         symbol_bits = payload.bit_array(cfg.groups)  # (B, k)
-        bits = torch.zeros((_MAX_SYMBOLS, _MAX_GROUPS), dtype=torch.uint8)
+        bits = torch.zeros((MAX_SYMBOLS, MAX_GROUPS), dtype=torch.uint8)
         bits[: symbol_bits.shape[0], : cfg.groups] = torch.from_numpy(symbol_bits)
         self._bits[slot] = bits
-        variant = _VARIANTS.index(cfg.variant)
-        self._config[slot] = torch.tensor(
-            [cfg.groups, cfg.layers, cfg.context_width, symbol_bits.shape[0], variant]
-        )
+        row = [0] * CONFIG_COLUMNS
+        row[Column.GROUPS], row[Column.LAYERS] = cfg.groups, cfg.layers
+        row[Column.WIDTH], row[Column.SYMBOLS] = cfg.context_width, symbol_bits.shape[0]
+        row[Column.VARIANT], row[Column.LIVE] = VariantCode.of(cfg.variant), 1
+        self._config[slot] = torch.tensor(row)
         self._alpha[slot] = cfg.alpha
         self._length[slot] = 0
-        self._rows[slot] = _Row(
-            cfg.context_width, cfg.groups, cfg.layers, cfg.variant, self._appends
-        )
+        self._host[slot] = [*row, self._appends]
+        self._live = None
 
     def clear_row(self, slot: int) -> None:
-        if slot < self.capacity:
-            self._rows[slot] = None
+        if 0 <= slot < self.capacity and self._host[slot, Column.LIVE]:
+            self._config[slot, Column.LIVE] = 0
+            self._host[slot, Column.LIVE] = 0
+            self._live = None
+
+    def _tables(self) -> tuple[torch.Tensor, ...]:
+        return self._keys, self._config, self._alpha, self._bits, self._history, self._length
 
     def move_row(self, src: int, dst: int) -> None:
         """vLLM's one-way move: ``dst`` takes over ``src``'s row; ``src`` is emptied."""
-        if dst >= self.capacity:
-            self._alloc(max(dst + 1, 2 * self.capacity), self._history.shape[1])
-        for t in (self._keys, self._config, self._alpha, self._bits, self._history, self._length):
+        self._fit(src, dst)
+        if src == dst:
+            return
+        for t in self._tables():
             t[dst] = t[src]
-        self._rows[dst], self._rows[src] = self._rows[src], None
+        self._host[dst] = self._host[src]
+        self.clear_row(src)
+        self._live = None
 
     def swap_rows(self, a: int, b: int) -> None:
+        self._fit(a, b)
         idx = torch.tensor([a, b], device=self.device)
         rev = torch.tensor([b, a], device=self.device)
-        for t in (self._keys, self._config, self._alpha, self._bits, self._history, self._length):
+        for t in self._tables():
             t[idx] = t[rev]
-        self._rows[a], self._rows[b] = self._rows[b], self._rows[a]
+        self._host[[a, b]] = self._host[[b, a]]
+        self._live = None
 
-    def append(self, slots: Sequence[int], tokens: torch.Tensor) -> None:
-        """Record one sampled token per slot (the step's rows, in order)."""
+    def _index(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The step's slots as an int64 tensor on the device. A device tensor is used as
+        it is; a ``range`` (the HF processor's) is cached; a list is copied over."""
+        if isinstance(slots, torch.Tensor):
+            return slots.to(self.device, torch.int64)
+        if isinstance(slots, range):
+            key = (slots.start, slots.stop, slots.step)
+            cached = self._ranges.get(key)
+            if cached is None:
+                cached = torch.arange(*key, device=self.device)
+                self._ranges[key] = cached
+            return cached
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def _live_rows(self) -> _Live:
+        if self._live is None:
+            host = self._host[self._host[:, Column.LIVE] != 0]
+            if not host.shape[0]:
+                self._live = _EMPTY_LIVE
+            else:
+                k, m = host[:, Column.GROUPS], host[:, Column.LAYERS]
+                self._live = _Live(
+                    rows=int(host.shape[0]),
+                    width=int(host[:, Column.WIDTH].max()),
+                    groups=int(k.max()),
+                    layers=int(m.max()),
+                    words=int((-(-k // (64 // m))).max()),  # prf.gvalue_words, per row
+                    alternate=bool((host[:, Column.VARIANT] == VariantCode.RANDOM_SECOND).any()),
+                    mixed_groups=bool(k.min() != k.max()),
+                    first_append=int(host[:, _START].min()),
+                )
+        return self._live
+
+    def append(self, slots: Sequence[int] | torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record one sampled token per slot (the step's rows, in order). The tables grow
+        to hold every slot of a list or range; a tensor's slots must lie within them
+        (checking would read it back from the device)."""
         if not len(slots):
             return
+        if not isinstance(slots, torch.Tensor):
+            low, high = _bounds(slots)
+            if low < 0:
+                raise ValueError(f"a slot is a non-negative index, got {low}")
+            self._fit(high)
         self._appends += 1
-        live = [r.start for r in self._rows if r is not None]
-        longest = self._appends - min(live) if live else 0
-        if longest >= self._history.shape[1]:
-            self._alloc(self.capacity, 2 * self._history.shape[1])
-        idx = torch.as_tensor(list(slots), device=self.device)
+        live = self._live_rows()
+        horizon = self._history.shape[1]
+        longest = self._appends - live.first_append if live.rows else 0
+        if longest >= horizon:
+            self._alloc(self.capacity, max(2 * horizon, longest + 1))
+        idx = self._index(slots)
         pos = self._length[idx].clamp(max=self._history.shape[1] - 1)
         self._history[idx, pos] = tokens.to(self.device, torch.int64)
         self._length[idx] += 1
@@ -260,18 +382,13 @@ class BatchedWorldCup:
         probs: torch.Tensor,
     ) -> torch.Tensor:
         """q for a batch that mixes schemes, as every engine's batch may: rows with a slot
-        take the batched step together; rows with a ``host`` watermark (v1, baselines)
-        reweight one by one on the host over their live candidates; the rest keep
-        ``probs``. Returns ``probs`` itself when no row is watermarked."""
+        take the batched step together (one call; a row without one gets its ``probs``
+        back from it); rows with a ``host`` watermark (v1, baselines) reweight one by one
+        on the host over their live candidates; the rest keep ``probs``. Returns
+        ``probs`` itself when no row is watermarked."""
         q = probs
-        on_device = [i for i, s in enumerate(slots) if s is not None]
-        if len(on_device) == len(slots):
-            q = self.step([s for s in slots if s is not None], candidates, probs)
-        elif on_device:
-            index = torch.tensor(on_device, device=probs.device)
-            q = probs.clone()
-            picked = [s for s in (slots[i] for i in on_device) if s is not None]
-            q[index] = self.step(picked, candidates[index], probs[index]).to(q.dtype)
+        if any(s is not None for s in slots):
+            q = self.step([-1 if s is None else s for s in slots], candidates, probs)
         per_row = [i for i, wm in enumerate(host) if wm is not None]
         if per_row:
             q = q.clone() if q is probs else q
@@ -286,97 +403,144 @@ class BatchedWorldCup:
 
     @torch.inference_mode()
     def step(
-        self, slots: Sequence[int], candidates: torch.Tensor, probs: torch.Tensor
+        self,
+        slots: Sequence[int] | torch.Tensor,
+        candidates: torch.Tensor,
+        probs: torch.Tensor,
     ) -> torch.Tensor:
         """The watermarked distribution q (B, n) over ``candidates`` (B, n) int64 token ids,
         given the filtered probabilities ``probs`` (B, n) (0 marks padding). Slots without
-        a row, first-c and repeated-context steps get ``probs`` back."""
-        out = probs.to(self.device, self.dtype).clone()
-        capacity = self.capacity
-        rows = [self._rows[s] if s < capacity else None for s in slots]
-        by_width: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            if r is not None:
-                by_width.setdefault(r.width, []).append(i)
-        cand = candidates.to(self.device, torch.int64)
-        for width, members in by_width.items():
-            picked = [rows[i] for i in members]
-            assert all(r is not None for r in picked)
-            if len(members) == len(slots):
-                index = None
-                sl, c, p = list(slots), cand, out
-            else:
-                index = torch.tensor(members, device=self.device)
-                sl, c, p = [slots[i] for i in members], cand[index], out[index]
-            q = self._step(sl, [r for r in picked if r is not None], width, c, p)
-            if index is None:
-                out = q
-            else:
-                out[index] = q
+        a row (a negative slot, one past the tables, a cleared one), first-c and
+        repeated-context steps get ``probs`` back.
+
+        The step's Python work does not depend on B. On the fused path (CUDA) it never
+        synchronises with the host nor allocates by data, so it can be captured in a CUDA
+        graph for a fixed (B, n) bucket, provided that: ``slots`` is a device tensor (a
+        list is copied from the host), ``candidates`` and ``probs`` are device tensors
+        with their last dimension contiguous (``probs`` in this object's dtype, else a
+        conversion runs), and the tables do not grow while the graph is in use:
+        :meth:`reserve` them first, and re-capture whenever ``layout_version`` changes.
+        """
+        idx = self._index(slots)
+        path = self.path
+        if path is StepPath.FUSED and candidates.shape[1] <= _max_fused_candidates():
+            return self._step_fused(idx, candidates, probs)
+        if path is StepPath.COMPILED:
+            return self._step_compiled(idx, candidates, probs)
+        return self._step_tensor(idx, candidates, probs)
+
+    def _step_fused(
+        self, idx: torch.Tensor, candidates: torch.Tensor, probs: torch.Tensor
+    ) -> torch.Tensor:
+        kernel = _fused_kernel()
+        assert kernel is not None
+        p = probs.to(self.device, self.dtype)
+        if p.stride(-1) != 1:
+            p = p.contiguous()
+        cand = candidates.to(self.device)
+        if cand.stride(-1) != 1:
+            cand = cand.contiguous()
+        out = torch.empty_like(p, memory_format=torch.contiguous_format)
+        kernel(idx, cand, p, out, self._tables())
         return out
 
-    def _step(
-        self,
-        slots: list[int],
-        rows: list[_Row],
-        width: int,
-        cand: torch.Tensor,
-        probs: torch.Tensor,
+    def _step_compiled(
+        self, idx: torch.Tensor, candidates: torch.Tensor, probs: torch.Tensor
     ) -> torch.Tensor:
-        dev = self.device
-        words_needed = max(gvalue_words(r.groups, r.layers) for r in rows)
-        any_alt = any(r.variant is Variant.RANDOM_SECOND for r in rows)
-        kernels = _kernels() if dev.type == "cpu" else None
-        if kernels is not None:
-            return self._step_cpu(kernels, slots, width, words_needed, any_alt, cand, probs)
-        batch, n = cand.shape
-        idx = torch.tensor(slots, device=dev)
-        cfg = self._config[idx]  # (B, 5): k, m, c, B, variant
-        k_row, m_row, nsym, variant = cfg[:, 0], cfg[:, 1], cfg[:, 3], cfg[:, 4]
-        big_k = max(r.groups for r in rows)
-        big_m = max(r.layers for r in rows)
-        length = self._length[idx]
-
-        # 1. context, eligibility (t >= c and the context not seen at an earlier step >= c)
-        longest = max(self._appends - r.start for r in rows)
-        span = max(width + 1, min(self._history.shape[1], longest + 1))
-        hist = self._history[idx, :span]  # (B, T)
-        at = (length[:, None] - width + torch.arange(width, device=dev)).clamp(min=0)
-        ctx = hist.gather(1, at)  # (B, c)
-        windows = span - width + 1
-        same = torch.ones((batch, windows), dtype=torch.bool, device=dev)
-        for j in range(width):
-            same &= hist[:, j : j + windows] == ctx[:, j : j + 1]
-        earlier = torch.arange(windows, device=dev)[None, :] < (length - width)[:, None]
-        seen = (same & earlier).any(dim=1)
-        live = (length >= width) & ~seen  # (B,)
-
-        # 2. positions and g-words: SipHash over B + B*n lanes (one pass when c is even)
-        keys = self._keys[idx]  # (B, 3, 2)
-        ctx_cols = [ctx[:, j] for j in range(width)]
-        flat_tokens = cand.reshape(-1)
-        ctx_rep = [col.repeat_interleave(n) for col in ctx_cols]
-        pos64, gwords, altwords = self._hash(
-            keys, ctx_cols, ctx_rep, flat_tokens, n, words_needed, any_alt
+        kernel = _compiled_kernel()
+        assert kernel is not None
+        p64 = probs.to(torch.float64).contiguous()
+        out = torch.empty_like(p64)
+        kernel(
+            idx.contiguous().numpy(),
+            candidates.to(torch.int64).contiguous().numpy(),
+            p64.numpy(),
+            self._keys.numpy().view(np.uint64),
+            self._config.numpy(),
+            self._alpha.numpy(),
+            self._bits.numpy(),
+            self._history.numpy(),
+            self._length.numpy(),
+            out.numpy(),
         )
+        return out.to(self.dtype)
+
+    def _step_tensor(
+        self, idx: torch.Tensor, candidates: torch.Tensor, probs: torch.Tensor
+    ) -> torch.Tensor:
+        """The step in torch ops over the whole batch, sized by the live rows' largest
+        c, k and m; each row's own are tensors, applied by masks."""
+        live_rows = self._live_rows()
+        p = probs.to(self.device, self.dtype)
+        if not live_rows.rows:
+            return p.clone()
+        dev = self.device
+        batch, n = candidates.shape
+        cand = candidates.to(dev, torch.int64)
+        valid = (idx >= 0) & (idx < self.capacity)
+        slot = torch.where(valid, idx, 0)
+        cfg = self._config[slot]
+        k_row, width = cfg[:, Column.GROUPS], cfg[:, Column.WIDTH]
+        m_row = cfg[:, Column.LAYERS].clamp(min=1)  # an empty slot's 0 (its row passes p)
+        nsym, variant = cfg[:, Column.SYMBOLS], cfg[:, Column.VARIANT]
+        horizon = self._history.shape[1]
+        length = self._length[slot].clamp(max=horizon)
+
+        # 1. context (left-aligned in (B, c_max), zeros past a row's c), eligibility
+        c_max = live_rows.width
+        longest = self._appends - live_rows.first_append
+        span = min(horizon, max(c_max + 1, longest + 1))
+        hist = self._history[slot, :span]
+        j = torch.arange(c_max, device=dev)
+        in_ctx = j[None, :] < width[:, None]
+        end = length - width
+        at = (end[:, None] + j).clamp(0, span - 1)
+        ctx = torch.where(in_ctx, hist.gather(1, at), 0)
+        padded = F.pad(hist, (0, c_max), value=-1)
+        same = torch.ones((batch, span), dtype=torch.bool, device=dev)
+        for i in range(c_max):
+            same &= (padded[:, i : i + span] == ctx[:, i : i + 1]) | ~in_ctx[:, i : i + 1]
+        earlier = torch.arange(span, device=dev)[None, :] < end[:, None]
+        seen = (same & earlier).any(dim=1)
+        live = valid & (cfg[:, Column.LIVE] != 0) & (length >= width) & ~seen
+
+        # 2. SipHash: the context's blocks once per row and key, then per candidate
+        keys = self._keys[slot]  # (B, 3, 2)
+        state = _sip_init(keys[:, :, 0].T, keys[:, :, 1].T)  # (3, B) lanes
+        for i in range(c_max // 2):
+            block = ctx[:, 2 * i] | (ctx[:, 2 * i + 1] << 32)
+            state = _where(i < width // 2, _absorb(state, block), state)
+        odd = width % 2 == 1
+        last = torch.where(odd, ctx.gather(1, (width - 1).clamp(min=0)[:, None])[:, 0], 0)
+        position = _finish([v[POSITION_KEY] for v in state], last | ((4 * width) << 56))
+        families = [GVALUE_KEY, ALT_KEY] if live_rows.alternate else [GVALUE_KEY]
+        lanes = [v[families][:, :, None].expand(-1, -1, n) for v in state]  # (F, B, n)
+        lanes = _where(odd[:, None], _absorb(lanes, last[:, None] | (cand << 32)), lanes)
+        rest = torch.where(odd[:, None], 0, cand)
+        tag_shift = torch.where(odd, 0, 32)[:, None]
+        length_bits = ((4 * width + 5) << 56)[:, None]
+        tags = torch.arange(live_rows.words, device=dev)[:, None, None, None]
+        final = rest | (tags << tag_shift) | length_bits  # (W, 1, B, n)
+        words = _finish([v[None] for v in lanes], final)  # (W, F, B, n)
 
         # 3. symbol, its bits, and each family's m g-bits as one integer per
         #    (row, family, group, candidate): bit l is layer l, families 0 = intended.
-        hi = (pos64 >> 32) & 0xFFFFFFFF
+        hi = (position >> 32) & 0xFFFFFFFF
         symbol = (hi * nsym) >> 32  # multiply-shift: the symbol of a B-symbol payload
-        sym_bits = self._bits[idx, symbol, :big_k].to(torch.int64)  # (B, K)
+        big_k, big_m = live_rows.groups, live_rows.layers
+        sym_bits = self._bits[slot, symbol, :big_k].to(torch.int64)  # (B, K)
         mask = torch.where(m_row >= 64, -1, (1 << m_row.clamp(max=63)) - 1)[:, None, None]
-        g = self._group_words(gwords, m_row, big_k, batch, n) & mask  # (B, K, n)
+        g = _group_words(words[:, 0], m_row, big_k) & mask  # (B, K, n)
         flip = -sym_bits[:, :, None] & mask  # all m bits set where the symbol bit is 1
         intended = g ^ flip
         other = intended ^ mask  # the complementary family: 1 - g
-        if any_alt:
-            g_alt = self._group_words(altwords, m_row, big_k, batch, n) & mask
-            alt_rows = (variant == 3)[:, None, None]
+        if live_rows.alternate:
+            g_alt = _group_words(words[:, 1], m_row, big_k) & mask
+            alt_rows = (variant == VariantCode.RANDOM_SECOND)[:, None, None]
             bit_one = sym_bits[:, :, None] == 1
             intended = torch.where(alt_rows, torch.where(bit_one, g_alt, g), intended)
             other = torch.where(alt_rows, torch.where(bit_one, g, g_alt), other)
-        words = torch.stack([intended, other], dim=1)  # (B, 2, K, n)
+        both = torch.stack([intended, other], dim=1)  # (B, 2, K, n)
 
         # 4. the tournament, every row, family and candidate at once:
         #    q <- q * (1 - E_q[g] + g), layer after layer (seven small tensor ops a
@@ -384,124 +548,106 @@ class BatchedWorldCup:
         #    (masked above), which leaves q unchanged. The reference clamps
         #    1 - E_q[g] at 0 against rounding (E_q[g] = 1 + 2^-52); here such a
         #    token's mass can end at -1e-16 instead of 0, which the final clipping removes.
-        q = probs[:, None, None, :].expand(batch, 2, big_k, n).contiguous()
-        bits = words.clone()
-        low = torch.empty_like(bits)
+        q = p[:, None, None, :].expand(batch, 2, big_k, n).contiguous()
+        low = torch.empty_like(both)
         g_l = torch.empty_like(q)
         for _ in range(big_m):
-            torch.bitwise_and(bits, 1, out=low)
+            torch.bitwise_and(both, 1, out=low)
             g_l.copy_(low)
-            bits.bitwise_right_shift_(1)  # the masked words are >= 0: a logical shift
+            both.bitwise_right_shift_(1)  # the masked words are >= 0: a logical shift
             expected = torch.linalg.vecdot(q, g_l)[..., None]
             q.addcmul_(q, g_l.sub_(expected))
-        if len({r.groups for r in rows}) > 1:  # groups beyond a row's k take no part
+        if live_rows.mixed_groups:  # groups beyond a row's k take no part
             group_on = (torch.arange(big_k, device=dev)[None, :] < k_row[:, None]).to(q.dtype)
             q = q * group_on[:, None, :, None]
         q_int, q_other = q[:, 0].sum(dim=1), q[:, 1].sum(dim=1)  # (B, n)
 
         # 5. lambda per variant, combination, clipping and normalisation
-        lam = self._alpha[idx] * torch.tanh(torch.special.entr(probs).sum(dim=-1))
-        fixed = (Variant.NO_ENTROPY, Variant.NO_SUBTRACTION, Variant.NONDISTORTIONARY)
-        if any(r.variant in fixed for r in rows):
-            lam = torch.where(variant == 1, torch.ones_like(lam), lam)
-            lam = torch.where((variant == 2) | (variant == 4), torch.zeros_like(lam), lam)
+        alpha = self._alpha[slot].to(self.dtype)
+        lam = alpha * torch.tanh(torch.special.entr(p).sum(dim=-1))
+        lam = torch.where(variant == VariantCode.NO_ENTROPY, 1.0, lam)
+        no_subtraction = (variant == VariantCode.NO_SUBTRACTION) | (
+            variant == VariantCode.NONDISTORTIONARY
+        )
+        lam = torch.where(no_subtraction, 0.0, lam)
         scores = torch.addcmul(q_int, lam[:, None], q_other, value=-1.0).clamp_(min=0.0)
         total = scores.sum(dim=-1, keepdim=True)
         fallback = q_int.clamp(min=0.0)
-        fallback /= fallback.sum(dim=-1, keepdim=True)
+        fallback /= fallback.sum(dim=-1, keepdim=True).clamp(min=1e-300)
         watermarked = torch.where(total > 0, scores / total.clamp(min=1e-300), fallback)
-        return torch.where(live[:, None], watermarked, probs)
+        return torch.where(live[:, None], watermarked, p)
 
-    def _step_cpu(
-        self,
-        kernels: _Kernels,
-        slots: list[int],
-        width: int,
-        words: int,
-        any_alt: bool,
-        cand: torch.Tensor,
-        probs: torch.Tensor,
-    ) -> torch.Tensor:
-        """The same step on the CPU: numpy views of the slot tensors, the PRF's own array
-        functions, and two compiled loops (:mod:`worldcup_core._step_jit`) where the tensor
-        path would dispatch ~300 small kernels."""
-        context_kernel, step_kernel = kernels
-        batch, n = cand.shape
-        idx = np.asarray(slots, dtype=np.int64)
-        ctx = np.empty((batch, width), dtype=np.int64)
-        live = np.empty(batch, dtype=np.bool_)
-        context_kernel(self._history.numpy(), self._length.numpy(), idx, width, ctx, live)
 
-        keys = self._keys.numpy().view(np.uint64)[idx]  # (B, 3, 2)
-        # (5, B): k, m, c, symbols, variant; each kernel argument C-contiguous, so numba
-        # compiles one specialisation for every batch size
-        cfg = np.ascontiguousarray(self._config.numpy()[idx].T)
-        context = [col.view(np.uint64) for col in ctx.T.copy()]  # c lanes of (B,)
-        position = v2_positions((keys[:, 0, 0], keys[:, 0, 1]), context)
-        symbol = symbol_index(position, cfg[3].astype(np.uint64), SCHEME_V2)
-        sym_bits = self._bits.numpy()[idx, symbol].astype(np.int64)  # (B, 8)
+def _bounds(slots: Sequence[int]) -> tuple[int, int]:
+    """The smallest and the largest slot (a range's without walking it)."""
+    ends = (slots[0], slots[-1]) if isinstance(slots, range) else (min(slots), max(slots))
+    return min(ends), max(ends)
 
-        repeated = [np.repeat(col, n) for col in context]
-        tokens = cand.contiguous().numpy().reshape(-1).view(np.uint64)
 
-        def planes(key: int) -> npt.NDArray[np.int64]:
-            lanes = (np.repeat(keys[:, key, 0], n), np.repeat(keys[:, key, 1], n))
-            out = v2_gwords(lanes, repeated, tokens, words)
-            return np.stack(out).view(np.int64).reshape(words, batch, n)
+@cache
+def _max_fused_candidates() -> int:
+    from worldcup_core._step_triton import MAX_CANDIDATES
 
-        gwords = planes(1)
-        alt = planes(2) if any_alt else np.zeros((0, batch, n), dtype=np.int64)
-        p64 = probs.to(torch.float64).contiguous()
-        out = torch.empty_like(p64)
-        alpha = self._alpha.numpy()[idx].astype(np.float64)
-        step_kernel(
-            gwords, alt, sym_bits, cfg[0], cfg[1], cfg[4], alpha, p64.numpy(), live, out.numpy()
-        )
-        return out.to(self.dtype)
+    return MAX_CANDIDATES
 
-    def _hash(
-        self,
-        keys: torch.Tensor,
-        ctx_cols: list[torch.Tensor],
-        ctx_rep: list[torch.Tensor],
-        tokens: torch.Tensor,
-        n: int,
-        words: int,
-        alt: bool,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Positions (B,), g-words and alt-words (lists of (B*n,)) in as few passes as possible."""
-        batch = keys.shape[0]
-        gkey = (keys[:, 1, 0].repeat_interleave(n), keys[:, 1, 1].repeat_interleave(n))
-        pkey = (keys[:, 0, 0], keys[:, 0, 1])
-        jobs: list[tuple[tuple[torch.Tensor, torch.Tensor], list[torch.Tensor], int | None]] = [
-            (pkey, ctx_cols, None)
-        ]
-        jobs += [(gkey, [*ctx_rep, tokens], i) for i in range(words)]
-        if alt:
-            akey = (keys[:, 2, 0].repeat_interleave(n), keys[:, 2, 1].repeat_interleave(n))
-            jobs += [(akey, [*ctx_rep, tokens], i) for i in range(words)]
-        packed = [message_blocks(msg, tag) for _, msg, tag in jobs]
-        if len({len(b) for b, _ in packed}) == 1:  # same block count: one SipHash pass
-            k0 = torch.cat([k[0] for k, _, _ in jobs])
-            k1 = torch.cat([k[1] for k, _, _ in jobs])
-            blocks = [torch.cat([b[i] for b, _ in packed]) for i in range(len(packed[0][0]))]
-            out = siphash13(k0, k1, blocks, torch.cat([f for _, f in packed]))
-            parts = list(out.split([batch] + [batch * n] * (len(jobs) - 1)))
-        else:
-            parts = [
-                siphash13(k[0], k[1], b, f) for (k, _, _), (b, f) in zip(jobs, packed, strict=True)
-            ]
-        return parts[0], parts[1 : 1 + words], parts[1 + words :]
 
-    def _group_words(
-        self, words: list[torch.Tensor], m_row: torch.Tensor, big_k: int, batch: int, n: int
-    ) -> torch.Tensor:
-        """Each group's m g-bits shifted down to bit 0: (B, K, n) int64, per-row layout."""
-        dev = self.device
-        stacked = torch.stack(words, dim=-1).reshape(batch, n, len(words))  # (B, n, W)
-        j = torch.arange(big_k, device=dev)[None, :]
-        per_word = 64 // m_row[:, None]  # (B, 1)
-        word_of = (j // per_word).clamp(max=len(words) - 1)  # (B, K)
-        group_words = stacked.gather(2, word_of[:, None, :].expand(batch, n, big_k))  # (B, n, K)
-        base = ((j % per_word) * m_row[:, None])[:, None, :]  # the group's first bit
-        return (group_words >> base).permute(0, 2, 1)  # arithmetic shift: callers mask
+# --------------------------------------------------------------------------- the tensor path's
+# SipHash-1-3 on int64 lanes (the bit patterns of uint64 words), starting from any state,
+# so that the context's blocks are absorbed once per row; bit-identical with siphash.py
+_State = list[torch.Tensor]
+_INIT: Final = (0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573)
+
+
+def _rotl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x << bits) | ((x >> (64 - bits)) & ((1 << bits) - 1))  # >> is arithmetic: mask
+
+
+def _sipround(v: _State) -> _State:
+    v0, v1, v2, v3 = v
+    v0 = v0 + v1
+    v1 = _rotl(v1, 13) ^ v0
+    v0 = _rotl(v0, 32)
+    v2 = v2 + v3
+    v3 = _rotl(v3, 16) ^ v2
+    v0 = v0 + v3
+    v3 = _rotl(v3, 21) ^ v0
+    v2 = v2 + v1
+    v1 = _rotl(v1, 17) ^ v2
+    v2 = _rotl(v2, 32)
+    return [v0, v1, v2, v3]
+
+
+def _sip_init(k0: torch.Tensor, k1: torch.Tensor) -> _State:
+    return [k0 ^ _INIT[0], k1 ^ _INIT[1], k0 ^ _INIT[2], k1 ^ _INIT[3]]
+
+
+def _absorb(v: _State, block: torch.Tensor) -> _State:
+    v0, v1, v2, v3 = _sipround([v[0], v[1], v[2], v[3] ^ block])
+    return [v0 ^ block, v1, v2, v3]
+
+
+def _where(cond: torch.Tensor | bool, a: _State, b: _State) -> _State:
+    if isinstance(cond, bool):
+        return a if cond else b
+    return [torch.where(cond, x, y) for x, y in zip(a, b, strict=True)]
+
+
+def _finish(v: _State, final: torch.Tensor) -> torch.Tensor:
+    v = _absorb(v, final)
+    v[2] = v[2] ^ 0xFF
+    for _ in range(3):
+        v = _sipround(v)
+    return v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def _group_words(words: torch.Tensor, m_row: torch.Tensor, big_k: int) -> torch.Tensor:
+    """Each group's m g-bits shifted down to bit 0: (B, K, n) int64, from ``words``
+    (W, B, n); group j is word j // (64 // m), its layer l bit (j % (64 // m)) * m + l."""
+    num_words, batch, n = words.shape
+    stacked = words.permute(1, 2, 0)  # (B, n, W)
+    j = torch.arange(big_k, device=words.device)[None, :]
+    per_word = 64 // m_row[:, None]  # (B, 1)
+    word_of = (j // per_word).clamp(max=num_words - 1)  # (B, K)
+    group_words = stacked.gather(2, word_of[:, None, :].expand(batch, n, big_k))  # (B, n, K)
+    base = ((j % per_word) * m_row[:, None])[:, None, :]  # the group's first bit
+    return (group_words >> base).permute(0, 2, 1)  # arithmetic shift: callers mask
