@@ -88,9 +88,8 @@ JIT_ENABLED = True  # False: the CPU runs the tensor path (as without numba)
 # A float32 step (``dtype=torch.float32``) against the float64 reference: within this
 # absolute tolerance for tournaments of up to FLOAT32_MAX_LAYERS layers (the default m is
 # 30; at worst 1.5e-5 over 13,000 random rows on the tensor path, 1.7e-6 over 400 on the
-# fused kernel). Deeper
-# tournaments can push a token's mass below float32's resolution (1 - E_q[g] rounds to 0)
-# and crown another winner: run them in float64, the default.
+# fused kernel). Deeper tournaments can push a token's mass below float32's resolution
+# (1 - E_q[g] rounds to 0) and crown another winner: run them in float64, the default.
 FLOAT32_TOLERANCE: Final = 1e-4
 FLOAT32_MAX_LAYERS: Final = 48
 
