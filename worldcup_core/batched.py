@@ -190,12 +190,16 @@ class BatchedWorldCup:
     def capacity(self) -> int:
         return len(self._rows)
 
+    def _reserve(self, slot: int) -> None:
+        """Grow the slot tables (at least doubling) so that ``slot`` is a valid index."""
+        if slot >= self.capacity:
+            self._alloc(max(slot + 1, 2 * self.capacity), self._history.shape[1])
+
     def set_row(self, slot: int, scheme: WorldCup, payload: Payload) -> None:
         """Start a fresh sequence in ``slot`` (its generated history is empty)."""
         if not self.supports(scheme):
             raise ValueError("the batched step serves worldcup-v2 WorldCup schemes only")
-        if slot >= self.capacity:
-            self._alloc(max(slot + 1, 2 * self.capacity), self._history.shape[1])
+        self._reserve(slot)
         cfg = scheme.config
         prf = scheme.prf
         assert isinstance(prf, PRFV2)
@@ -223,13 +227,14 @@ class BatchedWorldCup:
 
     def move_row(self, src: int, dst: int) -> None:
         """vLLM's one-way move: ``dst`` takes over ``src``'s row; ``src`` is emptied."""
-        if dst >= self.capacity:
-            self._alloc(max(dst + 1, 2 * self.capacity), self._history.shape[1])
+        self._reserve(max(src, dst))
         for t in (self._keys, self._config, self._alpha, self._bits, self._history, self._length):
             t[dst] = t[src]
         self._rows[dst], self._rows[src] = self._rows[src], None
 
     def swap_rows(self, a: int, b: int) -> None:
+        """vLLM's swap of two batch indices (either may never have held a row)."""
+        self._reserve(max(a, b))
         idx = torch.tensor([a, b], device=self.device)
         rev = torch.tensor([b, a], device=self.device)
         for t in (self._keys, self._config, self._alpha, self._bits, self._history, self._length):
