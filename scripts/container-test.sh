@@ -113,12 +113,12 @@ base() {
   phase "debootstrap bookworm (minbase) for $BASE_IMAGE"
   local dir
   dir=$(mktemp -d /var/tmp/worldcup-rootfs.XXXXXX)
-  trap 'rm -rf "$dir"' RETURN
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     bookworm "$dir" "$MIRROR" > "$STATE/debootstrap.log" 2>&1 \
-    || { tail -20 "$STATE/debootstrap.log" >&2; exit 1; }
+    || { tail -20 "$STATE/debootstrap.log" >&2; rm -rf "$dir"; exit 1; }
   rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/*
   tar -C "$dir" -c . | podman import --change 'CMD ["/bin/bash"]' - "$BASE_IMAGE" > /dev/null
+  rm -rf "$dir"
 }
 
 # build IMAGE DOCKERFILE [podman build args...]: the builder stage with the host's pip setup
