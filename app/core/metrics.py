@@ -67,6 +67,12 @@ class Metrics:
         self.active_sequences = Gauge(
             "worldcup_active_sequences", "Sequences in the running batch.", registry=r
         )
+        self.unwatermarked = Counter(
+            "worldcup_unwatermarked_rows",
+            "Rows the vLLM step could not watermark (a token placeholder reached it); "
+            "their requests fail rather than return unwatermarked text.",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "worldcup_generate_batch_size",
             "Rows per forward pass.",

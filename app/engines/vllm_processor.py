@@ -22,6 +22,20 @@ Rows whose ``SamplingParams.extra_args`` carry no WorldCup handle are left
 untouched. The handle is opaque; the key material comes over a private
 channel (:mod:`app.engines.vllm_keys`). Needs the v1 model runner
 (``VLLM_USE_V2_MODEL_RUNNER=0``), which the engine sets.
+
+**Slots.** The batched step's tables are sized from vLLM's ``max_num_seqs``
+(the persistent batch's size) and grow on any add, move or swap beyond them.
+
+**The context must be current.** Each step watermarks on the row's tokens so
+far, read from vLLM's live output list. Under async scheduling vLLM appends
+``-1`` placeholders there and repairs them just before the sampler, only when
+it thinks a processor needs the ids (vLLM issue 52461). The engine turns async
+scheduling off (:func:`app.engines.vllm.engine_args`), so placeholders never
+reach this processor; should one reach it anyway, the row's context is not
+known and it is never watermarked on a stale one: the row loses its watermark
+from that step on (it is sampled from the filtered distribution), and the
+processor reports it over the key channel, so the engine counts it and fails
+that request instead of returning an unwatermarked text as watermarked.
 """
 
 from __future__ import annotations
@@ -45,8 +59,12 @@ from worldcup_core.scheme import SequenceWatermark
 logger = logging.getLogger("worldcup.engine.vllm")
 
 
+PLACEHOLDER = -1  # async scheduling's not-yet-known token id in vLLM's output lists
+
+
 @dataclass
 class _Row:
+    handle: str
     spec: RowSpec | None  # None: the handle was unknown (fail closed: EOS only)
     output: list[int]  # vLLM's live reference to the request's generated tokens
     blocker: NGramBlocker
@@ -55,6 +73,7 @@ class _Row:
     eos: list[int] = field(default_factory=list)  # forced when ``spec`` is None
     seen: int = 0  # tokens of ``output`` already recorded
     pending: list[int] = field(default_factory=list)
+    stale: bool = False  # a placeholder reached a step: watermark dropped, reported
 
 
 class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
@@ -62,7 +81,10 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.device = torch.device(device)
-        self._batched = BatchedWorldCup(self.device)
+        # one slot per persistent-batch index; grown on any index beyond (swap_rows too)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        capacity = int(getattr(scheduler, "max_num_seqs", None) or 64)
+        self._batched = BatchedWorldCup(self.device, capacity=capacity)
         warm_up(self.device)  # compiled CPU loops now, while vLLM loads, not on a request
         self._rows: dict[int, _Row] = {}
         self._keys = KeyClient()
@@ -127,14 +149,16 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                 wm = spec.scheme.sequence(spec.payload)
         # a re-added (preempted) request replays the tokens it already has
         blocker = NGramBlocker(sampling_size, prompt)
-        self._rows[index] = _Row(spec, output, blocker, wm, batched, eos=eos)
+        self._rows[index] = _Row(handle, spec, output, blocker, wm, batched, eos=eos)
 
     def _sync(self) -> None:
         """Record the tokens sampled since the last step (vLLM appends to ``output``)."""
-        for row in self._rows.values():
+        for index, row in self._rows.items():
             new = row.output[row.seen :]
-            if -1 in new:  # async scheduling's placeholder: the token is not known yet
-                new = new[: new.index(-1)]
+            if PLACEHOLDER in new:  # the context is not known: never watermark on it
+                new = new[: new.index(PLACEHOLDER)]
+                if not row.stale:
+                    self._unwatermark(index, row)
             row.seen += len(new)
             for tok in new:
                 row.blocker.push(tok)
@@ -148,6 +172,23 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                 return
             tokens = torch.tensor([r.pending.pop(0) for _, r in due])
             self._batched.append([i for i, _ in due], tokens)
+
+    def _unwatermark(self, index: int, row: _Row) -> None:
+        """A placeholder reached the step: from now on the row is sampled unwatermarked
+        (bans and filtering stay), and the service is told, so that it counts the row and
+        fails its request rather than return it as watermarked."""
+        row.stale = True
+        if row.spec is None:  # fail-closed rows only ever emit EOS
+            return
+        logger.error(
+            "a token placeholder reached the WorldCup step (async scheduling?): the row is "
+            "sampled unwatermarked and its request fails"
+        )
+        if row.batched:
+            self._batched.clear_row(index)
+        row.batched, row.watermark = False, None
+        row.pending.clear()
+        self._keys.report_unwatermarked(row.handle)
 
     # ------------------------------------------------------------------ the step
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
