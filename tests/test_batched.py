@@ -443,6 +443,28 @@ def test_v2_rows_free_their_slots_when_they_leave(tiny: LoadedModel) -> None:
     assert sorted(batch._free_slots) == [0, 1]  # noqa: SLF001 (and every row is gone)
 
 
+def test_tables_grown_inside_inference_mode_stay_writable_outside_it() -> None:
+    """Engines step under torch.inference_mode(); a table that grows there (the history
+    past its horizon, a slot past the capacity) must still take a cancel's clear_row, a
+    new row and appends outside it. (An inference tensor there killed the HF engine's
+    thread on the first cancelled request of more than 256 tokens.)"""
+    scheme = WorldCup(WatermarkKey(bytes(range(32))), WatermarkConfig(version=V2))
+    batch = BatchedWorldCup(capacity=1, history=8)
+    batch.set_row(0, scheme, Payload("1011"))
+    with torch.inference_mode():
+        for t in range(20):  # history 8 -> 16 -> 32, inside inference mode
+            batch.append([0], torch.tensor([t]))
+        batch.set_row(3, scheme, Payload("0110"))  # capacity 1 -> 4
+    assert batch.capacity >= 4 and batch._history.shape[1] >= 20  # noqa: SLF001
+    assert not any(t.is_inference() for t in batch._tables())  # noqa: SLF001
+    batch.clear_row(0)  # outside inference mode, as ContinuousBatch.cancel runs
+    batch.set_row(1, scheme, Payload("1111"))
+    batch.append([1, 3], torch.tensor([7, 9]))
+    cand = torch.tensor([[3, 4, 5]] * 2)
+    q = batch.step([1, 3], cand, torch.full((2, 3), 1 / 3, dtype=torch.float64))
+    assert torch.allclose(q.sum(dim=1), torch.ones(2, dtype=torch.float64))
+
+
 def test_hf_processor_uses_the_batched_step(tiny: LoadedModel) -> None:
     key = WatermarkKey(bytes(range(32)))
     scheme = WorldCup(key, WatermarkConfig(version=V2))

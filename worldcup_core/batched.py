@@ -228,9 +228,14 @@ class BatchedWorldCup:
         dev = self.device
 
         def grow(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            new = torch.zeros(shape, dtype=dtype, device=dev)
-            if t.numel():
-                new[tuple(slice(0, s) for s in t.shape)] = t
+            # Always a normal tensor, even when the growth happens inside an engine's
+            # torch.inference_mode() step: an inference tensor could not be updated in
+            # place afterwards outside it (a cancel, a clear_row) and the engine thread
+            # would die with "Inplace update to inference tensor outside InferenceMode".
+            with torch.inference_mode(False):
+                new = torch.zeros(shape, dtype=dtype, device=dev)
+                if t.numel():
+                    new[tuple(slice(0, s) for s in t.shape)] = t
             return new
 
         self._keys = grow(self._keys, (capacity, 3, 2), torch.int64)
