@@ -27,7 +27,7 @@ from app.main import create_app
 from app.stores.sqlite import SQLiteStore
 from worldcup_cli.main import app as cli
 from worldcup_core import SamplingConfig
-from worldcup_core.generation import GenerationRequest
+from worldcup_core.generation import GenerationRequest, GenerationResult
 from worldcup_core.models import load_model
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -91,6 +91,42 @@ async def test_active_sequences_gauge_is_right_after_a_cancel(tiny_model_dir: Pa
             await asyncio.sleep(0.01)
         # no other job runs, so no later step would have refreshed it
         assert gauge() == 0.0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.anyio
+async def test_the_engine_thread_survives_a_failure_outside_a_step(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure in admission or a cancel's cleanup fails the running jobs (their
+    requests answer 500) and the engine goes on serving the next ones; it used to kill
+    the thread, and every later request waited for its deadline."""
+    lm = load_model(str(tiny_model_dir))
+    engine = HFEngine(lm.model, lm.eos_token_ids, lm.pad_token_id, Metrics(), 4, 8)
+    engine.start()
+    try:
+        sampling = SamplingConfig(max_new_tokens=10_000, min_new_tokens=10_000, seed=1)
+        job = engine.submit(GenerationRequest([1, 2, 3], sampling))
+        await asyncio.wait_for(job.events.get(), timeout=30)
+
+        def broken(rows: Any) -> None:
+            raise RuntimeError("cleanup failed")
+
+        monkeypatch.setattr(engine._batch, "cancel", broken)  # noqa: SLF001
+        engine.cancel(job)
+        item = None
+        while not isinstance(item, BaseException):
+            item = await asyncio.wait_for(job.events.get(), timeout=30)
+        assert isinstance(item, RuntimeError) and job.done and engine.in_flight == 0
+        short = SamplingConfig(max_new_tokens=4, min_new_tokens=4, seed=2)
+        after = engine.submit(GenerationRequest([1, 2, 3], short))
+        results = []
+        while not results:
+            event = await asyncio.wait_for(after.events.get(), timeout=30)
+            if isinstance(event, GenerationResult):
+                results.append(event)
+        assert len(results[0].token_ids) == 4
     finally:
         engine.stop()
 

@@ -71,6 +71,7 @@ class HFEngine:
         max_queue: int,
     ) -> None:
         self._batch = ContinuousBatch(model, eos_token_ids, pad_token_id)
+        self._pad = pad_token_id
         self._metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -202,5 +203,22 @@ class HFEngine:
             with self._cond:
                 if not self._running and not self._active and not self._pending:
                     return
-            self._admit()
-            self._step()
+            try:
+                self._admit()
+                self._step()
+            except Exception as exc:  # the thread must outlive any one failure
+                self._fail_active(exc)
+
+    def _fail_active(self, exc: Exception) -> None:
+        """A failure outside a step (admission, a cancel's cleanup): fail the running jobs
+        with it (their requests answer 500, logged) and start a fresh batch, so the engine
+        keeps serving instead of leaving every later request to time out."""
+        logger.exception("generation thread failed", extra=_ids(self._active.values()))
+        with self._cond:
+            jobs = list(self._active.values())
+            self._active.clear()
+            self._batch = ContinuousBatch(self._batch.model, self._batch.eos, self._pad)
+        for job in jobs:
+            job.done = True
+            job._push(exc)
+        self._metrics.active_sequences.set(0)
