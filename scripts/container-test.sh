@@ -54,6 +54,9 @@ tools() {
   command -v runc > /dev/null || missing+=(runc)
   command -v debootstrap > /dev/null || missing+=(debootstrap)
   [ -x /usr/lib/podman/aardvark-dns ] || missing+=(aardvark-dns)
+  # netavark sets up the build's and the stack's networks with iptables (a machine without
+  # it fails every RUN step that needs the network: "netavark: No such file or directory")
+  command -v iptables > /dev/null || missing+=(iptables)
   python3 -c "import ensurepip, venv" 2> /dev/null || missing+=(python3-venv)
   if [ "${#missing[@]}" -gt 0 ]; then
     phase "apt-get install ${missing[*]}"
@@ -61,7 +64,7 @@ tools() {
     if [ "$(id -u)" -ne 0 ] && command -v sudo > /dev/null; then sudo=sudo; fi
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-      podman runc debootstrap netavark aardvark-dns python3-venv
+      podman runc debootstrap netavark aardvark-dns iptables python3-venv
   fi
   if ! "$STATE/venv/bin/podman-compose" version 2> /dev/null | grep -q "$COMPOSE_VERSION"; then
     phase "podman-compose $COMPOSE_VERSION into $STATE/venv"
