@@ -115,8 +115,9 @@ from worldcup_core.decoder import (
     Alternative,
     DecodeResult,
     RegistryMatch,
-    _llr_scale,
-    _top_flip_sets,
+    llr_scale,
+    registry_match,
+    top_flip_sets,
 )
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, z_from_log_p
 from worldcup_core.message import Payload
@@ -641,9 +642,9 @@ class SegMark:
         rows = np.arange(code.n)
         margins = (count[rows, order[:, 0]] - count[rows, order[:, 1]]).astype(np.float64)
         live = [int(i) for i in np.argsort(margins, kind="stable") if sizes[i] > 0]
-        beta = _llr_scale(delta)
+        beta = llr_scale(delta)
         seen = {best_bits}
-        for cost, flips in _top_flip_sets([float(margins[i]) for i in live], 8 * list_size)[1:]:
+        for cost, flips in top_flip_sets([float(margins[i]) for i in live], 8 * list_size)[1:]:
             word = order[:, 0].copy()
             for f in flips:
                 word[live[f]] = order[live[f], 1]
@@ -688,33 +689,18 @@ class SegMark:
         if total == 0:
             return None
         words = np.array([encode_payload(c) for c in candidates], dtype=np.int64)  # (R, n)
-        per_segment = count[np.arange(code.n)[None, :], words]  # (R, n)
-        agreement = per_segment.sum(axis=1)
-        ranked = np.argsort(-agreement, kind="stable")
-        best = int(ranked[0])
-        a_best = int(agreement[best])
-        log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
-        log_p = min(log_p_single + math.log(len(candidates)), 0.0)
-        delta = a_best / total - 0.5
-        logits = _llr_scale(delta) * (agreement - a_best).astype(np.float64)
-        posterior = float(1.0 / np.exp(logits).sum())
+        agreement = count[np.arange(code.n)[None, :], words].sum(axis=1)  # (R,)
         _, decoded = read_codeword(reed_solomon(code), count, sizes)
-        if decoded is not None and not (words == np.array(decoded)).all(axis=1).any():
+
+        def adjust(best: int, delta: float, posterior: float) -> float:
+            if decoded is None or (words == np.array(decoded)).all(axis=1).any():
+                return posterior
             # the text's own payload is outside the registry: it competes as one more entry
             outside = int(count[np.arange(code.n), np.array(decoded)].sum())
-            posterior = 1.0 / (1.0 / posterior + math.exp(_llr_scale(delta) * (outside - a_best)))
-        runner = int(ranked[1]) if len(candidates) > 1 else None
-        margin = a_best - int(agreement[runner]) if runner is not None else a_best - total / 2
-        return RegistryMatch(
-            index=best,
-            bits=candidates[best],
-            agreement_z=(2 * a_best - total) / math.sqrt(total),
-            p_value=math.exp(log_p),
-            log10_p_value=log_p / math.log(10.0),
-            posterior=posterior,
-            runner_up_index=runner,
-            margin_z=2 * margin / math.sqrt(total),
-        )
+            a_best = int(agreement[best])
+            return 1.0 / (1.0 / posterior + math.exp(llr_scale(delta) * (outside - a_best)))
+
+        return registry_match(candidates, agreement, total, adjust)
 
 
 if TYPE_CHECKING:  # static proof that SegMark fits the harness's protocols
