@@ -283,9 +283,6 @@ class BiMark(CountCellScheme):
         self._prf = PRF(key)  # the detector's tie-break stream only
         self._bimark_prf = BiMarkPRF(key, self.config.layers)
 
-    def __repr__(self) -> str:
-        return f"BiMark(key_id={self.key.key_id!r}, config={self.config!r})"
-
     def sequence(self, payload: Payload) -> BiMarkSequence:
         return BiMarkSequence(self._bimark_prf, self.config, payload)
 

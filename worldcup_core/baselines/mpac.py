@@ -63,7 +63,7 @@ import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.baselines.cells import CountCellScheme, first_contexts
-from worldcup_core.baselines.sequence import GreenListSequence
+from worldcup_core.baselines.sequence import GreenListConfig, GreenListSequence
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.message import Payload
 from worldcup_core.prf import PRF, Context, WatermarkKey, pack_context, vocab_bits
@@ -88,27 +88,13 @@ _TIEBREAK_DOMAIN: Final = b"mpac"
 
 
 @dataclass(frozen=True)
-class MPACConfig:
-    """What MPAC's generator and detector share (besides the key).
+class MPACConfig(GreenListConfig):
+    """:class:`~worldcup_core.baselines.sequence.GreenListConfig` (binary MPAC, one
+    payload bit per position, as in the paper's Appendix B), plus its cell layout.
 
     >>> MPACConfig().delta
     2.0
     """
-
-    gamma: float = 0.5
-    delta: float = 2.0
-    context_width: int = 2
-
-    def __post_init__(self) -> None:
-        if self.gamma != 0.5:
-            raise ValueError(
-                f"only gamma = 0.5 is supported (binary MPAC, one payload bit per "
-                f"position, as in the paper's Appendix B), got {self.gamma}"
-            )
-        if not (math.isfinite(self.delta) and 0.0 <= self.delta <= 20.0):
-            raise ValueError(f"delta must be in [0, 20], got {self.delta}")
-        if not 1 <= self.context_width <= 8:
-            raise ValueError(f"context_width must be in 1..8, got {self.context_width}")
 
     @property
     def cell_config(self) -> WatermarkConfig:
@@ -190,9 +176,6 @@ class MPAC(CountCellScheme):
         self.config = config or MPACConfig()
         self._cells = self.config.cell_config
         self._prf = PRF(key)
-
-    def __repr__(self) -> str:
-        return f"MPAC(key_id={self.key.key_id!r}, config={self.config!r})"
 
     def sequence(self, payload: Payload) -> MPACSequence:
         return MPACSequence(self._prf, self.config, payload)

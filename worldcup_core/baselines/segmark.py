@@ -108,7 +108,8 @@ import numpy.typing as npt
 import reedsolo
 from scipy import special
 
-from worldcup_core.baselines.sequence import GreenListSequence
+from worldcup_core.baselines.cells import BaselineScheme
+from worldcup_core.baselines.sequence import GreenListConfig, GreenListSequence
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.decoder import (
     DEFAULT_LIST_SIZE,
@@ -315,26 +316,12 @@ def segment_index(segment_u64: U64Array | int, n: int) -> IntArray:
 
 
 @dataclass(frozen=True)
-class SegMarkConfig:
-    """What SegMark's generator and detector share (besides the key).
+class SegMarkConfig(GreenListConfig):
+    """:class:`~worldcup_core.baselines.sequence.GreenListConfig`, under SegMark's name.
 
     >>> SegMarkConfig().delta
     2.0
     """
-
-    gamma: float = 0.5
-    delta: float = 2.0
-    context_width: int = 2
-
-    def __post_init__(self) -> None:
-        if self.gamma != 0.5:
-            raise ValueError(
-                f"only gamma = 0.5 is supported (the paper's setting), got {self.gamma}"
-            )
-        if not (math.isfinite(self.delta) and 0.0 <= self.delta <= 20.0):
-            raise ValueError(f"delta must be in [0, 20], got {self.delta}")
-        if not 1 <= self.context_width <= 8:
-            raise ValueError(f"context_width must be in 1..8, got {self.context_width}")
 
 
 @dataclass(frozen=True)
@@ -495,7 +482,7 @@ class SegMarkSequence(GreenListSequence):
         return mask
 
 
-class SegMark:
+class SegMark(BaselineScheme[SegMarkEvidence]):
     """The SegMark (RSBH) baseline with one key and configuration.
 
     >>> segmark = SegMark(WatermarkKey(bytes(32)))
@@ -510,9 +497,6 @@ class SegMark:
         self.key = key
         self.config = config or SegMarkConfig()
         self._hasher = _Hasher(key)
-
-    def __repr__(self) -> str:
-        return f"SegMark(key_id={self.key.key_id!r}, config={self.config!r})"
 
     def sequence(self, payload: Payload) -> SegMarkSequence:
         return SegMarkSequence(self._hasher, self.config, payload)
@@ -560,14 +544,6 @@ class SegMark:
             num_scored_tokens=ev.num_scored,
             num_symbols=num_symbols,
         )
-
-    def detect(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int | None = None,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DetectionResult:
-        return self._detect(self.evidence(token_ids), num_bits, significance)
 
     def decode(
         self,

@@ -254,9 +254,6 @@ class StealthInk(CountCellScheme):
         self._prf = PRF(key)  # the detector's tie-break stream only
         self._stealthink_prf = StealthInkPRF(key)
 
-    def __repr__(self) -> str:
-        return f"StealthInk(key_id={self.key.key_id!r}, config={self.config!r})"
-
     def sequence(self, payload: Payload) -> StealthInkSequence:
         return StealthInkSequence(self._stealthink_prf, self.config, payload)
 
