@@ -586,6 +586,36 @@ def _target(target: float, measured: float, passed: bool) -> dict[str, Any]:
     return {"target": target, "measured": measured, "passed": passed}
 
 
+def format_decoding_bench(dec: dict[str, Any]) -> str:
+    """The decoding part of the report: :func:`bench_decoding`'s dict as a table."""
+    lines = [
+        f"decoding ({dec['text_tokens']}-token {dec['source']} texts, {dec['num_bits']} bits, "
+        f"one core, v2 {dec['texts_per_call']} texts a call; {dec['distinct_texts']} distinct, "
+        f"{dec['flagged_watermarked']} flagged as watermarked)",
+        f"  {'mode':<36} {'texts':>6} {'texts/s':>9} {'ms/text':>8}",
+    ]
+    modes = [
+        ("decode+detect from ids", dec["from_ids"]),
+        ("decode+detect from text", dec["from_text"]),
+        ("detect, unknown length (slots)", dec["scan_detect"]),
+        ("v2: decode+detect from ids, 1 a call", dec.get("from_ids_v2_one_per_call")),
+        ("v1: decode+detect from ids, 1 a call", dec["from_ids_v1_one_per_call"]),
+        ("v1: decode+detect from ids, batched", dec.get("from_ids_v1_batched")),
+    ]
+    for name, rate in modes:
+        if rate is not None:
+            lines.append(
+                f"  {name:<36} {rate['texts']:>6} {rate['texts_per_s']:>9.1f} "
+                f"{rate['ms_per_text']:>8.3f}"
+            )
+    if "v2_speedup_one_per_call" in dec:
+        lines.append(
+            f"  v2 over v1: {dec['v2_speedup_one_per_call']:.2f}x one text a call, "
+            f"{dec['v2_speedup_batched']:.2f}x batched"
+        )
+    return "\n".join(lines)
+
+
 def format_bench(result: dict[str, Any]) -> str:
     """A compact plain-text report of :func:`run_bench`'s dict."""
     env = result["environment"]
@@ -623,33 +653,7 @@ def format_bench(result: dict[str, Any]) -> str:
             f"  {st['batch']:>5} {st['us_per_row']:>8.2f} {st['mean_candidates']:>11.1f} "
             f"{st['dense_us_per_row']:>13.2f}"
         )
-    dec = result["decoding"]
-    lines += [
-        "",
-        f"decoding ({dec['text_tokens']}-token {dec['source']} texts, {dec['num_bits']} bits, "
-        f"one core, v2 {dec['texts_per_call']} texts a call; {dec['distinct_texts']} distinct, "
-        f"{dec['flagged_watermarked']} flagged as watermarked)",
-        f"  {'mode':<36} {'texts':>6} {'texts/s':>9} {'ms/text':>8}",
-    ]
-    modes = [
-        ("decode+detect from ids", dec["from_ids"]),
-        ("decode+detect from text", dec["from_text"]),
-        ("detect, unknown length (slots)", dec["scan_detect"]),
-        ("v2: decode+detect from ids, 1 a call", dec.get("from_ids_v2_one_per_call")),
-        ("v1: decode+detect from ids, 1 a call", dec["from_ids_v1_one_per_call"]),
-        ("v1: decode+detect from ids, batched", dec.get("from_ids_v1_batched")),
-    ]
-    for name, rate in modes:
-        if rate is not None:
-            lines.append(
-                f"  {name:<36} {rate['texts']:>6} {rate['texts_per_s']:>9.1f} "
-                f"{rate['ms_per_text']:>8.3f}"
-            )
-    if "v2_speedup_one_per_call" in dec:
-        lines.append(
-            f"  v2 over v1: {dec['v2_speedup_one_per_call']:.2f}x one text a call, "
-            f"{dec['v2_speedup_batched']:.2f}x batched"
-        )
+    lines += ["", format_decoding_bench(result["decoding"])]
     lines += ["", format_provenance_bench(result["provenance"])]
     if result.get("provenance_100k"):
         big = result["provenance_100k"]
