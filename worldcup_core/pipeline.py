@@ -1,8 +1,9 @@
 """The per-step sampling pipeline every engine runs: logits in, watermarked q out.
 
 One function, :func:`watermarked_distribution`, so that the ``hf`` engine
-(:class:`worldcup_core.generation.ContinuousBatch`) and the vLLM logits
-processor (:mod:`app.engines.vllm_processor`) cannot drift apart. For each row
+(:class:`worldcup_core.generation.ContinuousBatch`), the vLLM logits processor
+(:mod:`app.engines.vllm_processor`) and the ``model.generate`` processor
+(:mod:`worldcup_core.hf`) cannot drift apart. For each row
 of a batch, in this order:
 
 1. **bans** -- the row's banned ids (repeated n-grams, and EOS before
