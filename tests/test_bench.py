@@ -18,11 +18,24 @@ def test_bench_decoding_shape_and_rates() -> None:
     assert result["torch_threads"] == 1
     assert result["from_text"] is None  # needs a tokenizer
     assert 0 <= result["flagged_watermarked"] <= result["distinct_texts"]
-    for key, count in (("from_ids", 40), ("scan_detect", 5)):
+    for key, count in (
+        ("from_ids", 40),
+        ("scan_detect", 5),
+        ("from_ids_v2_one_per_call", 4),
+        ("from_ids_v1_one_per_call", 4),
+        ("from_ids_v1_batched", 4),
+    ):
         rate = result[key]
         assert rate["texts"] == count
         assert rate["texts_per_s"] > 0
         assert rate["ms_per_text"] > 0
+    # the speedups compare v2 with v1 at the same number of texts a call
+    one = result["from_ids_v2_one_per_call"]["texts_per_s"]
+    assert result["v2_speedup_one_per_call"] == pytest.approx(
+        one / result["from_ids_v1_one_per_call"]["texts_per_s"], rel=0.01
+    )
+    batched = result["from_ids"]["texts_per_s"] / result["from_ids_v1_batched"]["texts_per_s"]
+    assert result["v2_speedup_batched"] == pytest.approx(batched, rel=0.01)
 
 
 def test_bench_decoding_given_chunks() -> None:
@@ -60,6 +73,9 @@ def test_bench_encoding_pairs_wall_and_cpu_time() -> None:
     paired = [p / w for p, w in zip(*cpu, strict=True)]
     # the median of the two pairs' ratios (the seconds above are rounded to 1 ms)
     assert result["ratio_cpu_paired"] == pytest.approx(sum(paired) / 2, rel=0.05)
+    wall = result["plain_seconds"], result["watermarked_seconds"]
+    paired_wall = [p / w for p, w in zip(*wall, strict=True)]
+    assert result["ratio_wall_paired"] == pytest.approx(sum(paired_wall) / 2, rel=0.05)
     assert result["reweight_us_per_token"] > 0  # the batched v2 step was timed
 
 

@@ -137,3 +137,13 @@ def test_usage_errors_are_one_line_with_exit_2(args: list[str], needle: str) -> 
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("error: ") and "\n" not in err and needle in err, err
+
+
+def test_bench_decoding_reports_v1_and_v2_like_for_like() -> None:
+    result = runner.invoke(app, ["bench-decoding", "--texts", "20", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    for key in ("from_ids_v2_one_per_call", "from_ids_v1_one_per_call", "from_ids_v1_batched"):
+        assert out[key]["texts"] == 2 and out[key]["texts_per_s"] > 0
+    assert out["from_ids"]["texts"] == 20
+    assert out["v2_speedup_one_per_call"] > 0 and out["v2_speedup_batched"] > 0

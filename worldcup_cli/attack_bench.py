@@ -29,16 +29,14 @@ import random
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worldcup_cli.service_bench import _free_socket, _Server, _wait_ready
+from worldcup_cli.benchlib import Progress, Server, free_socket, wait_ready
 
 if TYPE_CHECKING:
     from app.core.config import Settings
 
-Progress = Callable[[str], None]
 
 PROMPT = (
     "Write a short news report about a storm that hit a small fishing town, "
@@ -138,7 +136,7 @@ async def _score(client: Any, auth: dict[str, str], text: str) -> float:
 
 
 async def _phase(
-    server: _Server,
+    server: Server,
     base_url: str,
     admin_token: str,
     state: dict[str, Any],
@@ -150,7 +148,7 @@ async def _phase(
 
     admin = {"Authorization": f"Bearer {admin_token}"}
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        await _wait_ready(client, server, timeout_s=600)
+        await wait_ready(client, server, timeout_s=600)
         if "tenant_id" not in state:
             r = await client.post("/admin/tenants", json={"name": "attacked"}, headers=admin)
             r.raise_for_status()
@@ -210,10 +208,10 @@ def run_attack_bench(
     with tempfile.TemporaryDirectory(prefix="worldcup-attack-") as tmp:
         master, admin = secrets.token_hex(32), secrets.token_urlsafe(32)
         for budgets in (False, True):
-            sock = _free_socket()
+            sock = free_socket()
             port = sock.getsockname()[1]
             settings = _settings(Path(tmp), master, admin, port, model, budgets)
-            server = _Server(create_app(settings), sock)
+            server = Server(create_app(settings), sock)
             server.start()
             try:
                 rows += asyncio.run(

@@ -142,12 +142,13 @@ def bench_decoding(
 ) -> dict[str, Any]:
     """Decode+detect throughput on one core, cycling over ``chunks``.
 
-    Scheme v2 decodes ``batch`` texts per call (as a detector serving bulk requests
-    does: one vectorised pass); the v1 figure beside it is one text per call, its
-    only mode. Without ``chunks``, random token ids stand in for text (no model or
-    data needed, which is what the unit test uses). The raw-text figure, which adds
-    tokenisation, needs ``tokenizer``; it is ``None`` otherwise. torch and numpy
-    run on one thread here.
+    Both schemes are timed like for like: ``batch`` texts per call (as a detector
+    serving bulk requests does; one vectorised pass under v2, a loop under v1) and
+    one text per call (as ``POST /decode`` runs it); ``v2_speedup_*`` compare the two
+    schemes at the same texts per call. Without ``chunks``, random token ids stand in
+    for text (no model or data needed, which is what the unit test uses). The raw-text
+    figure, which adds tokenisation, needs ``tokenizer``; it is ``None`` otherwise.
+    torch and numpy run on one thread here.
     """
     if num_texts < 1:
         raise ValueError(f"num_texts must be >= 1, got {num_texts}")
@@ -177,11 +178,22 @@ def bench_decoding(
             wc.decode_many(part, num_bits)
         from_ids = _rate(num_texts, cpu_time() - start)
 
-        v1_n = max(1, num_texts // 10)
+        # like for like: one text a call (as POST /decode runs it) and batched, v1 and v2
+        single_n = max(1, num_texts // 10)
         start = cpu_time()
-        for i in range(v1_n):
+        for i in range(single_n):
+            wc.decode(texts[i], num_bits=num_bits)
+        from_ids_single = _rate(single_n, cpu_time() - start)
+
+        start = cpu_time()
+        for i in range(single_n):
             wc_v1.decode(texts[i], num_bits=num_bits)
-        from_ids_v1 = _rate(v1_n, cpu_time() - start)
+        from_ids_v1 = _rate(single_n, cpu_time() - start)
+
+        start = cpu_time()
+        for part in batches(texts[:single_n]):
+            wc_v1.decode_many(part, num_bits)
+        from_ids_v1_batched = _rate(single_n, cpu_time() - start)
 
         start = cpu_time()
         for part in batches(texts[:scan_n]):
@@ -207,7 +219,16 @@ def bench_decoding(
         "torch_threads": 1,
         "texts_per_call": batch,
         "from_ids": from_ids,
+        "from_ids_v2_one_per_call": from_ids_single,
         "from_ids_v1_one_per_call": from_ids_v1,
+        "from_ids_v1_batched": from_ids_v1_batched,
+        # v2 over v1 at the same number of texts a call
+        "v2_speedup_one_per_call": round(
+            from_ids_single["texts_per_s"] / from_ids_v1["texts_per_s"], 2
+        ),
+        "v2_speedup_batched": round(
+            from_ids["texts_per_s"] / from_ids_v1_batched["texts_per_s"], 2
+        ),
         "scan_detect": scan,
         "from_text": from_text,
         "flagged_watermarked": flagged,  # false positives among the distinct texts
@@ -441,6 +462,8 @@ def bench_encoding(
         # The target's figure: the median of per-repeat ratios, each repeat's two runs back
         # to back, so a drift in machine speed between repeats cancels within each pair.
         "ratio_cpu_paired": round(paired_median(cpu[False], cpu[True]), 4),
+        # The same pairing on wall-clock seconds: tokens/s as a client sees them.
+        "ratio_wall_paired": round(paired_median(times[False], times[True]), 4),
         "plain_cpu_seconds": [round(s, 3) for s in cpu[False]],
         "watermarked_cpu_seconds": [round(s, 3) for s in cpu[True]],
         # Best-of-repeats (as timeit does): stalls only ever make a run slower.
@@ -509,6 +532,9 @@ def run_bench(
 
     # CPU-time ratio: robust on a shared machine; the wall-time ratio is reported beside it.
     worst_ratio = min(e["ratio_cpu_paired"] for e in encoding)
+    # ... and gated on wall-clock tokens/s as well: a cost off this process's CPU time
+    # (a device, a lock, another thread's wait) shows only there.
+    worst_wall = min(e["ratio_wall_paired"] for e in encoding)
     step64 = next(s["us_per_row"] for s in steps if s["batch"] == 64)
     decode_rate = decoding["from_ids"]["texts_per_s"]
     prov_ms = provenance["search_ms_per_1000_keys"]
@@ -534,7 +560,12 @@ def run_bench(
         "provenance": provenance,
         "provenance_100k": big,
         "targets": {
-            "encode_ratio": _target(TARGET_ENCODE_RATIO, worst_ratio, worst_ratio >= 0.97),
+            "encode_ratio": _target(
+                TARGET_ENCODE_RATIO, worst_ratio, worst_ratio >= TARGET_ENCODE_RATIO
+            ),
+            "encode_ratio_wall": _target(
+                TARGET_ENCODE_RATIO, worst_wall, worst_wall >= TARGET_ENCODE_RATIO
+            ),
             "reweight_us_per_row_b64": _target(
                 TARGET_STEP_US_PER_ROW_B64, step64, step64 <= TARGET_STEP_US_PER_ROW_B64
             ),
@@ -555,6 +586,36 @@ def _target(target: float, measured: float, passed: bool) -> dict[str, Any]:
     return {"target": target, "measured": measured, "passed": passed}
 
 
+def format_decoding_bench(dec: dict[str, Any]) -> str:
+    """The decoding part of the report: :func:`bench_decoding`'s dict as a table."""
+    lines = [
+        f"decoding ({dec['text_tokens']}-token {dec['source']} texts, {dec['num_bits']} bits, "
+        f"one core, v2 {dec['texts_per_call']} texts a call; {dec['distinct_texts']} distinct, "
+        f"{dec['flagged_watermarked']} flagged as watermarked)",
+        f"  {'mode':<36} {'texts':>6} {'texts/s':>9} {'ms/text':>8}",
+    ]
+    modes = [
+        ("decode+detect from ids", dec["from_ids"]),
+        ("decode+detect from text", dec["from_text"]),
+        ("detect, unknown length (slots)", dec["scan_detect"]),
+        ("v2: decode+detect from ids, 1 a call", dec.get("from_ids_v2_one_per_call")),
+        ("v1: decode+detect from ids, 1 a call", dec["from_ids_v1_one_per_call"]),
+        ("v1: decode+detect from ids, batched", dec.get("from_ids_v1_batched")),
+    ]
+    for name, rate in modes:
+        if rate is not None:
+            lines.append(
+                f"  {name:<36} {rate['texts']:>6} {rate['texts_per_s']:>9.1f} "
+                f"{rate['ms_per_text']:>8.3f}"
+            )
+    if "v2_speedup_one_per_call" in dec:
+        lines.append(
+            f"  v2 over v1: {dec['v2_speedup_one_per_call']:.2f}x one text a call, "
+            f"{dec['v2_speedup_batched']:.2f}x batched"
+        )
+    return "\n".join(lines)
+
+
 def format_bench(result: dict[str, Any]) -> str:
     """A compact plain-text report of :func:`run_bench`'s dict."""
     env = result["environment"]
@@ -565,20 +626,23 @@ def format_bench(result: dict[str, Any]) -> str:
         "",
         "encoding (WorldCup k=2 m=30, 16-bit payload vs plain sampling; median of repeats)",
         f"  {'scheme':<11} {'batch':>5} {'tokens':>6} {'plain tok/s':>12} {'wm tok/s':>10} "
-        f"{'ratio':>7} {'cpu':>7} {'best':>7} {'wm us/tok':>10} {'share':>7} {'est.':>7}",
+        f"{'ratio':>7} {'wall':>7} {'cpu':>7} {'best':>7} {'wm us/tok':>10} {'share':>7} "
+        f"{'est.':>7}",
     ]
     for e in [*result["encoding"], result["encoding_v1"]]:
         lines.append(
             f"  {e['scheme']:<11} {e['batch_size']:>5} {e['new_tokens']:>6} "
             f"{e['plain_tokens_per_s']:>12.2f} {e['watermarked_tokens_per_s']:>10.2f} "
-            f"{e['ratio']:>7.3f} {e['ratio_cpu_paired']:>7.3f} {e['ratio_best']:>7.3f} "
+            f"{e['ratio']:>7.3f} {e['ratio_wall_paired']:>7.3f} {e['ratio_cpu_paired']:>7.3f} "
+            f"{e['ratio_best']:>7.3f} "
             f"{e['reweight_us_per_token']:>10.1f} "
             f"{100 * e['reweight_share_of_watermarked_time']:>6.2f}% "
             f"{e['ratio_from_reweight_cost']:>7.3f}"
         )
     lines += [
-        "  ratio: median wm/plain wall time; cpu: median of paired repeats' ratios in process",
-        "  CPU time (the target's figure); best: fastest runs; wm us/tok: inside the step;",
+        "  ratio: median wm/plain wall time; wall, cpu: median of paired repeats' ratios in",
+        "  wall-clock and in-process CPU time (both gated); best: fastest runs; wm us/tok:",
+        "  inside the step;",
         "  est.: plain / (plain + watermark) time",
         "",
         "the batched v2 step (CPU torch, one thread; recorded next-token distributions)",
@@ -589,26 +653,7 @@ def format_bench(result: dict[str, Any]) -> str:
             f"  {st['batch']:>5} {st['us_per_row']:>8.2f} {st['mean_candidates']:>11.1f} "
             f"{st['dense_us_per_row']:>13.2f}"
         )
-    dec = result["decoding"]
-    lines += [
-        "",
-        f"decoding ({dec['text_tokens']}-token {dec['source']} texts, {dec['num_bits']} bits, "
-        f"one core, v2 {dec['texts_per_call']} texts a call; {dec['distinct_texts']} distinct, "
-        f"{dec['flagged_watermarked']} flagged as watermarked)",
-        f"  {'mode':<36} {'texts':>6} {'texts/s':>9} {'ms/text':>8}",
-    ]
-    modes = [
-        ("decode+detect from ids", dec["from_ids"]),
-        ("decode+detect from text", dec["from_text"]),
-        ("detect, unknown length (slots)", dec["scan_detect"]),
-        ("v1: decode+detect from ids, 1 a call", dec["from_ids_v1_one_per_call"]),
-    ]
-    for name, rate in modes:
-        if rate is not None:
-            lines.append(
-                f"  {name:<36} {rate['texts']:>6} {rate['texts_per_s']:>9.1f} "
-                f"{rate['ms_per_text']:>8.3f}"
-            )
+    lines += ["", format_decoding_bench(result["decoding"])]
     lines += ["", format_provenance_bench(result["provenance"])]
     if result.get("provenance_100k"):
         big = result["provenance_100k"]

@@ -40,16 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from worldcup_cli.bench import paired_median
-from worldcup_cli.service_bench import (
+from worldcup_cli.benchlib import (
     PAYLOAD_BITS,
+    Load,
     Progress,
-    _articles,
-    _free_socket,
-    _Load,
-    _prompts,
-    _ready_with_tenant,
-    _Server,
-    _wave_stats,
+    Server,
+    free_socket,
+    news_articles,
+    news_prompts,
+    ready_with_tenant,
+    wave_stats,
 )
 
 ENGINE_LEVELS = (1, 8, 32)
@@ -87,13 +87,13 @@ def _settings(variant: str, device: str, max_batch: int, port: int, tmp: str, to
 class _Arm:
     """One variant's running service and its HTTP load."""
 
-    def __init__(self, variant: str, server: _Server, base_url: str, token: str) -> None:
+    def __init__(self, variant: str, server: Server, base_url: str, token: str) -> None:
         self.variant = variant
         self.server = server
         self.base_url = base_url
         self.token = token
         self.cold_start = 0.0
-        self.load: _Load | None = None
+        self.load: Load | None = None
         self.waves: dict[int, list[dict[str, Any]]] = {c: [] for c in ENGINE_LEVELS}
 
     @property
@@ -109,7 +109,7 @@ def _start_arm(
     from app.main import create_app
 
     token = secrets.token_urlsafe(32)
-    sock = _free_socket()
+    sock = free_socket()
     port = sock.getsockname()[1]
     stack.callback(sock.close)
     load = vllm_engine.VLLMEngine.load
@@ -127,7 +127,7 @@ def _start_arm(
     progress(f"{variant}: starting the service on 127.0.0.1:{port}")
     try:
         t_start = time.perf_counter()
-        server = _Server(create_app(_settings(variant, device, max_batch, port, tmp, token)), sock)
+        server = Server(create_app(_settings(variant, device, max_batch, port, tmp, token)), sock)
         server.start()
         stack.callback(server.stop)
         arm = _Arm(variant, server, f"http://127.0.0.1:{port}", token)
@@ -152,7 +152,7 @@ async def _ready(arm: _Arm, t_start: float, progress: Progress) -> float:
     import httpx
 
     async with httpx.AsyncClient(base_url=arm.base_url, timeout=900) as client:
-        cold, _ = await _ready_with_tenant(client, arm.server, arm.token, t_start, 900, progress)
+        cold, _ = await ready_with_tenant(client, arm.server, arm.token, t_start, 900, progress)
     return cold
 
 
@@ -163,12 +163,12 @@ async def _interleaved(arms: list[_Arm], repeats: int, progress: Progress) -> No
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     clients = [httpx.AsyncClient(base_url=a.base_url, timeout=900, limits=limits) for a in arms]
     try:
-        prompts = _prompts(_articles(64), repeats * sum(ENGINE_LEVELS) + 1)
+        prompts = news_prompts(news_articles(64), repeats * sum(ENGINE_LEVELS) + 1)
         for arm, client in zip(arms, clients, strict=True):
             admin = {"Authorization": f"Bearer {arm.token}"}
             r = await client.post("/admin/tenants", json={"name": "waves"}, headers=admin)
             r.raise_for_status()
-            arm.load = _Load(client, r.json()["api_key"], prompts)
+            arm.load = Load(client, r.json()["api_key"], prompts)
             await arm.load.generate()  # warm: allocator, caches, the first batch
         for rep in range(repeats):
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
@@ -177,7 +177,7 @@ async def _interleaved(arms: list[_Arm], repeats: int, progress: Progress) -> No
                     assert arm.load is not None
                     progress(f"repeat {rep + 1}/{repeats}: {arm.variant}, {c} concurrent")
                     seconds, results = await arm.load.wave(c, concurrent=True)
-                    arm.waves[c].append(_wave_stats(c, seconds, results))
+                    arm.waves[c].append(wave_stats(c, seconds, results))
     finally:
         for client in clients:
             await client.aclose()

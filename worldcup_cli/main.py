@@ -341,6 +341,55 @@ def bench(
     _emit(as_json, result, format_bench(result))
 
 
+@app.command("eval-merge")
+def eval_merge(
+    other: Annotated[Path, typer.Argument(help="results.json of a second run, same protocol.")],
+    into: Annotated[Path, typer.Option("--into", help="The results.json to add to.")] = Path(
+        "docs/results/results.json"
+    ),
+    schemes: Annotated[str, typer.Option("--schemes", help="Schemes whose cells to add.")] = "",
+) -> None:
+    """Add a second run's cells (a preset evaluated apart, from the same cache) to the
+    one results file, after checking both runs measured the same thing."""
+    from worldcup_eval.cache import write_text_atomic
+    from worldcup_eval.merge import merge_results
+
+    names = [s for s in schemes.split(",") if s]
+    try:
+        merged = merge_results(
+            json.loads(into.read_text(encoding="utf-8")),
+            json.loads(other.read_text(encoding="utf-8")),
+            names,
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise typer.BadParameter(str(e)) from None
+    write_text_atomic(into, json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    typer.echo(f"added {merged['merged'][-1]['cells']} cells of {', '.join(names)} to {into}")
+
+
+@app.command("bench-decoding")
+def bench_decoding(
+    texts: Annotated[int, typer.Option(min=10, max=100_000, help="Texts to decode.")] = 10_000,
+    as_json: JsonOpt = False,
+) -> None:
+    """Decode+detect throughput on one core, like for like: v1 and v2, one text a call
+    (as POST /decode runs it) and 1000 texts a call (the bench's decoding part alone)."""
+    from worldcup_cli.bench import (
+        TEXT_TOKENS,
+        default_data_dir,
+        format_decoding_bench,
+        load_human_texts,
+        token_chunks,
+    )
+    from worldcup_cli.bench import bench_decoding as run
+    from worldcup_core.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    chunks = token_chunks(tokenizer, load_human_texts(default_data_dir()), TEXT_TOKENS)
+    result = run(tokenizer, texts, chunks, scan_texts=texts // 4)
+    _emit(as_json, result, format_decoding_bench(result))
+
+
 @app.command("bench-provenance")
 def bench_provenance(
     keys: Annotated[int, typer.Option(min=1, max=100_000, help="Keys in the bank.")] = 1000,

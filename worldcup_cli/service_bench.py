@@ -33,26 +33,33 @@ roughly halve the figures (measured: 195 against 365 requests/s).
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import os
 import platform
-import random
 import secrets
-import socket
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-Progress = Callable[[str], None]
+from worldcup_cli.benchlib import (
+    FALLBACK_PROMPTS,
+    NEW_TOKENS,
+    PAYLOAD_BITS,
+    Load,
+    Progress,
+    Server,
+    free_socket,
+    news_articles,
+    news_prompts,
+    percentile,
+    ready_with_tenant,
+    wave_stats,
+)
 
-NEW_TOKENS = 64
-PAYLOAD_BITS = 16
 CONCURRENCY_LEVELS = (1, 4, 8)
 SEQUENTIAL_N = 8
 DETECT_CLIENTS = 16
@@ -68,49 +75,6 @@ DETECT_SECONDS = 10.0
 TARGET_SPEEDUP = 3.0  # N concurrent against N sequential, N = 8
 TARGET_DETECT_P50_MS = 10.0
 TARGET_DETECT_RPS = 300.0
-FALLBACK_PROMPTS = (
-    "The city council met on Tuesday evening to discuss the new budget, which",
-    "Scientists studying the coral reef off the coast reported that",
-    "The football club announced on Monday that its long-serving manager",
-    "After three days of heavy rain, residents of the river valley",
-    "The museum's new exhibition, which opens next week, brings together",
-    "Shares in the technology company fell sharply after it warned that",
-    "A small bakery in the old town has become famous for",
-    "The space agency said the probe had sent back its first images of",
-)
-
-
-def _data_dir() -> Path:
-    env = os.environ.get("WORLDCUP_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def _articles(limit: int) -> list[str]:
-    path = _data_dir() / "cnn_dailymail_test.jsonl"
-    if not path.is_file():
-        return []
-    out: list[str] = []
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                article = json.loads(line).get("article", "")
-                if len(article) > 2000:
-                    out.append(article)
-            if len(out) >= limit:
-                break
-    return out
-
-
-def _prompts(articles: Sequence[str], n: int) -> list[str]:
-    """Distinct prompts: the opening of a news article, or fixed ones without the data."""
-    prompts = []
-    for i in range(n):
-        if articles:
-            opening = articles[i % len(articles)][:400].rsplit(" ", 1)[0]
-            prompts.append(f"{opening} (continued {i})" if i >= len(articles) else opening)
-        else:
-            prompts.append(f"{FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)]} ({i})")
-    return prompts
 
 
 def _detect_texts(tokenizer: Any, articles: Sequence[str], n: int) -> list[str]:
@@ -129,130 +93,6 @@ def _detect_texts(tokenizer: Any, articles: Sequence[str], n: int) -> list[str]:
         ids = tokenizer(base, add_special_tokens=False).input_ids
         texts = [tokenizer.decode(ids[i : i + DETECT_TOKENS]) for i in range(0, 8)]
     return texts
-
-
-def _free_socket() -> socket.socket:
-    """A loopback socket bound to a free port, handed to uvicorn (no port race).
-
-    The protocol must be given explicitly: asyncio sets TCP_NODELAY only on
-    sockets whose ``proto`` is IPPROTO_TCP, and with ``proto=0`` every response
-    waited out a ~40 ms delayed ACK (Nagle).
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-class _Server:
-    """uvicorn in a daemon thread; ``stop`` runs the app's shutdown (drain, store close)."""
-
-    def __init__(self, app: Any, sock: socket.socket) -> None:
-        import uvicorn
-
-        config = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=10
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, name="bench-uvicorn", daemon=True
-        )
-
-    def start(self) -> None:
-        self.thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
-async def _wait_ready(client: Any, server: _Server, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not server.alive:
-            raise RuntimeError("the server exited during startup (see the log above)")
-        try:
-            r = await client.get("/ready")
-            if r.status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.01)
-    raise RuntimeError(f"/ready did not answer 200 within {timeout_s:.0f} s")
-
-
-class _Load:
-    def __init__(self, client: Any, api_key: str, prompts: list[str], seed: int = 0) -> None:
-        self.client = client
-        self.auth = {"Authorization": f"Bearer {api_key}"}
-        self.prompts = prompts
-        self.rng = random.Random(seed)
-        self.next_prompt = 0
-        self.generated: list[tuple[str, str]] = []  # (payload bits, text)
-
-    def _body(self) -> dict[str, Any]:
-        prompt = self.prompts[self.next_prompt % len(self.prompts)]
-        self.next_prompt += 1
-        bits = "".join(self.rng.choice("01") for _ in range(PAYLOAD_BITS))
-        return {
-            "prompt": prompt,
-            "payload": {"bits": bits},
-            "max_new_tokens": NEW_TOKENS,
-            "min_new_tokens": NEW_TOKENS,
-            "seed": self.rng.randrange(2**31),
-        }
-
-    async def generate(self) -> dict[str, Any]:
-        body = self._body()
-        r = await self.client.post("/generate", json=body, headers=self.auth)
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:300]}")
-        out: dict[str, Any] = r.json()
-        if out["payload"]["bits"] != body["payload"]["bits"]:
-            raise RuntimeError("the response does not echo the requested payload")
-        self.generated.append((body["payload"]["bits"], out["text"]))
-        return out
-
-    async def wave(self, n: int, concurrent: bool) -> tuple[float, list[dict[str, Any]]]:
-        start = time.perf_counter()
-        if concurrent:
-            results = list(await asyncio.gather(*(self.generate() for _ in range(n))))
-        else:
-            results = [await self.generate() for _ in range(n)]
-        return time.perf_counter() - start, results
-
-
-def _wave_stats(concurrency: int, seconds: float, results: list[dict[str, Any]]) -> dict[str, Any]:
-    tokens = sum(r["num_tokens"] for r in results)
-    ttft = [
-        r["timing"]["time_to_first_token_seconds"]
-        for r in results
-        if r["timing"]["time_to_first_token_seconds"] is not None
-    ]
-    per_seq = [t for r in results if (t := r["timing"]["tokens_per_second"])]
-    return {
-        "concurrency": concurrency,
-        "requests": len(results),
-        "tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 2),
-        "ttft_median_s": round(statistics.median(ttft), 4) if ttft else None,
-        "per_sequence_tokens_per_s": round(statistics.median(per_seq), 2) if per_seq else None,
-    }
 
 
 async def _bench_detect(
@@ -290,9 +130,9 @@ async def _bench_detect(
         "errors": errors,
         "shed": shed,
         "requests_per_s": round(len(latencies) / elapsed, 1),
-        "p50_ms": round(1e3 * _percentile(latencies, 50), 2),
-        "p90_ms": round(1e3 * _percentile(latencies, 90), 2),
-        "p99_ms": round(1e3 * _percentile(latencies, 99), 2),
+        "p50_ms": round(1e3 * percentile(latencies, 50), 2),
+        "p90_ms": round(1e3 * percentile(latencies, 90), 2),
+        "p99_ms": round(1e3 * percentile(latencies, 99), 2),
         "max_ms": round(1e3 * max(latencies, default=float("nan")), 2),
     }
 
@@ -387,8 +227,8 @@ def _probe_client(base_url: str, seconds: float, delay_s: float) -> dict[str, An
         for path, samples in out.items():
             result[path] = {
                 "samples": len(samples),
-                "p50_ms": round(1e3 * _percentile(samples, 50), 2),
-                "p99_ms": round(1e3 * _percentile(samples, 99), 2),
+                "p50_ms": round(1e3 * percentile(samples, 50), 2),
+                "p99_ms": round(1e3 * percentile(samples, 99), 2),
                 "max_ms": round(1e3 * max(samples), 2),
             }
         return result
@@ -406,27 +246,8 @@ def _probes_under_bulk_load(
         return {"probes": probes.result(), "bulk": bulk.result()}
 
 
-async def _ready_with_tenant(
-    client: Any,
-    server: _Server,
-    admin_token: str,
-    t_start: float,
-    timeout_s: float,
-    progress: Progress,
-) -> tuple[float, str]:
-    """Wait for ``/ready`` (the cold start, from ``t_start``), then create the bench tenant:
-    (cold start seconds, its API key)."""
-    await _wait_ready(client, server, timeout_s=timeout_s)
-    cold_start = time.perf_counter() - t_start
-    progress(f"ready after {cold_start:.2f} s")
-    admin = {"Authorization": f"Bearer {admin_token}"}
-    r = await client.post("/admin/tenants", json={"name": "bench"}, headers=admin)
-    r.raise_for_status()
-    return cold_start, str(r.json()["api_key"])
-
-
 async def _drive(
-    server: _Server,
+    server: Server,
     base_url: str,
     admin_token: str,
     t_start: float,
@@ -438,21 +259,21 @@ async def _drive(
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        cold_start, api_key = await _ready_with_tenant(
+        cold_start, api_key = await ready_with_tenant(
             client, server, admin_token, t_start, 600, progress
         )
         version = (await client.get("/version")).json()
 
-        articles = _articles(64)
+        articles = news_articles(64)
         total_requests = sum(CONCURRENCY_LEVELS) + 2 * SEQUENTIAL_N + 1
-        load = _Load(client, api_key, _prompts(articles, total_requests))
+        load = Load(client, api_key, news_prompts(articles, total_requests))
         await load.generate()  # first real request: allocator and caches warm
 
         levels = []
         for c in CONCURRENCY_LEVELS:
             progress(f"generate: {c} concurrent x {NEW_TOKENS} tokens")
             seconds, results = await load.wave(c, concurrent=True)
-            levels.append(_wave_stats(c, seconds, results))
+            levels.append(wave_stats(c, seconds, results))
         progress(f"generate: {SEQUENTIAL_N} sequential, then {SEQUENTIAL_N} concurrent")
         seq_s, seq_results = await load.wave(SEQUENTIAL_N, concurrent=False)
         conc_s, conc_results = await load.wave(SEQUENTIAL_N, concurrent=True)
@@ -500,8 +321,8 @@ async def _drive(
                 "sequential_seconds": round(seq_s, 3),
                 "concurrent_seconds": round(conc_s, 3),
                 "speedup": round(speedup, 2),
-                "sequential_tokens_per_s": _wave_stats(1, seq_s, seq_results)["tokens_per_s"],
-                "concurrent_tokens_per_s": _wave_stats(SEQUENTIAL_N, conc_s, conc_results)[
+                "sequential_tokens_per_s": wave_stats(1, seq_s, seq_results)["tokens_per_s"],
+                "concurrent_tokens_per_s": wave_stats(SEQUENTIAL_N, conc_s, conc_results)[
                     "tokens_per_s"
                 ],
             },
@@ -578,7 +399,7 @@ def run_service_bench(
 
     with tempfile.TemporaryDirectory(prefix="worldcup-bench-") as tmp:
         admin_token = secrets.token_urlsafe(32)
-        sock = _free_socket()
+        sock = free_socket()
         port = sock.getsockname()[1]
         settings = Settings(
             _env_file=None,  # type: ignore[call-arg]
@@ -601,7 +422,7 @@ def run_service_bench(
         )
         say(f"starting the service on 127.0.0.1:{port} ({device})")
         t_start = time.perf_counter()
-        server = _Server(create_app(settings), sock)
+        server = Server(create_app(settings), sock)
         server.start()
         try:
             result = asyncio.run(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,12 +85,12 @@ class RegistryMatch:
     margin_z: float  # best minus runner-up agreement, in z units
 
 
-def _llr_scale(delta: float) -> float:
+def llr_scale(delta: float) -> float:
     d = min(max(delta, 1e-9), 0.49)
     return math.log((0.5 + d) / (0.5 - d))
 
 
-def _top_flip_sets(costs: list[float], limit: int) -> list[tuple[float, tuple[int, ...]]]:
+def top_flip_sets(costs: list[float], limit: int) -> list[tuple[float, tuple[int, ...]]]:
     """The ``limit`` cheapest subsets of items whose ``costs`` are sorted ascending, exactly:
     (total cost, item indices), cheapest first."""
     out: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
@@ -155,7 +155,7 @@ def decode_cells(
     z_rows, p_rows, count_rows = z.tolist(), p_vals.tolist(), counts.tolist()
     er_text, er_bit = np.nonzero(erased)
     er_rows = np.split(er_bit, np.searchsorted(er_text, np.arange(1, texts))) if texts else []
-    betas = [_llr_scale(d) for d in delta.tolist()]
+    betas = [llr_scale(d) for d in delta.tolist()]
     out = []
     for i in range(texts):
         bits = all_bits[i * num_bits : (i + 1) * num_bits]
@@ -164,7 +164,7 @@ def decode_cells(
         live = min(live_count[i], list_size)
         ranked = head_ranks[i][:live]
         alternatives = []
-        for flip_cost, flips in _top_flip_sets(head_costs[i][:live], list_size):
+        for flip_cost, flips in top_flip_sets(head_costs[i][:live], list_size):
             alt = bytearray(base)
             for f in flips:
                 alt[ranked[f]] ^= 1  # '0' <-> '1'
@@ -225,6 +225,32 @@ def match_registry(
     flat = cand.reshape(len(candidates), -1).astype(np.int64)
     ones_f, trials_f = ones.ravel(), trials.ravel()
     agreement = (1 - flat) @ ones_f + flat @ (trials_f - ones_f)  # (R,)
+
+    def adjust(best: int, _delta: float, posterior: float) -> float:
+        if _contradicted(flat[best], ones_f, trials_f, len(candidates[0])):
+            return 0.0  # the payload is not this entry, whatever the others say
+        return posterior
+
+    return registry_match(candidates, agreement, total, adjust)
+
+
+PosteriorAdjust = Callable[[int, float, float], float]
+
+
+def registry_match(
+    candidates: Sequence[str],
+    agreement: npt.NDArray[np.int64],
+    total: int,
+    adjust: PosteriorAdjust | None = None,
+) -> RegistryMatch:
+    """The best of ``candidates`` by ``agreement`` (R,): scored tokens that agree with
+    each entry, out of ``total``, each agreeing with probability exactly 1/2 under H0.
+
+    The p-value is the exact binomial tail, Bonferroni-corrected for the registry
+    size; the posterior is uniform over the registry with the bias estimated from the
+    best entry. ``adjust(best, delta, posterior)`` lets a scheme revise the posterior
+    (an entry the evidence contradicts, a competitor outside the registry).
+    """
     order = np.argsort(-agreement, kind="stable")
     best = int(order[0])
     a_best = int(agreement[best])
@@ -232,10 +258,10 @@ def match_registry(
     log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
     log_p = min(log_p_single + math.log(len(candidates)), 0.0)  # Bonferroni
     delta = a_best / total - 0.5
-    logits = _llr_scale(delta) * (agreement - a_best).astype(np.float64)
+    logits = llr_scale(delta) * (agreement - a_best).astype(np.float64)
     posterior = float(1.0 / np.exp(logits).sum())
-    if _contradicted(flat[best], ones_f, trials_f, len(candidates[0])):
-        posterior = 0.0  # the payload is not this entry, whatever the others say
+    if adjust is not None:
+        posterior = adjust(best, delta, posterior)
     runner = int(order[1]) if len(candidates) > 1 else None
     margin = (a_best - int(agreement[runner])) if runner is not None else a_best - total / 2
     return RegistryMatch(

@@ -3,9 +3,10 @@
 :class:`ContinuousBatch` is the engine: one forward pass per step serves every
 active row, rows join between steps (their prompts are prefilled and their KV
 cache is left-padded into the batch's) and leave when they finish or are
-cancelled. After the forward pass each row goes through bans ->
-temperature/top-k/top-p (:mod:`worldcup_core.sampling`) -> the watermark -> a
-draw from its own seeded generator. Rows watermarked with scheme
+cancelled. After the forward pass each row goes through the sampling pipeline
+(:func:`worldcup_core.pipeline.watermarked_distribution`: bans -> logit bias ->
+temperature/top-k/top-p -> the watermark) and a draw from its own seeded
+generator. Rows watermarked with scheme
 ``worldcup-v2`` share one batched step on the model's device
 (:class:`~worldcup_core.batched.BatchedWorldCup`); other schemes (v1 keys, the
 baselines) reweight row by row. :func:`generate` is the static special case:
@@ -30,7 +31,8 @@ import torch
 from worldcup_core.batched import BatchedWorldCup
 from worldcup_core.config import SamplingConfig
 from worldcup_core.message import Payload
-from worldcup_core.sampling import NGramBlocker, filter_logits_torch, sample_rows
+from worldcup_core.pipeline import RowState, row_bans, watermarked_distribution
+from worldcup_core.sampling import NGramBlocker, sample_rows
 from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
 
 TokenCallback = Callable[[int, int], None]
@@ -201,31 +203,22 @@ class ContinuousBatch:
         self._rows = [self._rows[i] for i in index]
 
     def _sample(self, logits: torch.Tensor) -> list[int]:
-        """Bans, filtering, the watermark and one draw per row; returns the sampled ids."""
+        """The sampling pipeline (:mod:`worldcup_core.pipeline`) and one draw per row."""
         rows = self._rows
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            banned = row.blocker.banned()
-            if len(row.tokens) < row.request.sampling.min_new_tokens:
-                banned = banned | set(self.eos)
-            if banned:
-                logits[i, list(banned)] = -torch.inf
-            wm = row.watermark
-            if wm is not None and wm.modifies_logits:
-                biased = wm.process_logits(logits[i].double().cpu().numpy())
-                logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
-        samplings = [r.request.sampling for r in rows]
-        cand, probs = filter_logits_torch(
-            logits,
-            [s.temperature for s in samplings],
-            [s.top_k for s in samplings],
-            [s.top_p for s in samplings],
-        )
-        width = int((probs > 0).sum(dim=1).max())  # drop columns filtered in every row
-        cand, probs = cand[:, :width], probs[:, :width]
-        q = self._batched.reweight_mixed(
-            [r.slot for r in rows], [r.watermark for r in rows], cand, probs
-        )
+        states = [
+            RowState(
+                banned=row_bans(
+                    r.blocker, len(r.tokens), r.request.sampling.min_new_tokens, self.eos
+                ),
+                temperature=r.request.sampling.temperature,
+                top_k=r.request.sampling.top_k,
+                top_p=r.request.sampling.top_p,
+                watermark=r.watermark,
+                slot=r.slot,
+            )
+            for r in rows
+        ]
+        cand, q = watermarked_distribution(logits, states, self._batched)
         return sample_rows(cand, q, [r.rng.random() for r in rows])
 
     def result(self, row_id: int, finish: FinishReason) -> GenerationResult:

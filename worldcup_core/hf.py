@@ -18,6 +18,8 @@ It returns log-probabilities: ``log q`` on the surviving candidates and
 Contexts are built from generated tokens only: the prompt length is taken
 from the first call. Use one processor instance per ``generate`` call.
 
+Each step runs the sampling pipeline both engines run
+(:func:`worldcup_core.pipeline.watermarked_distribution`), without bans.
 Scheme ``worldcup-v2`` runs the batched step on the model's device (one call
 for the whole batch, :mod:`worldcup_core.batched`); other schemes reweight row
 by row on the CPU.
@@ -27,13 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from transformers import LogitsProcessor
 
 from worldcup_core.batched import BatchedWorldCup
 from worldcup_core.message import Payload
-from worldcup_core.sampling import filter_logits_torch
+from worldcup_core.pipeline import RowState, watermarked_distribution
 from worldcup_core.scheme import SequenceWatermark, WatermarkScheme
 
 
@@ -61,7 +62,8 @@ class WorldCupLogitsProcessor(LogitsProcessor):
         self._prompt_len: int | None = None
         self._rows: list[SequenceWatermark] = []
         self._observed = 0
-        self._batched: BatchedWorldCup | None = None
+        self._batched: BatchedWorldCup | None = None  # scheme worldcup-v2: its rows' slots
+        self._steps: BatchedWorldCup | None = None  # what the sampling pipeline reweights with
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         batch = input_ids.shape[0]
@@ -77,28 +79,27 @@ class WorldCupLogitsProcessor(LogitsProcessor):
                 self._rows = [self.scheme.sequence(p) for p in self.payloads]
         new = input_ids[:, self._prompt_len + self._observed :]
         self._observed += int(new.shape[1])
-        logits = scores.clone()
         if self._batched is not None:
             for j in range(new.shape[1]):
                 self._batched.append(range(batch), new[:, j])
         for i, row in enumerate(self._rows):
             for tok in new[i].tolist():
                 row.observe(int(tok))
-            if row.modifies_logits:
-                biased = row.process_logits(logits[i].double().cpu().numpy())
-                logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
-        cand, probs = filter_logits_torch(
-            logits, [self.temperature] * batch, [self.top_k] * batch, [self.top_p] * batch
-        )
-        if self._batched is not None:
-            q = self._batched.step(range(batch), cand, probs)
-        else:
-            q = probs.clone()
-            cand_np, probs_np = cand.cpu().numpy(), probs.cpu().numpy()
-            for i, row in enumerate(self._rows):
-                live = int(np.count_nonzero(probs_np[i]))
-                reweighted = row.reweight(cand_np[i, :live], probs_np[i, :live])
-                q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
+        if self._steps is None:
+            self._steps = (
+                self._batched if self._batched is not None else BatchedWorldCup(scores.device)
+            )
+        states = [
+            RowState(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                watermark=self._rows[i] if self._rows else None,
+                slot=i if self._batched is not None else None,
+            )
+            for i in range(batch)
+        ]
+        cand, q = watermarked_distribution(scores, states, self._steps)
         out = torch.full_like(scores, -torch.inf)
         out.scatter_(1, cand, torch.log(q).to(scores.dtype))  # log 0 = -inf off the support
         return out  # type: ignore[return-value]

@@ -257,14 +257,15 @@ def run_eval(
     """Run (or resume) the evaluation ``cfg`` describes; returns what ``results.json`` holds.
 
     ``model``/``scorer`` override loading ``cfg.model``/``cfg.scorer_model`` (tests
-    pass a tiny model this way).
+    pass a tiny model this way). The steps: generate, paraphrase, score with the second
+    model, evaluate, then timing and outputs; each of the first three runs its jobs
+    through the batch cache and lists the cells it could not complete in ``missing``.
     """
     from worldcup_core.models import load_model, load_tokenizer
 
     started = time.perf_counter()
     reporter = Reporter(progress)
     command = command or shlex.join(["worldcup", *sys.argv[1:]])
-    out_dir = cfg.out_dir
     cache = BatchCache(cfg.cache_path)
     if model is None and not report_only:
         reporter.say(f"loading model {cfg.model or 'embedded SmolLM2'} on {cfg.device} ...")
@@ -279,87 +280,159 @@ def run_eval(
     data: EvalData = load_data(
         tokenizer, data_dir, cfg.prompts, cfg.datasets, cfg.prompt_tokens, cfg.max_length, cfg.seed
     )
-    plan = make_plan(cfg)
-    missing: list[str] = []
+    run = _Run(cfg, make_plan(cfg), cache, reporter, report_only, model_fp, [])
+    gen_rows, gen_batches = _generate(run, model, data)
+    paraphrases = _paraphrase(run, model, gen_rows)
+    if scorer is None and cfg.scorer_model is not None and not report_only:
+        reporter.say(f"loading scorer {cfg.scorer_model} ...")
+        scorer = load_model(
+            cfg.scorer_model, device=cfg.scorer_device or cfg.device, dtype=cfg.dtype
+        )
+    scorer_lp = _score(run, tokenizer, scorer, data, gen_rows)
+    ev = Evaluator(cfg, tokenizer, data, gen_rows, run.plan.unwatermarked, scorer_lp, paraphrases)
+    evaluated = _evaluate(run, ev, gen_rows)
 
-    # 1. generation
+    results: dict[str, Any] = {
+        "schema": RESULTS_SCHEMA,
+        "complete": not run.missing,
+        "missing": run.missing,
+        "config": cfg.to_dict(),
+        "protocol": _protocol(cfg, model_fp, data, scorer),
+        **evaluated,
+        "timing": _timing(gen_batches),
+        "environment": environment(cfg, command, str(model.device) if model else cfg.device),
+    }
+    out_dir = cfg.out_dir
+    results["timing"]["wall_clock_seconds"] = round(time.perf_counter() - started, 1)
+    write_outputs(results, ev.per_text, out_dir)
+    results["timing"]["wall_clock_seconds"] = round(time.perf_counter() - started, 1)
+    write_text_atomic(
+        out_dir / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n"
+    )
+    missing = run.missing
+    reporter.say(
+        f"wrote {out_dir}/results.json, report.md and plots "
+        f"({'complete' if not missing else 'PARTIAL: ' + str(len(missing)) + ' missing'}, "
+        f"{results['timing']['wall_clock_seconds']} s)"
+    )
+    return results
+
+
+@dataclass
+class _Run:
+    """What every step of :func:`run_eval` shares; ``missing`` collects incomplete cells."""
+
+    cfg: EvalConfig
+    plan: Plan
+    cache: BatchCache
+    reporter: Reporter
+    report_only: bool
+    model_fp: dict[str, Any]
+    missing: list[str]
+
+
+GenRows = dict[GenCell, list[dict[str, Any]]]
+
+
+def _generate(
+    run: _Run, model: LoadedModel | None, data: EvalData
+) -> tuple[GenRows, dict[GenCell, list[dict[str, Any]]]]:
+    """Step 1: the generations of every cell; (rows by cell, cached batches by cell)."""
+    cfg, plan = run.cfg, run.plan
     jobs_by_cell = {
-        c: gen_jobs(cfg, model, c, data.prompts, cache, model_fp) for c in plan.generated
+        c: gen_jobs(cfg, model, c, data.prompts, run.cache, run.model_fp) for c in plan.generated
     }
     all_jobs = [j for js in jobs_by_cell.values() for j in js]
-    done, left = _execute(all_jobs, cache, reporter, "generate", not report_only)
-    gen_rows: dict[GenCell, list[dict[str, Any]]] = {}
+    done, _ = _execute(all_jobs, run.cache, run.reporter, "generate", not run.report_only)
+    gen_rows: GenRows = {}
     gen_batches: dict[GenCell, list[dict[str, Any]]] = {}
     for c, js in jobs_by_cell.items():
         if all(j.path in done for j in js):
             gen_batches[c] = [done[j.path] for j in js]
             gen_rows[c] = _rows(gen_batches[c])
         else:
-            missing.append(f"generate {c.label}")
+            run.missing.append(f"generate {c.label}")
     if plan.unwatermarked not in gen_rows:
         raise RuntimeError("no unwatermarked generations cached: nothing can be evaluated")
+    return gen_rows, gen_batches
 
-    # 2. paraphrase
+
+def _paraphrase(
+    run: _Run, model: LoadedModel | None, gen_rows: GenRows
+) -> dict[GenCell, dict[int, dict[str, Any]]]:
+    """Step 2: the paraphrase attack's rewrites of the attacked cells (when asked for)."""
+    cfg = run.cfg
     paraphrases: dict[GenCell, dict[int, dict[str, Any]]] = {}
-    if "paraphrase" in cfg.attacks:
-        pjobs = {
-            c: paraphrase_jobs(
-                cfg, model, c, gen_cell_key(cfg, c, model_fp), gen_rows[c], cache, model_fp
-            )
-            for c in plan.attacked
-            if c in gen_rows
-        }
-        done, _ = _execute(
-            [j for js in pjobs.values() for j in js], cache, reporter, "paraphrase", not report_only
+    if "paraphrase" not in cfg.attacks:
+        return paraphrases
+    pjobs = {
+        c: paraphrase_jobs(
+            cfg, model, c, gen_cell_key(cfg, c, run.model_fp), gen_rows[c], run.cache, run.model_fp
         )
-        for c, js in pjobs.items():
-            if all(j.path in done for j in js):
-                paraphrases[c] = {r["index"]: r for j in js for r in done[j.path]["rows"]}
-            else:
-                missing.append(f"paraphrase {c.label}")
+        for c in run.plan.attacked
+        if c in gen_rows
+    }
+    done, _ = _execute(
+        [j for js in pjobs.values() for j in js],
+        run.cache,
+        run.reporter,
+        "paraphrase",
+        not run.report_only,
+    )
+    for c, js in pjobs.items():
+        if all(j.path in done for j in js):
+            paraphrases[c] = {r["index"]: r for j in js for r in done[j.path]["rows"]}
+        else:
+            run.missing.append(f"paraphrase {c.label}")
+    return paraphrases
 
-    # 3. second scorer
+
+def _score(
+    run: _Run, tokenizer: Any, scorer: LoadedModel | None, data: EvalData, gen_rows: GenRows
+) -> dict[tuple[GenCell, int], dict[int, list[float]]]:
+    """Step 3: the second scorer's log-probabilities of each cell at each length."""
+    cfg = run.cfg
     scorer_lp: dict[tuple[GenCell, int], dict[int, list[float]]] = {}
-    if cfg.scorer_model is not None or scorer is not None:
-        scorer_path = cfg.scorer_model
-        if scorer is None and not report_only:
-            reporter.say(f"loading scorer {scorer_path} ...")
-            scorer = load_model(
-                scorer_path, device=cfg.scorer_device or cfg.device, dtype=cfg.dtype
-            )
-        scorer_fp = model_fingerprint(scorer_path, cfg.dtype, cfg.scorer_device or cfg.device)
-        if scorer is not None:
-            scorer_fp = {**scorer_fp, "model": scorer.model_id}
-        sjobs = {
-            (c, n): scorer_jobs(
-                cfg,
-                tokenizer,
-                scorer,
-                c,
-                gen_cell_key(cfg, c, model_fp),
-                gen_rows[c],
-                {p.index: p for p in data.prompts},
-                n,
-                cache,
-                scorer_fp,
-            )
-            for c, lengths in plan.lengths.items()
-            if c in gen_rows
-            for n in lengths
-        }
-        done, _ = _execute(
-            [j for js in sjobs.values() for j in js], cache, reporter, "scorer", not report_only
+    if cfg.scorer_model is None and scorer is None:
+        return scorer_lp
+    scorer_fp = model_fingerprint(cfg.scorer_model, cfg.dtype, cfg.scorer_device or cfg.device)
+    if scorer is not None:
+        scorer_fp = {**scorer_fp, "model": scorer.model_id}
+    sjobs = {
+        (c, n): scorer_jobs(
+            cfg,
+            tokenizer,
+            scorer,
+            c,
+            gen_cell_key(cfg, c, run.model_fp),
+            gen_rows[c],
+            {p.index: p for p in data.prompts},
+            n,
+            run.cache,
+            scorer_fp,
         )
-        for cn, js in sjobs.items():
-            if all(j.path in done for j in js):
-                scorer_lp[cn] = {
-                    r["index"]: r["logprobs"] for j in js for r in done[j.path]["rows"]
-                }
-            else:
-                missing.append(f"scorer {cn[0].label} at {cn[1]} tokens")
+        for c, lengths in run.plan.lengths.items()
+        if c in gen_rows
+        for n in lengths
+    }
+    done, _ = _execute(
+        [j for js in sjobs.values() for j in js],
+        run.cache,
+        run.reporter,
+        "scorer",
+        not run.report_only,
+    )
+    for cn, js in sjobs.items():
+        if all(j.path in done for j in js):
+            scorer_lp[cn] = {r["index"]: r["logprobs"] for j in js for r in done[j.path]["rows"]}
+        else:
+            run.missing.append(f"scorer {cn[0].label} at {cn[1]} tokens")
+    return scorer_lp
 
-    # 4. evaluation
-    ev = Evaluator(cfg, tokenizer, data, gen_rows, plan.unwatermarked, scorer_lp, paraphrases)
+
+def _evaluate(run: _Run, ev: Evaluator, gen_rows: GenRows) -> dict[str, list[dict[str, Any]]]:
+    """Step 4: the main, ablation, curve and robustness results of the cells generated."""
+    cfg, plan = run.cfg, run.plan
     computed: dict[tuple[GenCell, int], dict[str, Any]] = {}
 
     def cell_result(c: GenCell, n: int, role: str) -> dict[str, Any]:
@@ -374,30 +447,35 @@ def run_eval(
     attacks = ["none", *cfg.attacks]
     total = sum(len(ls) for _, ls in evaluated) + len(ablated) + len(curve_cells)
     total += len(attacked) * len(attacks)
-    main_results: list[dict[str, Any]] = []
-    ablation_results: list[dict[str, Any]] = []
-    curves: list[dict[str, Any]] = []
-    robustness: list[dict[str, Any]] = []
-    with reporter.bar("evaluate", total) as advance:
+    out: dict[str, list[dict[str, Any]]] = {
+        "main": [],
+        "ablation": [],
+        "curves": [],
+        "robustness": [],
+    }
+    with run.reporter.bar("evaluate", total) as advance:
         for c, lengths in evaluated:
             for n in lengths:
-                main_results.append(cell_result(c, n, "main"))
+                out["main"].append(cell_result(c, n, "main"))
                 advance(f"{c.label} @ {n}")
         for c in ablated:
             for n in cfg.ablation_lengths:
-                ablation_results.append(cell_result(c, n, "ablation"))
+                out["ablation"].append(cell_result(c, n, "ablation"))
             advance(f"{c.label} ablation")
         for c in curve_cells:
-            curves.append(ev.curve(c))
+            out["curves"].append(ev.curve(c))
             advance(f"{c.label} curve")
         for c in attacked:
             for a in attacks:
                 res = ev.attack(c, a)
                 if res is not None:
-                    robustness.append(res)
+                    out["robustness"].append(res)
                 advance(f"{c.label} {a}")
+    return out
 
-    # 5. timing and outputs
+
+def _timing(gen_batches: dict[GenCell, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Step 5a: encoding cost per cell (from the cached batches) and compute totals."""
     encoding: list[dict[str, Any]] = []
     for c, bs in gen_batches.items():
         seconds = sum(float(b["seconds"]) for b in bs)
@@ -424,48 +502,31 @@ def run_eval(
             sum(float(b.get("ppl_seconds", 0.0)) for bs in gen_batches.values() for b in bs), 1
         ),
     }
-    results: dict[str, Any] = {
-        "schema": RESULTS_SCHEMA,
-        "complete": not missing,
-        "missing": missing,
-        "config": cfg.to_dict(),
-        "protocol": {
-            "model": model_fp,
-            "key_id": eval_key(cfg.seed).key_id,
-            "generated_length": cfg.max_length,
-            "prompts": len(data.prompts),
-            "prompts_by_dataset": {
-                d: sum(p.dataset == d for p in data.prompts)
-                for d in sorted({p.dataset for p in data.prompts})
-            },
-            "human_pool": {
-                str(n): len(data.human_pool(n, cfg.human_texts)) for n in sorted(set(cfg.lengths))
-            },
-            "registry_size": {
-                str(b): min(cfg.registry_size, 2**b)
-                for b in sorted(set(cfg.bits) | set(cfg.ablation_bits))
-            },
-            "scorer": scorer.model_id if scorer is not None else cfg.scorer_model,
+    return {"encoding": encoding, "compute": compute}
+
+
+def _protocol(
+    cfg: EvalConfig, model_fp: dict[str, Any], data: EvalData, scorer: LoadedModel | None
+) -> dict[str, Any]:
+    """Step 5b: what was measured on what (model, key, prompts, pools, registry sizes)."""
+    return {
+        "model": model_fp,
+        "key_id": eval_key(cfg.seed).key_id,
+        "generated_length": cfg.max_length,
+        "prompts": len(data.prompts),
+        "prompts_by_dataset": {
+            d: sum(p.dataset == d for p in data.prompts)
+            for d in sorted({p.dataset for p in data.prompts})
         },
-        "main": main_results,
-        "ablation": ablation_results,
-        "curves": curves,
-        "robustness": robustness,
-        "timing": {"encoding": encoding, "compute": compute},
-        "environment": environment(cfg, command, str(model.device) if model else cfg.device),
+        "human_pool": {
+            str(n): len(data.human_pool(n, cfg.human_texts)) for n in sorted(set(cfg.lengths))
+        },
+        "registry_size": {
+            str(b): min(cfg.registry_size, 2**b)
+            for b in sorted(set(cfg.bits) | set(cfg.ablation_bits))
+        },
+        "scorer": scorer.model_id if scorer is not None else cfg.scorer_model,
     }
-    results["timing"]["wall_clock_seconds"] = round(time.perf_counter() - started, 1)
-    write_outputs(results, ev.per_text, out_dir)
-    results["timing"]["wall_clock_seconds"] = round(time.perf_counter() - started, 1)
-    write_text_atomic(
-        out_dir / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n"
-    )
-    reporter.say(
-        f"wrote {out_dir}/results.json, report.md and plots "
-        f"({'complete' if not missing else 'PARTIAL: ' + str(len(missing)) + ' missing'}, "
-        f"{results['timing']['wall_clock_seconds']} s)"
-    )
-    return results
 
 
 def write_outputs(results: dict[str, Any], per_text: list[dict[str, Any]], out_dir: Path) -> None:

@@ -2,11 +2,11 @@
 
 **Ordering.** vLLM applies temperature, top-k and top-p *after* the logits
 processors, and anything that reshapes the distribution after the watermark
-weakens or breaks it. So this processor does, per row, what the ``hf`` engine
-does (:class:`worldcup_core.generation.ContinuousBatch`):
+weakens or breaks it. So this processor runs the same sampling pipeline as the
+``hf`` engine (:func:`worldcup_core.pipeline.watermarked_distribution`):
 
 1. bans: n-grams that would repeat (``no_repeat_ngram_size``) and, before
-   ``min_new_tokens``, the EOS ids;
+   ``min_new_tokens``, the EOS ids; then any scheme's full-vocabulary logit bias;
 2. the request's temperature, top-k and top-p
    (:func:`worldcup_core.sampling.filter_logits_torch`);
 3. the watermark: scheme ``worldcup-v2`` rows share one batched step on the
@@ -53,7 +53,8 @@ from vllm.v1.sample.logits_processor import (
 
 from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, KeyClient, RowSpec
 from worldcup_core.batched import BatchedWorldCup, warm_up
-from worldcup_core.sampling import NGramBlocker, filter_logits_torch
+from worldcup_core.pipeline import RowState, row_bans, watermarked_distribution
+from worldcup_core.sampling import NGramBlocker
 from worldcup_core.scheme import SequenceWatermark
 
 logger = logging.getLogger("worldcup.engine.vllm")
@@ -202,38 +203,30 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
         return logits
 
     def process(self, rows: list[_Row], slots: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """log q for ``rows`` (B, V): bans, filtering, the watermark."""
+        """log q for ``rows`` (B, V): the sampling pipeline
+        (:func:`worldcup_core.pipeline.watermarked_distribution`) on vLLM's rows."""
         logits = logits.float().clone()
-        specs = [r.spec for r in rows]
+        states: list[RowState] = []
         for i, row in enumerate(rows):
             spec = row.spec
             if spec is None:  # fail closed: only EOS may follow
                 logits[i] = -torch.inf
                 logits[i, row.eos or [0]] = 0.0
+                states.append(RowState(top_k=1))
                 continue
-            banned = row.blocker.banned()
-            if len(row.output) < spec.sampling.min_new_tokens:
-                banned = banned | set(spec.eos_token_ids)
-            if banned:
-                logits[i, list(banned)] = -torch.inf
-            wm = row.watermark
-            if wm is not None and wm.modifies_logits:
-                biased = wm.process_logits(logits[i].double().cpu().numpy())
-                logits[i] = torch.from_numpy(biased).to(logits.device, logits.dtype)
-        cand, probs = filter_logits_torch(
-            logits,
-            [s.sampling.temperature if s else 1.0 for s in specs],
-            [s.sampling.top_k if s else 1 for s in specs],
-            [s.sampling.top_p if s else 1.0 for s in specs],
-        )
-        width = int((probs > 0).sum(dim=1).max())
-        cand, probs = cand[:, :width], probs[:, :width]
-        q = self._batched.reweight_mixed(
-            [slots[i] if r.batched else None for i, r in enumerate(rows)],
-            [r.watermark for r in rows],
-            cand,
-            probs,
-        )
+            s = spec.sampling
+            banned = row_bans(row.blocker, len(row.output), s.min_new_tokens, spec.eos_token_ids)
+            states.append(
+                RowState(
+                    banned=banned,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    watermark=row.watermark,
+                    slot=slots[i] if row.batched else None,
+                )
+            )
+        cand, q = watermarked_distribution(logits, states, self._batched)
         out = torch.full_like(logits, -torch.inf)
         out.scatter_(1, cand.to(logits.device), q.log().to(logits.device, logits.dtype))
         for i, row in enumerate(rows):

@@ -1,73 +1,7 @@
 """BiMark, the unbiased multilayer baseline (Feng et al., ICML 2025), behind WorldCup's protocols.
 
-BiMark ("BiMark: Unbiased Multilayer Watermarking for Large Language Models")
-reweights the next-token distribution ``d`` times in a row. Layer ``l`` has a
-keyed half/half vocabulary partition ``(V0_l, V1_l)`` and a pseudo-random
-*bit flip* ``c_l`` drawn from the context; with ``e_l = c_l XOR b`` (``b`` the
-message bit the context selects) it scales ``V0_l`` up by ``1 + delta`` and
-``V1_l`` down by ``1 - beta`` when ``e_l = 1``, and the reverse when
-``e_l = 0``, where ``P0`` is the current mass of ``V0_l``,
-``delta = min(delta~, P1/P0)`` and ``beta = delta * P0/P1`` (mass is kept and
-no probability goes negative). ``c_l`` is a fair coin that the generator never
-reveals, so each layer is unbiased over keys, ``E_c[q] = p``, whatever the
-message and whatever earlier layers did; stacking ``d`` layers compounds the
-signal without compounding distortion. The detector, holding the key,
-recomputes ``c_l`` and reads each layer as a vote for a bit,
-``[x in V0_l] XOR c_l``; a payload bit is the majority of the votes of every
-layer of every token that the context hash assigned to it.
-
-Settings (Appendix B of the WorldCup paper, as in BiMark's own experiments):
-``d = 10`` layers, base scaling factor ``delta~ = 1.0``, ``gamma = 0.5``, and
-a context window of 2 tokens.
-
-Departures from the reference implementation (``WatermarkBimark.py`` and
-``detect_watermark_dump.py`` of the authors' code), all on the keying side or
-where our generation loop differs, so that BiMark draws from the project's
-audited key derivation:
-
-* **Keys.** One subkey of its own, ``WatermarkKey.subkey("bimark")`` (keyed
-  BLAKE2b), instead of the integer keys ``c_key = 530773`` and
-  ``bit_idx_key = 283519`` fed to SHA-256 over the decimal string of the
-  context. No other scheme hashes under this subkey, so BiMark's randomness
-  never collides with WorldCup's or MPAC's.
-* **Context.** The last ``context_width = 2`` *generated* tokens with
-  WorldCup's sentinel padding (``context_at`` / ``pack_context``), as MPAC
-  does; prompts never enter. The reference skips the first ``window`` steps
-  instead; with padding they are watermarked and scored like any other
-  (first-occurrence) context.
-* **Per-context randomness.** ``BLAKE2b(0x00 || context)`` gives two 64-bit
-  words: the flip seed, expanded by SplitMix64 into ``c_0 .. c_{d-1}``, and the
-  position hash, ``mod b`` the message bit (``torch``/``numpy`` generators
-  seeded with the hashes in the reference).
-* **Partitions.** Fixed per key and layer, as in the reference (there
-  ``np.random.default_rng(l)`` for ``l = 0..9``, the same for everyone): seed
-  ``BLAKE2b(0x01 || l)``, and token ``x`` is in ``V0_l`` when the top bit of
-  ``SplitMix64(seed_l, x)`` is set. Each token's side is an independent fair
-  bit instead of an exact half split, as in MPAC; the reweighting adapts
-  ``delta`` to ``P0`` either way.
-* **Where it acts.** On the final filtered distribution (after temperature,
-  top-k and top-p: :meth:`BiMarkSequence.reweight`), not on the top-50 of the
-  raw logits before the other warpers. Unbiasedness then holds for the
-  distribution that is actually sampled.
-* **Repeated contexts** are neither reweighted nor scored, as in the
-  reference and in MPAC and WorldCup.
-
-Detection. The reference scores ``G = sum_b max(votes_b(0), votes_b(1))`` with
-``z = (G - T/2) / sqrt(T/4)`` (``T`` = all votes, ``d`` per scored token). As
-for MPAC, the majorities are chosen after looking at the counts, so under H0
-``E[z] > 0`` and the test is anti-conservative: that native z is reported only
-as ``DetectionResult.paper_z_score``. Under H0 each vote is a fair coin
-independent of every other (``c_l`` are independent keyed bits of distinct
-contexts, whatever the token), so a position's vote count is exactly
-Binomial(``d * tokens``, 1/2): the calibrated ``p_value`` is WorldCup's
-detector on these counts (randomised two-sided exact binomial per position,
-Fisher-combined; Šidák scan over ``b = 1..64`` when ``b`` is unknown).
-
-Reuse. A scored token becomes :class:`~worldcup_core.scoring.TokenEvidence`
-with one group and ``d`` trials, ``ones`` = its votes for bit 0. With
-``WatermarkConfig(groups=1, layers=d)`` one cell is one payload bit, so the
-existing ``detect``, ``decode`` (majority, erasures, per-bit binomial
-statistics, list decoding) and ``match_registry`` apply unchanged.
+How it is built, and where it departs from the reference and why:
+``docs/baselines.md`` (section BiMark).
 """
 
 from __future__ import annotations
@@ -282,9 +216,6 @@ class BiMark(CountCellScheme):
         self._cells = self.config.cell_config
         self._prf = PRF(key)  # the detector's tie-break stream only
         self._bimark_prf = BiMarkPRF(key, self.config.layers)
-
-    def __repr__(self) -> str:
-        return f"BiMark(key_id={self.key.key_id!r}, config={self.config!r})"
 
     def sequence(self, payload: Payload) -> BiMarkSequence:
         return BiMarkSequence(self._bimark_prf, self.config, payload)

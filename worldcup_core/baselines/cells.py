@@ -1,4 +1,8 @@
-"""What MPAC, BiMark and StealthInk share once their evidence is count cells.
+"""What the baselines share: :class:`BaselineScheme` (all four), and
+:class:`CountCellScheme` (MPAC, BiMark and StealthInk, whose evidence is count cells).
+
+:class:`BaselineScheme` holds a key and a configuration, and its ``detect`` is
+``_detect`` on the text's ``evidence``; a baseline supplies those two.
 
 Each of the three packs a scored token as one trial in one (position, group)
 cell, ``ones`` counting the votes for bit 0 (see ``mpac.py``), so WorldCup's
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +25,7 @@ from worldcup_core.config import WatermarkConfig
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch, decode
 from worldcup_core.decoder import match_registry as _match_registry
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, detect
-from worldcup_core.prf import PRF, context_at, pack_context
+from worldcup_core.prf import PRF, WatermarkKey, context_at, pack_context
 from worldcup_core.scoring import TokenEvidence
 
 
@@ -47,14 +52,38 @@ def hashed_contexts(
     return seeds, positions, tokens
 
 
-class CountCellScheme:
+E = TypeVar("E")
+
+
+class BaselineScheme(Generic[E]):
+    """A baseline's key, configuration and ``detect``; subclasses supply the rest."""
+
+    key: WatermarkKey
+    config: Any  # the baseline's own frozen configuration dataclass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(key_id={self.key.key_id!r}, config={self.config!r})"
+
+    def evidence(self, token_ids: Sequence[int]) -> E:
+        raise NotImplementedError
+
+    def _detect(self, ev: E, num_bits: int | None, significance: float) -> DetectionResult:
+        raise NotImplementedError
+
+    def detect(
+        self,
+        token_ids: Sequence[int],
+        num_bits: int | None = None,
+        significance: float = DEFAULT_SIGNIFICANCE,
+    ) -> DetectionResult:
+        return self._detect(self.evidence(token_ids), num_bits, significance)
+
+
+class CountCellScheme(BaselineScheme[TokenEvidence]):
     """Detection, decoding and registry matching over count-cell evidence."""
 
     _prf: PRF  # the detector's tie-break stream
     _cells: WatermarkConfig  # the cell layout: one group, one trial a token
-
-    def evidence(self, token_ids: Sequence[int]) -> TokenEvidence:
-        raise NotImplementedError
 
     def _native_z(self, ev: TokenEvidence, num_bits: int) -> float:
         raise NotImplementedError
@@ -68,14 +97,6 @@ class CountCellScheme:
             # grouping, is already the native z of these schemes at gamma = 1/2
             return result
         return replace(result, paper_z_score=self._native_z(ev, num_bits))
-
-    def detect(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int | None = None,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DetectionResult:
-        return self._detect(self.evidence(token_ids), num_bits, significance)
 
     def decode(
         self,

@@ -1,55 +1,7 @@
 """MPAC, the multi-bit baseline (Yoo et al., NAACL 2024), behind WorldCup's protocols.
 
-MPAC ("Advancing Beyond Identification: Multi-bit Watermark for Large
-Language Models") extends the KGW green-list watermark to a payload. At each
-step a seed hashed from the context picks one message position ``p`` and
-colours the vocabulary into ``s`` classes; the class named by the message
-symbol at ``p`` is "green" and its logits get ``+delta``. The decoder counts,
-per position, how many tokens fell in each colour (``M[p][j]``) and takes the
-argmax. With ``gamma = 1/2`` the alphabet is binary: one payload bit per
-position, so ``b`` bits use ``b`` positions.
-
-Settings (Appendix B of the WorldCup paper): lefthash over the last
-``context_width = 2`` *generated* tokens, ``gamma = 0.5``, ``delta = 2.0``.
-
-Deviations from the reference implementation, all on the keying side, so
-that MPAC and WorldCup draw from one audited PRF (``worldcup_core.prf``):
-
-* **Seed.** ``PRF.mpac_seed`` (keyed BLAKE2b on its own subkey ``mpac``) of
-  the packed context, instead of ``hash_key * token`` fed to
-  ``torch.Generator``. Context and sentinel padding are exactly WorldCup's
-  (``context_at`` / ``pack_context``), so prompts never enter.
-* **Position.** ``PRF.position_u64(seed as 8 little-endian bytes) mod b``: a
-  keyed function of the context only. Its inputs are 8 bytes where
-  WorldCup's are 16, so the two schemes' position domains never collide.
-* **Colouring.** Each token's colour is an independent Bernoulli(1/2) bit
-  (``vocab_bits``: SplitMix64 keyed by the seed) instead of an exact half
-  split of ``torch.randperm``. Green lists therefore hold ``|V|/2 +- O(sqrt|V|)``
-  tokens; in exchange a scored token's colour is *exactly* a fair coin under
-  H0, which is what makes the calibrated p-value below exact.
-* **Repeated contexts** (not in the reference): as in WorldCup, a context
-  already seen in this response is not biased and its token is not scored,
-  so a repeated seed never counts twice.
-
-Detection. MPAC's native score takes ``G = sum_p max_j M[p][j]`` and
-reports ``z = (G - gamma*T) / sqrt(T*gamma*(1 - gamma))`` as if ``G`` were
-the green count of a message fixed in advance. But the message was *decoded
-from the same counts*: each position contributes its majority, so under H0
-``E[G] > gamma*T`` (for binary colours ``E[z] ~ sum_p sqrt(2 T_p / pi) /
-sqrt(T)``, about ``sqrt(2b/pi)`` when the ``b`` positions are well filled).
-The native z is thus anti-conservative and is reported only as
-``DetectionResult.paper_z_score``. The calibrated ``p_value`` is WorldCup's
-detector run on MPAC's colour counts: a randomised two-sided exact binomial
-test per position, Fisher-combined (exactly chi-square with ``2C`` dof under
-H0), with a Bonferroni scan over ``b = 1..64`` when ``b`` is unknown.
-
-Reuse. A scored token is packed as :class:`~worldcup_core.scoring.TokenEvidence`
-with one group and one trial, ``ones = 1`` iff its colour is 0 (the count
-favouring bit 0, WorldCup's convention). With ``WatermarkConfig(groups=1,
-layers=1)`` one cell is one MPAC position and the cell counts are exactly
-``M[p][0]`` and ``M[p][1] = trials - ones``, so the existing ``detect``,
-``decode`` (argmax, erasures, binomial per-bit stats, cheapest-flip-set list
-decoding) and ``match_registry`` apply unchanged.
+How it is built, and where it departs from the reference and why:
+``docs/baselines.md`` (section MPAC).
 """
 
 from __future__ import annotations
@@ -63,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.baselines.cells import CountCellScheme, first_contexts
-from worldcup_core.baselines.sequence import GreenListSequence
+from worldcup_core.baselines.sequence import GreenListConfig, GreenListSequence
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.message import Payload
 from worldcup_core.prf import PRF, Context, WatermarkKey, pack_context, vocab_bits
@@ -88,27 +40,13 @@ _TIEBREAK_DOMAIN: Final = b"mpac"
 
 
 @dataclass(frozen=True)
-class MPACConfig:
-    """What MPAC's generator and detector share (besides the key).
+class MPACConfig(GreenListConfig):
+    """:class:`~worldcup_core.baselines.sequence.GreenListConfig` (binary MPAC, one
+    payload bit per position, as in the paper's Appendix B), plus its cell layout.
 
     >>> MPACConfig().delta
     2.0
     """
-
-    gamma: float = 0.5
-    delta: float = 2.0
-    context_width: int = 2
-
-    def __post_init__(self) -> None:
-        if self.gamma != 0.5:
-            raise ValueError(
-                f"only gamma = 0.5 is supported (binary MPAC, one payload bit per "
-                f"position, as in the paper's Appendix B), got {self.gamma}"
-            )
-        if not (math.isfinite(self.delta) and 0.0 <= self.delta <= 20.0):
-            raise ValueError(f"delta must be in [0, 20], got {self.delta}")
-        if not 1 <= self.context_width <= 8:
-            raise ValueError(f"context_width must be in 1..8, got {self.context_width}")
 
     @property
     def cell_config(self) -> WatermarkConfig:
@@ -190,9 +128,6 @@ class MPAC(CountCellScheme):
         self.config = config or MPACConfig()
         self._cells = self.config.cell_config
         self._prf = PRF(key)
-
-    def __repr__(self) -> str:
-        return f"MPAC(key_id={self.key.key_id!r}, config={self.config!r})"
 
     def sequence(self, payload: Payload) -> MPACSequence:
         return MPACSequence(self._prf, self.config, payload)

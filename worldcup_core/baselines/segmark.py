@@ -1,95 +1,7 @@
 """SegMark, the RSBH baseline (Qu et al., USENIX Security 2025), behind WorldCup's protocols.
 
-SegMark ("Provably Robust Multi-bit Watermarking for AI-generated Text") splits a
-``b``-bit payload into ``k`` segments of ``m`` bits, encodes them with a
-Reed-Solomon code over GF(2^m) into ``n`` segments (so up to ``t = (n - k) / 2``
-wrongly read segments are corrected), and embeds one segment per token: a
-keyed hash of the context assigns the token to segment ``i`` and seeds a KGW
-green list (gamma = 1/2); the list is cyclically shifted by the segment's
-value ``v_i`` and its logits get ``+delta``. The detector counts, for every
-segment and every candidate value ``v``, how many of its tokens are green
-under shift ``v`` (``COUNT[i][v]``), reads each segment as its argmax and
-Reed-Solomon-decodes the word. RSBH is the paper's main variant: "balanced"
-segment assignment with ECC.
-
-Settings (Appendix B of the WorldCup paper): RSBH, window ``c = 2``, gamma =
-0.5, delta = 2.0. The code for ``b`` bits is the reference's ``rs_search.py``
-rule: ``m * k = b``, rate ``k / n >= 0.6``, ``t / n >= 0.15``, ``n - k`` even,
-smallest ``n`` (16 bits: RS(6, 4) over GF(2^4); 24: RS(5, 3) over GF(2^8); 32:
-RS(6, 4) over GF(2^8); 48: RS(10, 6) over GF(2^8)). The reference code is
-``randomizedtree/segment-watermark`` (``wm/generator.py``, ``RSBHGenerator``).
-
-Departures from the reference, and why:
-
-* **Keying.** Keyed BLAKE2b on the subkey ``segmark`` of the packed context
-  (WorldCup's ``context_at`` / ``pack_context``: the last ``c`` *generated*
-  tokens, sentinel-padded) gives a colour seed and a segment hash, instead of
-  ``seed * salt_key + token`` fed to ``torch.Generator``. No other scheme hashes
-  under that subkey, so no two schemes' randomness collides.
-* **Segment assignment.** The reference's balanced hash maps the oldest context
-  token through a table built offline from a per-tokenizer token-frequency file
-  (a keyed shuffle of the vocabulary cut into ``n`` intervals of equal frequency
-  mass), so that each segment receives the same expected share of tokens. Our
-  schemes are built from a key alone, with no tokenizer or frequency table, and
-  a table fitted to one corpus is only balanced on text like it. Here the whole
-  context is hashed to a segment (multiply-shift of the keyed hash), which is the
-  assignment of the reference's non-balanced ``rs`` variant (a random segment
-  per context). Scored contexts are distinct, so every scored token lands in
-  each segment with probability exactly ``1 / n``, independently, on *any*
-  text: the expected balance the reference buys with the frequency table, with
-  multinomial spread, and segment labels that are independent of the colours
-  under H0, which the exact p-value below needs. A table keyed on one token
-  sends every successor of a recurring token to the same segment, which adds
-  spread: on the project's human text (793 chunks of 256 SmolLM2 tokens,
-  repeated contexts dropped), a frequency-balanced table fitted *in sample* (its
-  best case) gives segment sizes with a mean coefficient of variation of 0.185
-  at n = 6 and 0.25 at n = 10, against 0.141 and 0.193 for context hashing.
-  The frequency-balanced table itself is not implemented.
-* **Colouring.** Each token's colour is an independent Bernoulli(1/2) bit
-  (``vocab_bits``: SplitMix64 keyed by the seed) instead of an exact half split
-  of ``torch.randperm``, and the shift by ``v`` is over the integers (token
-  ``x`` is green under ``v`` iff ``bit(x + v) = 1``) instead of modulo the
-  vocabulary size, so the detector needs no vocabulary size; for ``|V| >= 2^m``
-  this differs from the reference's roll only at the wrap-around.
-* **Repeated contexts** (not in the reference, whose default ``scoring_method``
-  is ``none``): as in WorldCup and MPAC, a context already seen in this response
-  is not biased and its token is not scored.
-* **Erasures.** A segment that no scored token reached is passed to the
-  Reed-Solomon decoder as an erasure (it corrects ``e`` errors and ``f``
-  erasures when ``2e + f <= n - k``) instead of as the argmax of zeros; and a
-  word beyond hard-decision decoding goes to generalized minimum-distance
-  decoding over the segments' margins (:func:`read_codeword`), where the
-  reference falls back to the raw segments at once. With ``2^m`` values and a
-  few tokens per segment, tied maxima are common; erasing them rescues words
-  hard decision cannot (in the synthetic round trip of the tests at 32 bits and
-  128 tokens, 18% of segments are tied and exact recovery goes from 70% to 80%
-  of 40 texts; at 256 tokens both are 100%). Both only add successes to the
-  reference's decoder.
-* **Payload lengths** the rule cannot encode exactly (e.g. 17 bits) are
-  zero-padded to the next length it can; the decoder drops the pad bits.
-* No newline or EOS logit tweaks (the reference's generator bans EOS and
-  repeated newlines for its own experiments).
-
-Reed-Solomon: the ``reedsolo`` package (pure Python, errors-and-erasures
-Berlekamp-Massey/Forney decoder, systematic: the message symbols come first).
-The reference adapts a generalized-RS implementation for the same role.
-
-Detection. The reference's native score sums each segment's maximum count,
-``S = sum_i max_v COUNT[i][v]``, and reads ``z = (S - T/2) / (sqrt(T)/2)`` as a
-standard normal. Under H0 each ``COUNT[i][v]`` is Binomial(T_i, 1/2), so ``S``
-is a sum of maxima of ``2^m`` binomials and ``z`` is far from centred: on
-uniform random tokens its mean is +4.2 at 16 bits, +6.8 at 32 and +8.7 at 48
-(256 tokens; nearly the same at 128), so the reference's nominal 1% threshold
-(z > 2.33) flags every null text. It is reported only as
-``DetectionResult.paper_z_score``. The calibrated ``p_value`` tests the same
-statistic ``S`` against its *exact* null law: for one scored token the ``2^m``
-shifted colours are distinct arguments of the keyed expander, and scored
-contexts are distinct, so the counts of a segment are i.i.d. Binomial(T_i, 1/2)
-over ``v``, ``P(max <= c) = F(c)^(2^m)``, and segments are independent given
-their sizes; the law of ``S`` is the convolution of those maxima (in log space,
-finite deep in the tail), and a keyed uniform randomises ties, so ``p`` is exactly
-Uniform(0, 1) under H0. With the payload length unknown, every code shape
-``(n, m)`` for 1..64 bits is tested and the smallest p-value Bonferroni-corrected.
+How it is built, and where it departs from the reference and why:
+``docs/baselines.md`` (section SegMark).
 """
 
 from __future__ import annotations
@@ -108,15 +20,17 @@ import numpy.typing as npt
 import reedsolo
 from scipy import special
 
-from worldcup_core.baselines.sequence import GreenListSequence
+from worldcup_core.baselines.cells import BaselineScheme
+from worldcup_core.baselines.sequence import GreenListConfig, GreenListSequence
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.decoder import (
     DEFAULT_LIST_SIZE,
     Alternative,
     DecodeResult,
     RegistryMatch,
-    _llr_scale,
-    _top_flip_sets,
+    llr_scale,
+    registry_match,
+    top_flip_sets,
 )
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, z_from_log_p
 from worldcup_core.message import Payload
@@ -314,26 +228,12 @@ def segment_index(segment_u64: U64Array | int, n: int) -> IntArray:
 
 
 @dataclass(frozen=True)
-class SegMarkConfig:
-    """What SegMark's generator and detector share (besides the key).
+class SegMarkConfig(GreenListConfig):
+    """:class:`~worldcup_core.baselines.sequence.GreenListConfig`, under SegMark's name.
 
     >>> SegMarkConfig().delta
     2.0
     """
-
-    gamma: float = 0.5
-    delta: float = 2.0
-    context_width: int = 2
-
-    def __post_init__(self) -> None:
-        if self.gamma != 0.5:
-            raise ValueError(
-                f"only gamma = 0.5 is supported (the paper's setting), got {self.gamma}"
-            )
-        if not (math.isfinite(self.delta) and 0.0 <= self.delta <= 20.0):
-            raise ValueError(f"delta must be in [0, 20], got {self.delta}")
-        if not 1 <= self.context_width <= 8:
-            raise ValueError(f"context_width must be in 1..8, got {self.context_width}")
 
 
 @dataclass(frozen=True)
@@ -494,7 +394,7 @@ class SegMarkSequence(GreenListSequence):
         return mask
 
 
-class SegMark:
+class SegMark(BaselineScheme[SegMarkEvidence]):
     """The SegMark (RSBH) baseline with one key and configuration.
 
     >>> segmark = SegMark(WatermarkKey(bytes(32)))
@@ -509,9 +409,6 @@ class SegMark:
         self.key = key
         self.config = config or SegMarkConfig()
         self._hasher = _Hasher(key)
-
-    def __repr__(self) -> str:
-        return f"SegMark(key_id={self.key.key_id!r}, config={self.config!r})"
 
     def sequence(self, payload: Payload) -> SegMarkSequence:
         return SegMarkSequence(self._hasher, self.config, payload)
@@ -559,14 +456,6 @@ class SegMark:
             num_scored_tokens=ev.num_scored,
             num_symbols=num_symbols,
         )
-
-    def detect(
-        self,
-        token_ids: Sequence[int],
-        num_bits: int | None = None,
-        significance: float = DEFAULT_SIGNIFICANCE,
-    ) -> DetectionResult:
-        return self._detect(self.evidence(token_ids), num_bits, significance)
 
     def decode(
         self,
@@ -641,9 +530,9 @@ class SegMark:
         rows = np.arange(code.n)
         margins = (count[rows, order[:, 0]] - count[rows, order[:, 1]]).astype(np.float64)
         live = [int(i) for i in np.argsort(margins, kind="stable") if sizes[i] > 0]
-        beta = _llr_scale(delta)
+        beta = llr_scale(delta)
         seen = {best_bits}
-        for cost, flips in _top_flip_sets([float(margins[i]) for i in live], 8 * list_size)[1:]:
+        for cost, flips in top_flip_sets([float(margins[i]) for i in live], 8 * list_size)[1:]:
             word = order[:, 0].copy()
             for f in flips:
                 word[live[f]] = order[live[f], 1]
@@ -688,33 +577,18 @@ class SegMark:
         if total == 0:
             return None
         words = np.array([encode_payload(c) for c in candidates], dtype=np.int64)  # (R, n)
-        per_segment = count[np.arange(code.n)[None, :], words]  # (R, n)
-        agreement = per_segment.sum(axis=1)
-        ranked = np.argsort(-agreement, kind="stable")
-        best = int(ranked[0])
-        a_best = int(agreement[best])
-        log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
-        log_p = min(log_p_single + math.log(len(candidates)), 0.0)
-        delta = a_best / total - 0.5
-        logits = _llr_scale(delta) * (agreement - a_best).astype(np.float64)
-        posterior = float(1.0 / np.exp(logits).sum())
+        agreement = count[np.arange(code.n)[None, :], words].sum(axis=1)  # (R,)
         _, decoded = read_codeword(reed_solomon(code), count, sizes)
-        if decoded is not None and not (words == np.array(decoded)).all(axis=1).any():
+
+        def adjust(best: int, delta: float, posterior: float) -> float:
+            if decoded is None or (words == np.array(decoded)).all(axis=1).any():
+                return posterior
             # the text's own payload is outside the registry: it competes as one more entry
             outside = int(count[np.arange(code.n), np.array(decoded)].sum())
-            posterior = 1.0 / (1.0 / posterior + math.exp(_llr_scale(delta) * (outside - a_best)))
-        runner = int(ranked[1]) if len(candidates) > 1 else None
-        margin = a_best - int(agreement[runner]) if runner is not None else a_best - total / 2
-        return RegistryMatch(
-            index=best,
-            bits=candidates[best],
-            agreement_z=(2 * a_best - total) / math.sqrt(total),
-            p_value=math.exp(log_p),
-            log10_p_value=log_p / math.log(10.0),
-            posterior=posterior,
-            runner_up_index=runner,
-            margin_z=2 * margin / math.sqrt(total),
-        )
+            a_best = int(agreement[best])
+            return 1.0 / (1.0 / posterior + math.exp(llr_scale(delta) * (outside - a_best)))
+
+        return registry_match(candidates, agreement, total, adjust)
 
 
 if TYPE_CHECKING:  # static proof that SegMark fits the harness's protocols

@@ -10,6 +10,8 @@ evidence twice. :class:`ContextSequence` is that bookkeeping;
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -29,6 +31,31 @@ class _Windowed(Protocol):
 class _Biased(_Windowed, Protocol):
     @property
     def delta(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class GreenListConfig:
+    """What a green-list scheme's generator and detector share (besides the key):
+    MPAC's and SegMark's configurations are this one.
+
+    >>> GreenListConfig().delta
+    2.0
+    """
+
+    gamma: float = 0.5
+    delta: float = 2.0
+    context_width: int = 2
+
+    def __post_init__(self) -> None:
+        if self.gamma != 0.5:
+            raise ValueError(
+                f"only gamma = 0.5 is supported (binary green lists, as in the papers' "
+                f"settings), got {self.gamma}"
+            )
+        if not (math.isfinite(self.delta) and 0.0 <= self.delta <= 20.0):
+            raise ValueError(f"delta must be in [0, 20], got {self.delta}")
+        if not 1 <= self.context_width <= 8:
+            raise ValueError(f"context_width must be in 1..8, got {self.context_width}")
 
 
 class ContextSequence:

@@ -1,80 +1,7 @@
 """StealthInk, the stealthy multi-bit baseline (Jiang et al., ICML 2025), behind our protocols.
 
-StealthInk ("StealthInk: A Multi-bit and Stealthy Watermark for Large Language
-Models") hides a payload without changing the distribution of text averaged
-over keys. At each step the context seeds a keyed permutation of the
-vocabulary, cut into ``2^H`` colour lists (``H = 1``: two halves, one payload
-bit per position), and picks a message position ``p``. The colour list named
-by the message value at ``p`` is the *red* list. Lay the next-token
-probabilities out on [0, 1] in permuted order: the red tokens fill one
-interval ``I = [alpha, beta]``. The reweighting removes the mass of ``I`` and
-doubles the mass of its mirror image ``J = [1 - beta, 1 - alpha]`` (where the
-two overlap, the overlap keeps its mass): the new density on [0, 1] is
-``1 - 1_I + 1_J``, so token ``x`` with interval ``[L_x, U_x]`` gets
-``q(x) = p(x) [x not red] + |[L_x, U_x] ∩ J|``. This is the piecewise
-cumulative map of the paper's Fig. 2 (``reweight`` in the authors' code),
-written as one formula. Under the key pairing that reverses the permutation
-(and so swaps the two colour lists) the densities sum to 2 everywhere, so
-``E_key[q] = p``: the scheme is distortion-free. The decoder counts, per
-position, the tokens of each colour and takes the *least* frequent colour as
-the message value.
-
-Settings (Appendix B of the WorldCup paper): "simple_3" seeding, ``H = 1``,
-window 2, hash key 15485863. The appendix is ambiguous on two points, read
-here as follows. ``H = 1`` is the chunk capacity of one bit (two colour
-lists, one payload bit per position), the reference's own default
-(``capacity = 1``). "simple_3" in the reference is an additive PRF over the
-last *three* tokens, while the appendix says window 2: we use window 2, the
-window every scheme in the comparison shares, with our keyed PRF (below).
-
-Departures from the reference implementation
-(``every_step_1_24_direct_detect.py`` and ``hash_scheme.py`` of the authors'
-code), each so that StealthInk draws from the project's audited key
-derivation or so that its p-value is exact:
-
-* **Seeding.** The reference's "simple_3" is an *additive* PRF,
-  ``15485863 * sum(last 3 tokens)`` fed to ``torch.Generator``: unkeyed, and
-  symmetric in the order of the context. Here the seed is keyed BLAKE2b under
-  StealthInk's own subkey (``WatermarkKey.subkey("stealthink")``) of the
-  packed context, over the ``context_width = 2`` last *generated* tokens with
-  WorldCup's sentinel padding, as in the WorldCup paper's setting (window 2)
-  and as MPAC does; prompts never enter. No other scheme hashes under this
-  subkey.
-* **Position and permutation.** ``BLAKE2b(0x00 || context)`` gives two 64-bit
-  words: the position hash (``mod b`` the message position) and the
-  permutation seed. Token ``x`` gets the keyed word ``h(x) = SplitMix64(seed,
-  x)``; the permutation sorts by ``h`` and the colour of ``x`` is the top bit
-  of ``h`` (colour 0 first), instead of ``torch.randperm`` cut by
-  ``torch.chunk`` into two equal halves. Each token's colour is then an
-  independent fair bit (lists hold ``|V|/2 +- O(sqrt|V|)`` tokens), which
-  makes the detector's colour counts exactly binomial under H0; and the
-  pairing ``h -> NOT h`` reverses the order and swaps the colours for every
-  vocabulary size, which is what unbiasedness needs (``torch.chunk`` of an odd
-  vocabulary does not swap exactly).
-* **Where it acts.** On the final filtered distribution (after temperature,
-  top-k and top-p: :meth:`StealthInkSequence.reweight`), not on the
-  full-vocabulary softmax before the other warpers; unbiasedness then holds
-  for the distribution actually sampled. Computing it over the candidates
-  only is exact: the other tokens have zero width on the permuted cdf.
-* **Repeated contexts** are neither reweighted nor scored. The reference skips
-  them at generation but counts them again at detection, where a repeated
-  seed counts twice and the null distribution is no longer binomial.
-
-Detection. The reference sums, over positions, the count ``t`` of the least
-frequent colour and reports ``Phi((t - T/2) / sqrt(T/4))``. The least
-frequent colour is chosen after looking at the counts, so under H0 this
-statistic is biased (it is the negative of MPAC's native z at ``gamma = 1/2``,
-``E[z] ~ sqrt(2b/pi)``): it is reported only as
-``DetectionResult.paper_z_score`` (sign turned so that larger means more
-watermarked). The calibrated ``p_value`` is WorldCup's detector on the colour
-counts: a randomised two-sided exact binomial test per position,
-Fisher-combined, with a Šidák scan over ``b = 1..64`` when ``b`` is unknown.
-
-Reuse. A scored token is :class:`~worldcup_core.scoring.TokenEvidence` with one
-group and one trial, ``ones = 1`` iff its colour is 1 (the count favouring bit
-0: bit 0 makes colour 0 red). With ``WatermarkConfig(groups=1, layers=1)`` one
-cell is one payload bit, so ``detect``, ``decode`` and ``match_registry`` apply
-unchanged.
+How it is built, and where it departs from the reference and why:
+``docs/baselines.md`` (section StealthInk).
 """
 
 from __future__ import annotations
@@ -253,9 +180,6 @@ class StealthInk(CountCellScheme):
         self._cells = self.config.cell_config
         self._prf = PRF(key)  # the detector's tie-break stream only
         self._stealthink_prf = StealthInkPRF(key)
-
-    def __repr__(self) -> str:
-        return f"StealthInk(key_id={self.key.key_id!r}, config={self.config!r})"
 
     def sequence(self, payload: Payload) -> StealthInkSequence:
         return StealthInkSequence(self._stealthink_prf, self.config, payload)
