@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -147,3 +148,159 @@ def test_bench_decoding_reports_v1_and_v2_like_for_like() -> None:
         assert out[key]["texts"] == 2 and out[key]["texts_per_s"] > 0
     assert out["from_ids"]["texts"] == 20
     assert out["v2_speedup_one_per_call"] > 0 and out["v2_speedup_batched"] > 0
+
+
+# ------------------------------------------------------------------ every command's bad input
+
+
+def _run_main(monkeypatch: pytest.MonkeyPatch, capsys: Any, args: list[str], stdin: bytes) -> Any:
+    """``worldcup ARGS`` through the console entry point, in process: exit code, stdout,
+    stderr."""
+    import io
+    import sys
+
+    from worldcup_cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["worldcup", *args])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
+    """(command, args, stdin, what the one line must say): bad paths, bad files and empty
+    input for every command ({key} is a good key file, {dir} a folder, {bin} binary junk,
+    {empty} an empty file, {miss} a path in a folder that does not exist)."""
+    return [
+        ("keygen", ["--out", "{miss}/k.hex"], b"", "No such file or directory"),
+        ("keygen", ["--out", "{dir}"], b"", "refusing to overwrite"),
+        (
+            "generate",
+            ["--key-file", "{miss}/k", "--bits", "01", "--prompt", "hi"],
+            b"",
+            "not found",
+        ),
+        ("generate", ["--key-file", "{dir}", "--bits", "01", "--prompt", "hi"], b"", "unreadable"),
+        ("generate", ["--key-file", "{bin}", "--bits", "01", "--prompt", "hi"], b"", "unreadable"),
+        ("generate", ["--key-file", "{key}", "--bits", "01", "--prompt", " "], b"", "empty"),
+        (
+            "generate",
+            ["--key-file", "{key}", "--bits", "01", "--prompt", "hi", "--model", "{miss}"],
+            b"",
+            "not a local Hugging Face model",
+        ),
+        ("decode", ["--key-file", "{empty}", "--num-bits", "8"], b"text", "64 hex characters"),
+        ("decode", ["--key-file", "{key}", "--num-bits", "8"], b"", "no text on stdin"),
+        ("decode", ["--key-file", "{key}", "--num-bits", "8"], b"  \n\t", "no text on stdin"),
+        ("detect", ["--key-file", "{bin}"], b"text", "unreadable"),
+        ("detect", ["--key-file", "{key}"], b"", "no text on stdin"),
+        ("detect", ["--key-file", "{key}", "--model", "{dir}"], b"text", "not a local"),
+        ("bench", ["--quick", "--nosuch"], b"", "No such option"),
+        ("bench-provenance", ["--keys", "0"], b"", "--keys"),
+        ("bench-decoding", ["--texts", "1"], b"", "--texts"),
+        ("eval-merge", ["{bin}", "--into", "{miss}/results.json"], b"", "No such file"),
+        ("eval-merge", ["{bin}", "--into", "{bin}"], b"", "Invalid value"),
+        (
+            "scan",
+            ["{miss}/x.jsonl", "--out", "{tmp}/o.jsonl", "--key-file", "{key}"],
+            b"",
+            "no input",
+        ),
+        ("scan", ["{bin}", "--out", "{tmp}/o.jsonl", "--key-file", "{key}"], b"", "input format"),
+        (
+            "scan",
+            ["{empty}.jsonl", "--out", "{tmp}/o.jsonl", "--key-file", "{key}"],
+            b"",
+            "no rows",
+        ),
+        (
+            "scan",
+            ["{tmp}/junk.parquet", "--out", "{tmp}/o.jsonl", "--key-file", "{key}"],
+            b"",
+            "Parquet",
+        ),
+        ("scan", ["{tmp}/t.jsonl", "--out", "{dir}.jsonl", "--key-file", "{key}"], b"", "folder"),
+        ("scan", ["{tmp}/t.jsonl", "--out", "{tmp}/o.txt", "--key-file", "{key}"], b"", "format"),
+        ("scan", ["{tmp}/t.jsonl", "--out", "{tmp}/o.jsonl", "--key-file", "{bin}"], b"", "key"),
+        ("bench-scan", ["--keys", "abc"], b"", "comma-separated"),
+        ("serve", ["--port", "abc"], b"", "--port"),
+        ("bench-service", ["--detect-seconds", "0"], b"", "positive"),
+        ("bench-attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
+        ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),
+        ("eval", ["--config", "{dir}"], b"", "Is a directory"),
+        ("eval", ["--config", "{bin}"], b"", "not a UTF-8 text file"),
+        (
+            "eval",
+            ["--smoke", "--report-only", "--data-dir", "{miss}", "--out", "{tmp}/ev"],
+            b"",
+            "data",
+        ),
+    ]
+
+
+def test_every_command_answers_bad_input_with_one_error_line(
+    tmp_path: Path, key_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Each command, fed bad paths, bad files and empty input, prints one ``error:`` line
+    and exits 2, never a traceback; a new command without a case here fails the test."""
+    import typer.main
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder.with_suffix(".jsonl")).mkdir()
+    (tmp_path / "junk.bin").write_bytes(b"\x00\xff\xfe\x80 not text")
+    (tmp_path / "junk.parquet").write_text("not parquet", encoding="utf-8")
+    (tmp_path / "empty").write_text("", encoding="utf-8")
+    (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
+    (tmp_path / "t.jsonl").write_text('{"text": "hello"}\n', encoding="utf-8")
+    names = {
+        "{key}": str(key_file),
+        "{dir}": str(folder),
+        "{bin}": str(tmp_path / "junk.bin"),
+        "{empty}": str(tmp_path / "empty"),
+        "{miss}": str(tmp_path / "missing" / "deeper"),
+        "{tmp}": str(tmp_path),
+    }
+    monkeypatch.setenv("WORLDCUP_REDIS_URL", "")
+    monkeypatch.setenv("WORLDCUP_SQLITE_PATH", "")
+    cases = _bad_input_cases(tmp_path)
+    for command, args, stdin, needle in cases:
+        concrete = [command]
+        for arg in args:
+            for mark, value in names.items():
+                arg = arg.replace(mark, value)
+            concrete.append(arg)
+        code, out, err = _run_main(monkeypatch, capsys, concrete, stdin)
+        lines = err.strip().splitlines()
+        assert code == 2, (concrete, code, err)
+        assert len(lines) == 1 and lines[0].startswith("error: "), (concrete, err)
+        assert needle in lines[0], (concrete, lines[0])
+        assert "Traceback" not in out + err and out == "", (concrete, out)
+    commands = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert commands == {c for c, *_ in cases}, commands ^ {c for c, *_ in cases}
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_version(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    import importlib.metadata
+
+    code, out, err = _run_main(monkeypatch, capsys, ["--version"], b"")
+    assert code == 0 and err == ""
+    assert out.strip() == f"worldcup {importlib.metadata.version('worldcup')}"
+
+
+def test_generate_shows_progress_on_stderr_and_keeps_stdout_clean(
+    key_file: Path, tiny_model_dir: Path
+) -> None:
+    """A progress bar (tokens of --max-new-tokens) on stderr; stdout is the JSON alone."""
+    args = ["generate", "--key-file", str(key_file), "--bits", "0110", "--prompt", "Hello"]
+    args += ["--max-new-tokens", "6", "--min-new-tokens", "6", "--json"]
+    result = runner.invoke(app, [*args, "--model", str(tiny_model_dir)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["num_tokens"] == 6 and out["bits"] == "0110"
+    assert "generate" in result.stderr and "6/6" in result.stderr, result.stderr
+    quiet = runner.invoke(app, [*args, "--model", str(tiny_model_dir), "--no-progress"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr

@@ -21,7 +21,7 @@ from app.main import create_app
 
 STATIC = Path(__file__).parents[1] / "app" / "console" / "static"
 TESTIDS = ["api-key", "text-input", "run-provenance", "verdict", "heatmap", "position-chart"]
-EVIDENCE_FIELDS = {"matched", "groups", "num_bits", "tokens", "bits"}
+EVIDENCE_FIELDS = {"matched", "groups", "num_bits", "tokens", "bits", "islands"}
 TOKEN_FIELDS = {"index", "text", "scored", "position", "g_mean", "z"}
 BIT_FIELDS = {"index", "position", "group", "bit", "z", "erased"}
 
@@ -113,6 +113,17 @@ def test_console_page_is_served_with_strict_security_headers(client: TestClient)
     assert "content-security-policy" not in client.get("/health").headers  # console only
 
 
+def test_console_page_ignores_unknown_query_parameters(client: TestClient) -> None:
+    """A link with tracking tags opens the page; the API routes keep refusing them."""
+    r = client.get("/console?utm_source=slack&utm_medium=chat")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    session = client.get("/console/session?utm_source=slack", headers=ADMIN)
+    assert session.status_code == 422
+    assert session.json()["error"]["code"] == "unknown_query_parameter"
+    assert client.get("/health?utm_source=slack").status_code == 422
+
+
 def test_console_template_escapes_what_it_renders() -> None:
     probe = '<script>alert("x")</script> &amp; "q" \'s'
     html = render_console(version=probe, model=probe, max_chars=10, groups=2, significance=0.01)
@@ -174,6 +185,7 @@ def _fields(evidence: dict[str, Any]) -> None:
     assert set(evidence) == EVIDENCE_FIELDS
     assert all(set(t) == TOKEN_FIELDS for t in evidence["tokens"])
     assert all(set(b) == BIT_FIELDS for b in evidence["bits"])
+    assert all(set(i) == {"start", "end", "scored", "z", "mean_z"} for i in evidence["islands"])
 
 
 def test_provenance_evidence_for_the_admin(
@@ -204,6 +216,21 @@ def test_provenance_evidence_for_the_admin(
         np.mean(inside),
         np.mean(outside),
     )
+    # one island, over the watermarked middle (tolerance: tests/test_islands.py)
+    first = next(
+        t["index"] for t in tokens if sum(len(u["text"]) for u in tokens[: t["index"]]) >= start
+    )
+    last = max(
+        t["index"]
+        for t in tokens
+        if sum(len(u["text"]) for u in tokens[: t["index"]]) < start + len(gen["text"])
+    )
+    (island,) = ev["islands"]
+    assert abs(island["start"] - first) <= 25 and abs(island["end"] - last) <= 25, (
+        island,
+        first,
+        last,
+    )
     audit = client.get("/admin/audit?limit=1", headers=ADMIN).json()["entries"][0]
     assert audit["action"] == "provenance" and audit["outcome"]["evidence"] is True
 
@@ -211,7 +238,7 @@ def test_provenance_evidence_for_the_admin(
     r = client.post("/provenance", json={"text": HUMAN, "evidence": True}, headers=ADMIN)
     ev = r.json()["evidence"]
     _fields(ev)
-    assert ev["matched"] is False and ev["bits"] == []
+    assert ev["matched"] is False and ev["bits"] == [] and ev["islands"] == []
     assert "".join(t["text"] for t in ev["tokens"]) == HUMAN
     assert not any(t["scored"] for t in ev["tokens"])
     # no evidence unless asked

@@ -12,6 +12,7 @@ when ``WORLDCUP_CONSOLE_SCREENSHOTS`` names a folder (``docs/console``), there t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,6 @@ from test_service_api import ADMIN, ADMIN_TOKEN, fixed_watermark_keys, make_sett
 pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("WORLDCUP_CHROMIUM", "/usr/bin/chromium")
-WINDOW, ISLAND_Z = 25, 0.8  # the console's island rule (console.js)
 METADATA = {"campaign": "spring <launch> & co", "user": "u-7"}
 HUMAN_A = (
     "The committee met on Tuesday to discuss the budget for next year. Several members "
@@ -228,16 +228,19 @@ def test_copy_paste_mix_locates_the_watermarked_span(
         inside.append(start <= middle < stop)
         at += len(piece)
     z = np.array([0.0 if v is None else v for _, _, v in tokens])
-    hot = np.convolve(z, np.ones(WINDOW) / WINDOW, mode="same") > ISLAND_Z
     span = np.flatnonzero(inside)
     first, last = int(span[0]), int(span[-1])
-    near = np.zeros(len(tokens), dtype=bool)
-    near[max(0, first - WINDOW // 2) : last + WINDOW // 2 + 1] = True
-    assert hot.sum() > 0.5 * len(span), (hot.sum(), len(span))  # most of the island
-    assert not (hot & ~near).any(), np.flatnonzero(hot & ~near)  # nothing outside it
     assert np.mean(z[inside]) > 1.0 and abs(np.mean(z[~np.asarray(inside)])) < 0.5
     islands = page.get_by_test_id("islands").inner_text()
-    assert islands.startswith("Watermark evidence concentrated in tokens ")
+    assert islands.startswith("Watermark evidence concentrated in tokens "), islands
+    found = [tuple(map(int, m)) for m in re.findall(r"(\d+)–(\d+) \(mean z", islands)]
+    assert len(found) == 1, islands  # one pasted stretch, one island
+    (start_token, end_token), tolerance = found[0], 25  # tests/test_islands.py measures it
+    assert abs(start_token - first) <= tolerance and abs(end_token - last) <= tolerance, (
+        islands,
+        first,
+        last,
+    )
     screenshot(page, shots, "mixed.png")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import datetime as dt
 import json
 import os
 import signal
@@ -37,7 +38,7 @@ from worldcup_scan.bench import watermarked_ids, word_tokens
 from worldcup_scan.inputs import Fields, discover, plan, read_part
 from worldcup_scan.keys import KeySpec, ScanKeys, StoreSession, keys_from_files, open_store
 from worldcup_scan.run import ScanOptions, ScanStateError, run_scan
-from worldcup_scan.scanner import Scanner, ScanSpec
+from worldcup_scan.scanner import COLUMNS, Scanner, ScanSpec
 
 MASTER = bytes(range(32))
 NUM_BITS = 16
@@ -205,7 +206,10 @@ def test_scan_attributes_every_watermarked_row(corpus: Any, local_scan: Any) -> 
         assert (row["tenant_id"], row["key_version"]) == (t["tenant_id"], t["version"]), rid
         assert row["message_id"] == t["message_id"], rid
         assert json.loads(row["registry_metadata"]) == t["metadata"], rid
-        assert row["registry_issued_at"] > 0 and len(row["bits"]) == NUM_BITS
+        issued = dt.datetime.fromisoformat(row["registry_issued_at"])  # ISO-8601, as the API
+        assert row["registry_issued_at"].endswith("Z") and issued.tzinfo is not None
+        assert abs((dt.datetime.now(dt.UTC) - issued).total_seconds()) < 3600
+        assert len(row["bits"]) == NUM_BITS
     hits = sum(1 for t in truth.values() if not t.get("human"))
     human = [rows[rid] for rid, t in truth.items() if t.get("human")]
     false_positives = sum(bool(r["is_watermarked"]) for r in human)
@@ -407,7 +411,9 @@ def test_cli_usage_errors_are_one_line(tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
     key = tmp_path / "k.key"
     key.write_text("zz", encoding="ascii")
-    result = runner.invoke(cli_app, ["scan", str(src), "--out", "o", "--key-file", str(key)])
+    result = runner.invoke(
+        cli_app, ["scan", str(src), "--out", "o.parquet", "--key-file", str(key)]
+    )
     assert result.exit_code == 2 and "malformed key file" in result.output
     assert os.environ.get("WORLDCUP_MASTER_KEY") != "00" * 32  # the runner's env did not leak
 
@@ -472,3 +478,73 @@ def test_killed_scan_resumes_to_the_same_output(corpus: Any, local_scan: Any) ->
     assert summary["parts_resumed"] == done  # nothing finished was scanned again
     assert summary["texts_scanned"] == summary["texts"] - 3 * done  # first parts: 3 rows each
     assert _read(out) == _read(out_local)
+
+
+def _key_file(tmp_path: Path) -> Path:
+    key = tmp_path / "k.key"
+    key.write_text(WatermarkKey.generate().hex() + "\n", encoding="ascii")
+    return key
+
+
+def test_out_suffix_names_the_format(tmp_path: Path) -> None:
+    """``--out`` writes what its suffix says (.jsonl, .csv, .parquet): the same rows in
+    each; any other suffix is refused before anything is scanned or written."""
+    src = tmp_path / "in.jsonl"
+    texts = ["The first text of the corpus.", "A second, different one.", "Third."]
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    key = _key_file(tmp_path)
+    runner = CliRunner()
+    base = ["--key-file", str(key), "--workers", "1", "--no-progress", "--num-bits", "8"]
+    got = {}
+    for suffix in (".jsonl", ".csv", ".parquet"):
+        out = tmp_path / f"o{suffix}"
+        result = runner.invoke(cli_app, ["scan", str(src), "--out", str(out), *base])
+        assert result.exit_code == 0, result.output
+        got[suffix] = out
+    names = [n for n, _ in COLUMNS]
+    with open(got[".csv"], encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == names
+        csv_rows = list(reader)
+    json_rows = _read(got[".jsonl"])
+    assert got[".parquet"].read_bytes()[:4] == b"PAR1"
+    assert pq.read_table(got[".parquet"]).to_pylist() == json_rows
+    assert [r["id"] for r in csv_rows] == [r["id"] for r in json_rows]
+    assert [float(r["p_value"]) for r in csv_rows] == [r["p_value"] for r in json_rows]
+    for bad in ("o.txt", "o.json", "o"):
+        result = runner.invoke(cli_app, ["scan", str(src), "--out", str(tmp_path / bad), *base])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert "unknown output format" in lines[0] and ".csv" in lines[0], lines
+        assert not (tmp_path / bad).exists() and not (tmp_path / f"{bad}.parts").exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_a_wrong_text_field_fails_fast(tmp_path: Path, fmt: str) -> None:
+    """A field no row has is one error line, naming the fields there are, before any part
+    is scanned (not a finished scan with every row ``missing_field``)."""
+    rows = [{"id": str(i), "body": f"text number {i}"} for i in range(200)]
+    src = tmp_path / f"in.{fmt}"
+    if fmt == "jsonl":
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif fmt == "csv":
+        with open(src, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, ["id", "body"])
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), src)
+    out = tmp_path / "o.jsonl"
+    args = ["scan", str(src), "--out", str(out), "--key-file", str(_key_file(tmp_path))]
+    for flags, needle in (
+        (["--text-field", "text"], "--text-field 'text'"),
+        (["--text-field", "body", "--id-field", "uid"], "--id-field 'uid'"),
+    ):
+        result = CliRunner().invoke(cli_app, [*args, *flags, "--no-progress"])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert needle in lines[0] and "'body'" in lines[0] and "'id'" in lines[0], lines[0]
+        assert not out.exists() and not Path(f"{out}.parts").exists()
+    result = CliRunner().invoke(cli_app, [*args, "--text-field", "body", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert len(_read(out)) == len(rows)

@@ -1,20 +1,24 @@
 """The ``worldcup`` command line: keygen, generate, decode, detect, bench.
 
-Bad input gets one line on stderr and exit code 2; ``--json`` prints one JSON
-object on stdout for scripts. Decoding and detection read the text on stdin
-and need only the tokenizer, never the model weights.
+Bad input gets one line on stderr and exit code 2, in every command: a path the
+user named that cannot be read or written included (see :func:`_command`);
+``--json`` prints one JSON object on stdout for scripts. Decoding and detection
+read the text on stdin and need only the tokenizer, never the model weights.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 
@@ -66,6 +70,62 @@ def fail(message: str) -> NoReturn:
     """One line, exit code 2: the contract for bad input."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def os_error_message(exc: OSError) -> str:
+    """``cannot use PATH: reason`` for a path the user named (missing, a folder, no access)."""
+    reason = exc.strerror or type(exc).__name__
+    return f"cannot use {exc.filename}: {reason}" if exc.filename else reason
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors(fn: F) -> F:
+    """Every command's safety net: an OSError on a path the user gave (an output folder
+    that does not exist, a directory where a file was expected, no permission) is one
+    ``error:`` line and exit 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OSError as exc:
+            fail(os_error_message(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _command(name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
+    """``app.command`` with :func:`user_errors` around the command."""
+
+    def register(fn: F) -> F:
+        app.command(name, **kwargs)(user_errors(fn))
+        return fn
+
+    return register
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            version = importlib.metadata.version("worldcup")
+        except importlib.metadata.PackageNotFoundError:  # a source tree, not installed
+            version = "unknown (not installed)"
+        typer.echo(f"worldcup {version}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_version, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """WorldCup multi-bit watermarking for LLM text."""
 
 
 def _read_key(path: Path) -> WatermarkKey:
@@ -125,11 +185,24 @@ def _tokenize(text: str, model: str | None) -> list[int]:
     return ids
 
 
+def _check_model(model: str | None) -> None:
+    """A ``--model`` (or WORLDCUP_MODEL_PATH) that names nothing loadable fails here, in one
+    line, not as a traceback from a server's startup; the embedded default always loads."""
+    if not model:
+        return
+    from worldcup_core.models import ModelLoadError, resolve_model_dir
+
+    try:
+        resolve_model_dir(model, None, need_model=False)
+    except ModelLoadError as exc:
+        fail(str(exc))
+
+
 def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
     typer.echo(json.dumps(payload) if as_json else human)
 
 
-@app.command()
+@_command()
 def keygen(
     out: Annotated[
         Path | None, typer.Option("--out", help="Write the key here (mode 600).")
@@ -149,7 +222,7 @@ def keygen(
     typer.echo(f"wrote key {key.key_id} to {out}", err=True)
 
 
-@app.command()
+@_command()
 def generate(
     key_file: KeyFileOpt,
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt text.")],
@@ -176,13 +249,20 @@ def generate(
         str, typer.Option("--dtype", help="auto, float32, bfloat16, float16")
     ] = "auto",
     as_json: JsonOpt = False,
+    no_progress: Annotated[
+        bool, typer.Option("--no-progress", help="No progress bar on stderr.")
+    ] = False,
 ) -> None:
-    """Generate text from a prompt with the payload embedded."""
+    """Generate text from a prompt with the payload embedded (progress on stderr)."""
     from worldcup_core.generation import GenerationRequest
     from worldcup_core.generation import generate as run_generation
     from worldcup_core.models import ModelLoadError, load_model
 
     key = _read_key(key_file)
+    if no_progress:  # transformers' own weight-loading bar too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         payload = Payload.from_bits(bits)
         sampling = SamplingConfig(
@@ -215,12 +295,14 @@ def generate(
     else:
         prompt_ids = tok(prompt, add_special_tokens=False).input_ids
     start = time.perf_counter()
-    (result,) = run_generation(
-        lm.model,
-        [GenerationRequest(list(prompt_ids), sampling, wm, payload)],
-        lm.eos_token_ids,
-        lm.pad_token_id,
-    )
+    with TokenProgress(not no_progress, max_new_tokens) as bar:
+        (result,) = run_generation(
+            lm.model,
+            [GenerationRequest(list(prompt_ids), sampling, wm, payload)],
+            lm.eos_token_ids,
+            lm.pad_token_id,
+            on_token=lambda _index, _token: bar.advance(),
+        )
     seconds = time.perf_counter() - start
     text = tok.decode(result.token_ids, skip_special_tokens=True)
     out = {
@@ -238,7 +320,53 @@ def generate(
     _emit(as_json, out, text)
 
 
-@app.command()
+class TokenProgress:
+    """Tokens generated out of ``--max-new-tokens``, with tokens/s and elapsed time, as a
+    rich bar on stderr (stdout stays the text or the JSON object)."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+        self._progress: Any = None
+        self._task: Any = None
+        self._started = time.perf_counter()
+        self.done = 0
+
+    def __enter__(self) -> TokenProgress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("generate"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("tokens {task.fields[rate]}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("generate", total=self.total, rate="")
+            self._started = time.perf_counter()
+        return self
+
+    def advance(self) -> None:
+        self.done += 1
+        if self._progress is not None:
+            rate = self.done / max(time.perf_counter() - self._started, 1e-9)
+            self._progress.update(self._task, advance=1, rate=f"{rate:.1f}/s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+@_command()
 def decode(
     key_file: KeyFileOpt,
     num_bits: Annotated[int, typer.Option("--num-bits", help="Payload length in bits.")],
@@ -284,7 +412,7 @@ def decode(
     _emit(as_json, out, human)
 
 
-@app.command()
+@_command()
 def detect(
     key_file: KeyFileOpt,
     num_bits: Annotated[
@@ -326,7 +454,7 @@ def detect(
     )
 
 
-@app.command()
+@_command()
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="Fewer tokens and texts.")] = False,
     as_json: JsonOpt = False,
@@ -341,7 +469,7 @@ def bench(
     _emit(as_json, result, format_bench(result))
 
 
-@app.command("eval-merge")
+@_command("eval-merge")
 def eval_merge(
     other: Annotated[Path, typer.Argument(help="results.json of a second run, same protocol.")],
     into: Annotated[Path, typer.Option("--into", help="The results.json to add to.")] = Path(
@@ -367,7 +495,7 @@ def eval_merge(
     typer.echo(f"added {merged['merged'][-1]['cells']} cells of {', '.join(names)} to {into}")
 
 
-@app.command("bench-decoding")
+@_command("bench-decoding")
 def bench_decoding(
     texts: Annotated[int, typer.Option(min=10, max=100_000, help="Texts to decode.")] = 10_000,
     as_json: JsonOpt = False,
@@ -390,7 +518,7 @@ def bench_decoding(
     _emit(as_json, result, format_decoding_bench(result))
 
 
-@app.command("bench-provenance")
+@_command("bench-provenance")
 def bench_provenance(
     keys: Annotated[int, typer.Option(min=1, max=100_000, help="Keys in the bank.")] = 1000,
     tokens: Annotated[int, typer.Option(min=8, max=4096, help="Tokens per text.")] = 256,
@@ -416,7 +544,7 @@ def _register_unavailable(name: str, extra: str, missing: str) -> None:
             f"pip install 'worldcup[{extra}]'"
         )
 
-    app.command(
+    _command(
         name,
         help=f"Unavailable: {missing} is missing (install the {extra} extra).",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
@@ -435,14 +563,14 @@ def _register_scan() -> None:
         for name in ("scan", "bench-scan"):
             _register_unavailable(name, "scan", missing)
         return
-    app.command("scan")(scan)
-    app.command("bench-scan")(bench_scan)
+    _command("scan")(scan)
+    _command("bench-scan")(bench_scan)
 
 
 _register_scan()
 
 
-@app.command()
+@_command()
 def serve(
     host: Annotated[str | None, typer.Option("--host", help="Default: WORLDCUP_HOST.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Default: WORLDCUP_PORT.")] = None,
@@ -460,6 +588,7 @@ def serve(
     except ValidationError as exc:
         reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
         fail(f"invalid settings: {reasons}")
+    _check_model(settings.model_path)
     if host is not None:
         settings.host = host
     if port is not None:
@@ -467,7 +596,7 @@ def serve(
     run(settings)
 
 
-@app.command("bench-service")
+@_command("bench-service")
 def bench_service(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
     detect_seconds: Annotated[
@@ -540,7 +669,7 @@ def bench_service(
     _emit(as_json, result, format_service_bench(result))
 
 
-@app.command("bench-attack")
+@_command("bench-attack")
 def bench_attack(
     model: Annotated[
         str | None, typer.Option("--model", help="Local HF model directory (default: embedded).")
@@ -562,6 +691,7 @@ def bench_attack(
         fail(f"the service extras are not installed ({exc.name}): pip install 'worldcup[service]'")
     if max_queries <= 0:
         fail(f"--max-queries must be positive, got {max_queries}")
+    _check_model(model)
 
     def progress(msg: str) -> None:
         typer.echo(msg, err=True)
@@ -570,7 +700,7 @@ def bench_attack(
     _emit(as_json, result, format_attack_bench(result))
 
 
-@app.command("eval")
+@_command("eval")
 def eval_(
     config: Annotated[
         Path | None, typer.Option("--config", help="TOML, JSON or YAML file with the settings.")
@@ -646,7 +776,11 @@ def eval_(
     }
     try:
         cfg = build_config(smoke=smoke, config_file=config, overrides=flags)
-    except (ValueError, TypeError, OSError) as exc:
+    except OSError as exc:
+        fail(os_error_message(exc))
+    except UnicodeDecodeError:
+        fail(f"--config {config} is not a UTF-8 text file (TOML, JSON or YAML)")
+    except (ValueError, TypeError) as exc:
         fail(str(exc))
     from worldcup_core.models import ModelLoadError
     from worldcup_eval.attacks import WordNetMissing

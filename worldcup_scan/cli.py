@@ -23,7 +23,7 @@ from worldcup_scan.keys import (
     master_key_from_env,
     open_store,
 )
-from worldcup_scan.run import ScanOptions, ScanStateError, run_scan
+from worldcup_scan.run import ScanOptions, ScanStateError, output_format, run_scan
 from worldcup_scan.scanner import ScanSpec
 
 
@@ -44,7 +44,9 @@ def scan(
     inputs: Annotated[
         list[str], typer.Argument(help="Files, globs or directories (.jsonl, .csv, .parquet).")
     ],
-    out: Annotated[Path, typer.Option("--out", help="Output .parquet or .jsonl.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Output file: .parquet, .jsonl or .csv (by suffix).")
+    ],
     text_field: Annotated[str, typer.Option("--text-field")] = "text",
     id_field: Annotated[str | None, typer.Option("--id-field")] = None,
     mode: Annotated[
@@ -104,6 +106,12 @@ def scan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Scan a corpus for watermarked texts: one result row per document."""
+    try:
+        output_format(out)
+    except InputError as exc:
+        _fail(str(exc))
+    if out.is_dir():
+        _fail(f"--out {out} is a folder; name the output file")
     if mode not in ("detect", "provenance"):
         _fail(f"--mode must be detect or provenance, got {mode!r}")
     if engine not in ("local", "ray"):

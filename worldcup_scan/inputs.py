@@ -173,6 +173,59 @@ def _plan_parquet(path: str, index: int, part_rows: int) -> list[Part]:
     return parts
 
 
+# ---------------------------------------------------------------------------- fields
+
+FIELD_CHECK_ROWS = 50  # JSONL rows looked at per file before a scan starts
+
+
+def check_fields(files: Sequence[tuple[str, str]], fields: Fields) -> None:
+    """Fail fast when a file has no ``fields.text`` (or ``fields.id``) column at all.
+
+    CSV headers and Parquet schemas name their columns; a JSONL file fails when none of
+    its first :data:`FIELD_CHECK_ROWS` JSON objects has the field. A field missing from
+    some rows only is not an error here: those rows get ``missing_field`` as before.
+    """
+    wanted = [(fields.text, "--text-field"), *([(fields.id, "--id-field")] if fields.id else [])]
+    for path, fmt in files:
+        try:
+            columns = _columns(path, fmt)
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if columns is None:  # empty, or no JSON object among the first rows
+            continue
+        for name, flag in wanted:
+            if name not in columns:
+                shown = ", ".join(repr(c) for c in list(columns)[:20]) or "none"
+                raise InputError(f"{flag} {name!r} is not a field of {path} (it has: {shown})")
+
+
+def _columns(path: str, fmt: str) -> dict[str, None] | None:
+    """The field names a file offers (ordered), or None when there is nothing to judge."""
+    if fmt == "csv":
+        with open(path, "rb") as f:
+            header = next(csv.reader(_csv_lines(f, [0])), None)
+        return None if header is None else dict.fromkeys(header)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return dict.fromkeys(pq.ParquetFile(path).schema_arrow.names)
+        except Exception as exc:  # pyarrow's ArrowInvalid and friends
+            raise InputError(f"{path} is not a readable Parquet file: {exc}") from None
+    seen: dict[str, None] = {}
+    objects = 0
+    with open(path, "rb") as f:
+        for _, line in zip(range(FIELD_CHECK_ROWS), f, strict=False):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                objects += 1
+                seen |= dict.fromkeys(record)
+    return seen if objects else None
+
+
 # ---------------------------------------------------------------------------- reading
 
 

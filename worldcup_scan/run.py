@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worldcup_scan.inputs import Part, discover, plan
+from worldcup_scan.inputs import InputError, Part, check_fields, discover, plan
 from worldcup_scan.keys import StoreSession
-from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema
+from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema, iso_utc
 
 MANIFEST_VERSION = 1
 
@@ -45,9 +45,29 @@ class ScanOptions:
     progress: bool = True
     actor: str = "cli"  # who ran the scan, for the audit log
 
+    def __post_init__(self) -> None:
+        output_format(self.out)  # refuse an unknown suffix before any work
+
     @property
     def out_format(self) -> str:
-        return "jsonl" if self.out.suffix.lower() in (".jsonl", ".ndjson", ".json") else "parquet"
+        return output_format(self.out)
+
+
+# What ``--out`` writes, by its suffix; anything else is refused (never a silent Parquet).
+OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl"}
+OUTPUT_FORMATS |= {".ndjson": "jsonl", ".csv": "csv"}
+
+
+def output_format(out: Path) -> str:
+    """``parquet``, ``jsonl`` or ``csv``, from the output file's suffix."""
+    fmt = OUTPUT_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        known = ", ".join(sorted(OUTPUT_FORMATS))
+        raise InputError(
+            f"--out {out}: unknown output format {out.suffix or '(no suffix)'!r}; "
+            f"name the file with one of {known}"
+        )
+    return fmt
 
 
 @dataclass
@@ -146,11 +166,13 @@ def _fill_registry(session: StoreSession, rows: list[dict[str, Any]]) -> None:
         entry = session.registry_entry(row["tenant_id"], int(row["message_id"]))
         if entry is not None:
             row["registry_metadata"] = json.dumps(entry.metadata, sort_keys=True)
-            row["registry_issued_at"] = entry.issued_at
+            row["registry_issued_at"] = iso_utc(entry.issued_at)
 
 
 def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSummary:
     """Concatenate the parts in input order into ``out`` (atomically) and count."""
+    import csv
+
     import pyarrow.parquet as pq
 
     summary = ScanSummary(parts=len(parts))
@@ -158,8 +180,16 @@ def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSumma
     tmp = out.with_name(out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = pq.ParquetWriter(tmp, arrow_schema()) if fmt == "parquet" else None
+    names = [n for n, _ in COLUMNS]
     try:
-        with open(tmp, "w", encoding="utf-8") if writer is None else _nullcontext() as text:
+        with (
+            open(tmp, "w", encoding="utf-8", newline="") if writer is None else _nullcontext()
+        ) as text:
+            table_writer = (
+                csv.DictWriter(text, names) if text is not None and fmt == "csv" else None
+            )
+            if table_writer is not None:
+                table_writer.writeheader()
             for part in parts:
                 table = pq.read_table(state / f"{part.name}.parquet", schema=arrow_schema())
                 rows = table.to_pylist()
@@ -172,10 +202,12 @@ def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSumma
                         per_tenant[row["tenant_name"] or row["tenant_id"]] += 1
                 if writer is not None:
                     writer.write_table(table)
+                elif table_writer is not None:
+                    table_writer.writerows({n: row[n] for n in names} for row in rows)
                 else:
                     assert text is not None
                     for row in rows:
-                        text.write(json.dumps({n: row[n] for n, _ in COLUMNS}) + "\n")
+                        text.write(json.dumps({n: row[n] for n in names}) + "\n")
     finally:
         if writer is not None:
             writer.close()
@@ -223,7 +255,10 @@ def run_scan(
             raise ValueError("the ray engine needs: pip install 'worldcup[scan]'") from None
     started = time.perf_counter()
     files = discover(options.inputs)
+    check_fields(files, spec.fields)  # a wrong --text-field fails here, not as N error rows
     parts = plan(files, options.part_rows)
+    if not any(len(p) for p in parts):
+        raise InputError(f"nothing to scan: the inputs hold no rows ({len(files)} empty files)")
     state = options.out.with_name(options.out.name + ".parts")
     _prepare_state(state, _manifest(options, spec, files), options.restart)
     pending = [p for p in parts if not (state / f"{p.name}.parquet").is_file()]

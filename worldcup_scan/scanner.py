@@ -18,6 +18,7 @@ posterior is at least ``registry_min_confidence``.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import os
 from collections.abc import Sequence
@@ -48,12 +49,18 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("message_id", "int64"),
     ("bits", "string"),
     ("registry_metadata", "string"),
-    ("registry_issued_at", "float64"),
+    ("registry_issued_at", "string"),  # ISO-8601 UTC, as the API writes it
     ("num_tokens", "int64"),
     ("num_scored_tokens", "int64"),
     ("short_text", "bool"),
     ("error", "string"),
 )
+
+
+def iso_utc(timestamp: float) -> str:
+    """A Unix time as ISO-8601 UTC with a ``Z`` (the API's form: ``2026-11-26T03:00:00Z``)."""
+    moment = dt.datetime.fromtimestamp(timestamp, tz=dt.UTC)
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def arrow_schema() -> Any:

@@ -96,9 +96,12 @@ def render_console(**context: Any) -> str:
 
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
+# The page itself forgives query parameters it does not know: links arrive with tracking
+# tags (``?utm_source=slack``). The API routes, the session check included, still refuse.
+page_router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 
-@router.get("", response_class=HTMLResponse)
+@page_router.get("", response_class=HTMLResponse)
 async def console_page(request: Request, runtime: RuntimeDep) -> HTMLResponse:
     settings = runtime.settings
     return HTMLResponse(
@@ -137,6 +140,8 @@ async def console_session(runtime: RuntimeDep, credentials: Credentials) -> Cons
 
 
 def install_console(app: Any, dependencies: list[Any]) -> None:
-    """Mount the page, its static files and the session check on ``app``."""
+    """Mount the page, its static files and the session check on ``app``; ``dependencies``
+    apply to the session check, not to the page (see ``page_router``)."""
+    app.include_router(page_router)
     app.include_router(router, dependencies=dependencies)
     app.mount(PREFIX + "/static", StaticFiles(directory=HERE / "static"), name="console-static")

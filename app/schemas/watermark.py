@@ -384,6 +384,14 @@ class BitEvidenceOut(StrictModel):
     erased: bool = Field(description="No scored token fell on this position.")
 
 
+class IslandOut(StrictModel):
+    start: int = Field(description="First token of the stretch (index into tokens).")
+    end: int = Field(description="Last token of the stretch (inclusive).")
+    scored: int = Field(description="Tokens in it with a z.")
+    z: float = Field(description="Its own z-test: the sum of its tokens' z over sqrt(scored).")
+    mean_z: float = Field(description="Mean z of its tokens (0 on human text).")
+
+
 class EvidenceOut(StrictModel):
     matched: bool = Field(
         description="False when no key matched (provenance): tokens then carry no marks."
@@ -392,6 +400,13 @@ class EvidenceOut(StrictModel):
     num_bits: int
     tokens: list[TokenEvidenceOut]
     bits: list[BitEvidenceOut]
+    islands: list[IslandOut] = Field(
+        default_factory=list,
+        description="Where the watermark is: stretches of tokens whose z stands out, in text "
+        "order (worldcup_core.islands: the interval of largest z-test, split where a stretch "
+        "inside it is significantly weaker; further islands significant on their own). "
+        "Empty when no key matched.",
+    )
 
 
 class DecodeResponse(StrictModel):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.schemas.watermark import BitEvidenceOut, EvidenceOut, TokenEvidenceOut
+from app.schemas.watermark import BitEvidenceOut, EvidenceOut, IslandOut, TokenEvidenceOut
 from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult
 from worldcup_core.evidence import text_evidence
+from worldcup_core.islands import locate_islands
 
 
 def token_pieces(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
@@ -83,4 +84,16 @@ def evidence_block(
         )
         for i, bit in enumerate(decoded.bits)
     ]
-    return EvidenceOut(matched=True, groups=groups, num_bits=num_bits, tokens=tokens, bits=bits)
+    islands = [
+        IslandOut(
+            start=i.start,
+            end=i.end,
+            scored=i.scored,
+            z=round(i.z, 3),
+            mean_z=round(i.mean_z, 3),
+        )
+        for i in locate_islands([t.z for t in tokens])
+    ]
+    return EvidenceOut(
+        matched=True, groups=groups, num_bits=num_bits, tokens=tokens, bits=bits, islands=islands
+    )

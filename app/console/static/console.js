@@ -5,8 +5,6 @@
 
 (function () {
   const STORE = "worldcup.console.credential";
-  const WINDOW = 25; // tokens per window of the island finder
-  const ISLAND_Z = 0.8; // mean z of a window: 4 standard deviations of a null window
   const body = document.body;
   const groupsDefault = Number(body.dataset.groups || "2");
   const $ = (id) => document.getElementById(id);
@@ -374,7 +372,7 @@
       span.addEventListener("blur", hideTip);
       map.appendChild(span);
     });
-    if (ev.matched) $("islands").textContent = islandsText(ev.tokens);
+    if (ev.matched) $("islands").textContent = islandsText(ev.islands || [], ev.tokens.length);
   }
 
   function moveFocus(event) {
@@ -393,25 +391,16 @@
     tokens[next].focus();
   }
 
-  // Runs of tokens whose windowed mean z is above ISLAND_Z: the text-only summary of
-  // where the watermark is (the same rule the browser test checks).
-  function islandsText(tokens) {
-    const z = tokens.map((t) => (t.z === null ? 0 : t.z));
-    const half = Math.floor(WINDOW / 2);
-    const hot = z.map((_, i) => {
-      let sum = 0;
-      for (let j = i - half; j <= i + half; j++) if (j >= 0 && j < z.length) sum += z[j];
-      return sum / WINDOW > ISLAND_Z;
-    });
-    const runs = []; // hot tokens, gaps shorter than half a window bridged
-    hot.forEach((h, i) => {
-      if (!h) return;
-      const last = runs[runs.length - 1];
-      if (last && i - last[1] <= half + 1) last[1] = i; else runs.push([i, i]);
-    });
-    if (!runs.length) return "No stretch of the text stands out (windows of 25 tokens).";
+  // The server's islands (worldcup_core.islands): where the watermark is, as text.
+  function islandsText(islands, length) {
+    if (!islands.length) return "Too few scored tokens to say where the watermark is.";
+    if (islands.length === 1 && islands[0].start === 0 && islands[0].end >= length - 1) {
+      return `The whole text carries the watermark (tokens 0–${length - 1}, ` +
+        `mean z ${islands[0].mean_z.toFixed(2)}).`;
+    }
     return "Watermark evidence concentrated in tokens " +
-      runs.map(([a, b]) => `${a}–${b}`).join(", ") + " (windows of 25 tokens, mean z > 0.8).";
+      islands.map((i) => `${i.start}–${i.end} (mean z ${i.mean_z.toFixed(2)})`).join(", ") +
+      ` of ${length}.`;
   }
 
   function showChart(mode, data) {
