@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from app.api.deps import Runtime, known_query_parameters
+from app.api.deps import known_query_parameters
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.openapi import install_openapi
@@ -30,6 +30,7 @@ from app.core.security import KeyWrapper
 from app.engines import Engine, load_engine
 from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
+from app.services.runtime import Runtime
 from app.services.tenants import TenantService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store

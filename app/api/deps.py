@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -10,35 +9,17 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.api.errors import APIError
-from app.core.config import Role, Settings
-from app.core.metrics import Metrics  # noqa: F401  (Runtime field type)
+from app.core.config import Role
+from app.core.errors import APIError
 from app.core.security import tokens_equal
 from app.engines.base import Engine
-from app.services.probes import ProbeAccountant
-from app.services.tenants import Principal, TenantService
-from app.stores.base import Store, TenantRecord
+from app.services.runtime import Runtime, charge
+from app.services.tenants import Principal
+from app.stores.base import TenantRecord
 
 PROVENANCE_SCOPE = "provenance"
 
 bearer = HTTPBearer(auto_error=False, description="Tenant API key, or the admin token")
-
-
-@dataclass
-class Runtime:
-    """What the lifespan builds once and every request shares."""
-
-    settings: Settings
-    metrics: Metrics
-    store: Store
-    tenants: TenantService
-    tokenizer: Any
-    model_id: str
-    engine: Engine | None = None  # None in the detector role
-    probes: ProbeAccountant | None = None
-    warm: bool = False
-    draining: bool = False
-    marker: str | None = None  # the store's marker, once seen (see /ready)
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -112,29 +93,6 @@ async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
     if not _is_admin(runtime, credentials):
         raise APIError(
             401, "admin token required", "invalid_admin_token", {"WWW-Authenticate": "Bearer"}
-        )
-
-
-async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:
-    """Take ``cost`` tokens from the tenant's bucket (in the store, so every replica
-    shares it) or answer 429 with Retry-After. A cost above the burst is capped at
-    the burst: a full bucket always admits one maximal batch."""
-    settings = runtime.settings
-    if settings.rate_limit_per_s <= 0:
-        return
-    burst = settings.rate_limit_burst
-    decision = await runtime.store.take_tokens(
-        tenant.tenant_id, settings.rate_limit_per_s, burst, min(cost, burst)
-    )
-    if not decision.allowed:
-        runtime.metrics.rejections.labels("rate_limited").inc()
-        retry = max(1, math.ceil(decision.retry_after_s))
-        raise APIError(
-            429,
-            f"rate limit exceeded ({settings.rate_limit_per_s:g} requests/s, burst {burst}); "
-            f"retry in {retry} s",
-            "rate_limited",
-            {"Retry-After": str(retry)},
         )
 
 

@@ -25,8 +25,7 @@ from typing import Any, Literal
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.deps import Runtime
-from app.api.errors import APIError, openai_envelope
+from app.core.errors import APIError, openai_envelope
 from app.engines.base import Engine
 from app.schemas.openai import (
     MAX_CHOICES,
@@ -49,6 +48,7 @@ from app.schemas.openai import (
 )
 from app.schemas.watermark import DEFAULT_NO_REPEAT_NGRAM
 from app.services import generation as gen
+from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
 from worldcup_core.generation import GenerationResult

@@ -14,11 +14,9 @@ from app.api.deps import (
     DecodeKey,
     DetectBatchKey,
     DetectKey,
-    Runtime,
     RuntimeDep,
-    charge,
 )
-from app.api.errors import APIError
+from app.core.errors import APIError
 from app.core.logging import request_id_var
 from app.schemas.common import error_responses
 from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch, verdict_of
@@ -40,6 +38,7 @@ from app.schemas.watermark import (
 )
 from app.services.evidence import evidence_block, token_pieces
 from app.services.probes import Sketch, retry_after
+from app.services.runtime import Runtime, charge
 from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
 from app.stores.base import ProbeDecision
 from worldcup_core import WorldCup

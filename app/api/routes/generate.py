@@ -16,8 +16,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.deps import CurrentTenant, EngineDep, Runtime, RuntimeDep
-from app.api.errors import APIError, envelope
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep
+from app.core.errors import APIError, envelope
 from app.engines.base import Engine
 from app.schemas.common import error_responses
 from app.schemas.watermark import (
@@ -31,6 +31,7 @@ from app.schemas.watermark import (
     metadata_bytes,
 )
 from app.services import generation as gen
+from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion
 from app.stores.base import IdempotencyRecord
 from worldcup_core import SamplingConfig

@@ -13,9 +13,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant, charge
-from app.api.errors import APIError
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
 from app.api.routes.generate import IdempotencyKey
+from app.core.errors import APIError
 from app.schemas.openai import (
     OPENAI_ERROR_RESPONSES,
     ChatCompletion,
@@ -29,6 +29,7 @@ from app.schemas.openai import (
 )
 from app.services import generation as gen
 from app.services import openai_serving as serving
+from app.services.runtime import charge
 from app.stores.base import IdempotencyRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -14,8 +14,8 @@ import numpy as np
 from fastapi import APIRouter
 
 from app.api.deps import InvestigatorDep, RuntimeDep
-from app.api.errors import APIError
 from app.api.routes.detection import check_text, registry_match, token_ids
+from app.core.errors import APIError
 from app.core.logging import request_id_var
 from app.schemas.common import ERROR_RESPONSES
 from app.schemas.watermark import (
