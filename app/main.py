@@ -32,6 +32,7 @@ from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
 from app.services.runtime import Runtime
 from app.services.tenants import TenantService
+from app.services.watermark import WatermarkService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
 from worldcup_core import WatermarkConfig, __version__
@@ -74,17 +75,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             version=settings.scheme,
         )
         cpu = CpuPool(settings.cpu_workers, settings.cpu_max_pending)
+        tenants = TenantService(
+            store,
+            KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
+            defaults,
+            settings.cache_ttl_s,
+        )
         runtime = Runtime(
             settings=settings,
             metrics=metrics,
             store=store,
-            tenants=TenantService(
-                store,
-                KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
-                defaults,
-                settings.cache_ttl_s,
-                cpu,
-            ),
+            tenants=tenants,
+            watermark=WatermarkService(store, tenants, cpu, settings.provenance_refresh_s),
             tokenizer=tokenizer,
             model_id=model_id,
             engine=engine,
@@ -97,7 +99,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.probe_budget_verdict,
             ),
         )
-        runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
         with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
             runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
         app.state.runtime = runtime

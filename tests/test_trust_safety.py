@@ -365,7 +365,7 @@ def test_registry_match_needs_significance_and_confidence(
     from types import SimpleNamespace
 
     from app.api.routes.detection import registry_match
-    from app.services.tenants import DecodeOutcome
+    from app.services.watermark import DecodeOutcome
     from app.stores.base import RegistryEntry
     from worldcup_core import WatermarkKey, WorldCup
     from worldcup_core.message import MessageIdCodec

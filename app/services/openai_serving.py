@@ -175,7 +175,7 @@ async def _tokenise(
 ) -> list[int]:
     """Off the event loop, in the CPU pool, as /generate does."""
     try:
-        return await runtime.tenants.offload(lambda: gen.prompt_ids(runtime, prompt, messages))
+        return await runtime.watermark.offload(lambda: gen.prompt_ids(runtime, prompt, messages))
     except APIError as exc:
         exc.param = param
         raise

@@ -13,6 +13,7 @@ from app.core.metrics import Metrics
 from app.engines.base import Engine
 from app.services.probes import ProbeAccountant
 from app.services.tenants import TenantService
+from app.services.watermark import WatermarkService
 from app.stores.base import Store, TenantRecord
 
 
@@ -23,7 +24,8 @@ class Runtime:
     settings: Settings
     metrics: Metrics
     store: Store
-    tenants: TenantService
+    tenants: TenantService  # tenants, API keys, key versions
+    watermark: WatermarkService  # decode, detect, provenance (and the CPU pool)
     tokenizer: Any
     model_id: str
     engine: Engine | None = None  # None in the detector role

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,12 +38,11 @@ from app.schemas.watermark import (
 from app.services.evidence import evidence_block, token_pieces
 from app.services.probes import Sketch, retry_after
 from app.services.runtime import Runtime, charge
-from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
+from app.services.tenants import Principal, UnknownKeyVersion
+from app.services.watermark import DecodeOutcome, DetectOutcome, corrected
 from app.stores.base import ProbeDecision
 from worldcup_core import WorldCup
-from worldcup_core.detector import z_from_log_p
 from worldcup_core.message import MessageIdCodec
-from worldcup_core.scoring import sidak_log_p
 
 router = APIRouter(tags=["watermark"])
 
@@ -77,13 +75,6 @@ def readable_metadata(metadata: dict[str, Any], message_id: int) -> dict[str, An
     return metadata
 
 
-def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float]:
-    """(p, z) of the best of ``tests`` key versions, Šidák-corrected: exact and uniform
-    under H0 (independent keys), so z is standard normal there, never clipped."""
-    log_p = sidak_log_p(log10_p * math.log(10.0), tests)
-    return math.exp(log_p), z_from_log_p(log_p, num_scored)
-
-
 def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids of many texts in one call. Runs in a worker thread: the fast
     tokenizer's Rust backend encodes the batch with the GIL released."""
@@ -98,7 +89,7 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 async def token_ids(runtime: Runtime, text: str) -> list[int]:
     """Tokenise one text off the event loop, or raise a 422 about it."""
     check_text(runtime, text)
-    return (await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
+    return (await runtime.watermark.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
 
 
 def registry_match(
@@ -197,7 +188,7 @@ async def _tokenise_all(
     runs in one worker job."""
     good, errors = _check_all(runtime, texts)
     chosen = [texts[i] for i in good]
-    ids = await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, chosen))
+    ids = await runtime.watermark.offload(lambda: encode_texts(runtime.tokenizer, chosen))
     return good, ids, errors
 
 
@@ -230,7 +221,7 @@ async def _account(
     sketcher = _sketcher(runtime, principal)
     if sketcher is None:
         return [ProbeDecision(True, 0, 0.0)] * len(ids)
-    sketches = await runtime.tenants.offload(lambda: sketcher(ids))
+    sketches = await runtime.watermark.offload(lambda: sketcher(ids))
     return await _account_sketches(runtime, principal, route, sketches)
 
 
@@ -356,7 +347,7 @@ async def decode(
     if body.evidence:
         _check_evidence_allowed(principal)
         check_text(runtime, body.text)
-        ids, pieces = await runtime.tenants.offload(
+        ids, pieces = await runtime.watermark.offload(
             lambda: token_pieces(runtime.tokenizer, body.text)
         )
     else:
@@ -364,14 +355,16 @@ async def decode(
     await _admit_one(runtime, principal, "decode", ids)
     num_bits = body.num_bits or runtime.settings.default_num_bits
     try:
-        outcome = await runtime.tenants.decode(tenant.tenant_id, ids, num_bits, body.key_version)
+        outcome = (
+            await runtime.watermark.decode_many(tenant.tenant_id, [ids], num_bits, body.key_version)
+        )[0]
     except UnknownKeyVersion:
         raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
     schemes = await _schemes(runtime, tenant.tenant_id)
     answer = _decode_response(runtime, schemes, num_bits, outcome)
     if body.evidence:
         scheme, found = schemes[outcome.key_version], outcome.result
-        answer.evidence = await runtime.tenants.offload(
+        answer.evidence = await runtime.watermark.offload(
             lambda: evidence_block(scheme, ids, pieces, found)
         )
     return _decode_verdict(answer) if _is_verdict(principal) else answer
@@ -402,7 +395,7 @@ async def detect(
     """Is this text watermarked with any of my keys? A calibrated, message-free test.
     A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores."""
     check_text(runtime, body.text)
-    scorer = await runtime.tenants.detector(
+    scorer = await runtime.watermark.detector(
         principal.tenant.tenant_id, runtime.settings.significance
     )
     sketcher = _sketcher(runtime, principal)
@@ -413,7 +406,7 @@ async def detect(
         ids = encode_texts(runtime.tokenizer, [body.text])
         return (sketcher(ids) if sketcher else None), scorer(ids[0])
 
-    sketches, outcome = await runtime.tenants.offload(work)
+    sketches, outcome = await runtime.watermark.offload(work)
     _refuse_spent(
         runtime, principal, await _account_sketches(runtime, principal, "detect", sketches)
     )
@@ -438,7 +431,7 @@ async def decode_batch(
     good, ids, errors = await _tokenise_all(runtime, body.texts)
     good, ids = await _admit_many(runtime, principal, "decode/batch", good, ids, errors)
     try:
-        outcomes = await runtime.tenants.decode_many(
+        outcomes = await runtime.watermark.decode_many(
             tenant.tenant_id, ids, num_bits, body.key_version
         )
     except UnknownKeyVersion:
@@ -480,14 +473,14 @@ async def detect_batch(
     await charge(runtime, tenant, len(body.texts))
     good, errors = _check_all(runtime, body.texts)
     chosen = [body.texts[i] for i in good]
-    scorer = await runtime.tenants.detector(tenant.tenant_id, runtime.settings.significance)
+    scorer = await runtime.watermark.detector(tenant.tenant_id, runtime.settings.significance)
     sketcher = _sketcher(runtime, principal)
 
     def work() -> tuple[list[Sketch | None] | None, list[DetectOutcome]]:
         ids = encode_texts(runtime.tokenizer, chosen)
         return (sketcher(ids) if sketcher else None), [scorer(t) for t in ids]
 
-    sketches, scored = await runtime.tenants.offload(work)
+    sketches, scored = await runtime.watermark.offload(work)
     decisions = await _account_sketches(runtime, principal, "detect/batch", sketches)
     if sketches is None:
         decisions = [ProbeDecision(True, 0, 0.0)] * len(scored)

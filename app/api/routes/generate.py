@@ -112,7 +112,7 @@ async def generate(
             return _replay(stored, body.stream)
     gen.ensure_queue_room(runtime, engine)  # refuse before allocating a message id
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-    prompt_ids = await runtime.tenants.offload(
+    prompt_ids = await runtime.watermark.offload(
         lambda: gen.prompt_ids(runtime, body.prompt, messages)
     )
     if settings.debug_log_prompts:  # off by default: prompts are user data

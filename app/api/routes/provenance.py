@@ -26,7 +26,7 @@ from app.schemas.watermark import (
     TokenScore,
 )
 from app.services.evidence import evidence_block, token_pieces, unmatched_evidence
-from app.services.tenants import ProvenanceOutcome
+from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
 
@@ -75,12 +75,12 @@ async def provenance(
     pieces: list[str] = []
     if body.evidence:
         check_text(runtime, body.text)
-        ids, pieces = await runtime.tenants.offload(
+        ids, pieces = await runtime.watermark.offload(
             lambda: token_pieces(runtime.tokenizer, body.text)
         )
     else:
         ids = await token_ids(runtime, body.text)
-    outcome = await runtime.tenants.provenance(
+    outcome = await runtime.watermark.provenance(
         ids, settings.significance, settings.default_num_bits
     )
     result = outcome.result
@@ -119,7 +119,7 @@ async def provenance(
         best, best_decode = outcome.scheme, outcome.decoded
         if best is not None and best_decode is not None:
             found = best_decode.result
-            evidence = await runtime.tenants.offload(
+            evidence = await runtime.watermark.offload(
                 lambda: evidence_block(best, ids, pieces, found)
             )
         else:
