@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -13,6 +12,7 @@ from app.core.config import Role
 from app.core.errors import APIError
 from app.core.security import tokens_equal
 from app.engines.base import Engine
+from app.services.provenance import Investigator
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal
 from app.stores.base import TenantRecord
@@ -110,14 +110,6 @@ async def generating_tenant(runtime: RuntimeDep, credentials: Credentials) -> Te
     principal = await get_principal(runtime, credentials)
     _check_scope(principal, "generate")
     return principal.tenant
-
-
-@dataclass(frozen=True)
-class Investigator:
-    """Who may run provenance searches: the admin, or a tenant granted the scope."""
-
-    actor: str  # "admin" or "tenant:<id>", as written to the audit log
-    is_admin: bool
 
 
 async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> Investigator:
