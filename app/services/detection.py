@@ -32,14 +32,11 @@ from app.schemas.watermark import (
     RegistryMatchOut,
     check_metadata,
 )
-from app.services.evidence import evidence_block, token_pieces
-from app.services.probes import Sketch, retry_after
+from app.services.probes import Sketch
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
 from app.services.watermark import DecodeOutcome, DetectOutcome, corrected
 from app.stores.base import ProbeDecision
-from worldcup_core import WorldCup
-from worldcup_core.message import MessageIdCodec
 
 
 def check_text(runtime: Runtime, text: str) -> None:
@@ -81,15 +78,33 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
 
 
+def token_pieces(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
+    """Token ids of ``text`` and the characters of each token, as consecutive pieces
+    that concatenate to ``text`` (the ids are those :func:`encode_texts` gives)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encoding = backend.encode(text, add_special_tokens=False)
+        ids, ends = list(encoding.ids), [end for _, end in encoding.offsets]
+    else:  # a slow tokenizer has no offsets: the decoded prefix lengths stand in
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+    pieces, cut = [], 0
+    for end in ends:
+        stop = min(max(end, cut), len(text))  # byte-level tokens of one character share it
+        pieces.append(text[cut:stop])
+        cut = stop
+    if pieces:
+        pieces[-1] += text[cut:]
+    return ids, pieces
+
+
 async def token_ids(runtime: Runtime, text: str) -> list[int]:
     """Tokenise one text off the event loop, or raise a 422 about it."""
     check_text(runtime, text)
     return (await runtime.watermark.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
 
 
-def registry_match(
-    runtime: Runtime, scheme: WorldCup, num_bits: int, outcome: DecodeOutcome
-) -> RegistryMatchOut | None:
+def registry_match(runtime: Runtime, outcome: DecodeOutcome) -> RegistryMatchOut | None:
     """The registry entry, reported only when its agreement is significant (the search
     always has a best candidate, and any text, another tenant's or a human's, would
     otherwise "match" whichever entry happens to agree best) and clearly ahead of
@@ -100,7 +115,6 @@ def registry_match(
         return None
     if found.posterior < settings.registry_min_confidence:
         return None  # a close runner-up: too likely to name the wrong entry
-    exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
     return RegistryMatchOut(
         message_id=entry.message_id,
         metadata=readable_metadata(entry.metadata, entry.message_id),
@@ -108,13 +122,11 @@ def registry_match(
         num_bits=entry.num_bits,
         confidence=found.posterior,
         p_value=found.p_value,
-        exact=exact_bits == outcome.result.bits,
+        exact=outcome.entry_bits == outcome.result.bits,
     )
 
 
-def _decode_response(
-    runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
-) -> DecodeResponse:
+def _decode_response(runtime: Runtime, outcome: DecodeOutcome) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
     p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
     watermarked = p_value < runtime.settings.significance
@@ -132,7 +144,7 @@ def _decode_response(
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
-        registry_match=registry_match(runtime, schemes[outcome.key_version], num_bits, outcome),
+        registry_match=registry_match(runtime, outcome),
     )
 
 
@@ -149,10 +161,6 @@ def _detect_response(runtime: Runtime, outcome: DetectOutcome) -> DetectResponse
         significance=significance,
         key_version=outcome.key_version,
     )
-
-
-async def _schemes(runtime: Runtime, tenant_id: str) -> dict[int, WorldCup]:
-    return {v.version: v.scheme for v in await runtime.tenants.versions(tenant_id)}
 
 
 def _check_batch(runtime: Runtime, texts: list[str]) -> None:
@@ -174,17 +182,6 @@ def _check_all(runtime: Runtime, texts: list[str]) -> tuple[list[int], dict[int,
         except APIError as exc:
             errors[i] = BatchItemError(code=exc.code, message=exc.message)
     return good, errors
-
-
-async def _tokenise_all(
-    runtime: Runtime, texts: list[str]
-) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
-    """(indices of good texts, their token ids, errors by index); the tokenising
-    runs in one worker job."""
-    good, errors = _check_all(runtime, texts)
-    chosen = [texts[i] for i in good]
-    ids = await runtime.watermark.offload(lambda: encode_texts(runtime.tokenizer, chosen))
-    return good, ids, errors
 
 
 _Answer = TypeVar("_Answer")
@@ -209,17 +206,6 @@ def _sketcher(
     return probes.sketches
 
 
-async def _account(
-    runtime: Runtime, principal: Principal, route: str, ids: list[list[int]]
-) -> list[ProbeDecision]:
-    """Probe accounting for each text (see app/services/probes.py)."""
-    sketcher = _sketcher(runtime, principal)
-    if sketcher is None:
-        return [ProbeDecision(True, 0, 0.0)] * len(ids)
-    sketches = await runtime.watermark.offload(lambda: sketcher(ids))
-    return await _account_sketches(runtime, principal, route, sketches)
-
-
 async def _account_sketches(
     runtime: Runtime, principal: Principal, route: str, sketches: list[Sketch | None] | None
 ) -> list[ProbeDecision]:
@@ -228,52 +214,58 @@ async def _account_sketches(
     probes = runtime.probes
     if sketches is None or probes is None:
         return [ProbeDecision(True, 0, 0.0)] * len(sketches or [])
-    tenant_id, key = principal.tenant.tenant_id, principal.key
-    decisions = await probes.admit(tenant_id, key.key_id, key.detail, sketches)
-    refused = sum(not d.allowed for d in decisions)
-    if refused:
-        await probes.refused(
-            tenant_id, key.key_id, key.detail, route, request_id_var.get(), refused
-        )
-    return decisions
-
-
-def _budget_message(runtime: Runtime, principal: Principal) -> str:
-    probes = runtime.probes
-    assert probes is not None
-    budget = probes.budget(principal.key.detail)
-    return (
-        f"this text's probe budget is spent ({budget} near-duplicate queries per "
-        f"{probes.window_s:g} s under this API key)"
+    key = principal.key
+    return await probes.account(
+        principal.tenant.tenant_id, key.key_id, key.detail, route, sketches, request_id_var.get()
     )
 
 
-async def _admit_one(runtime: Runtime, principal: Principal, route: str, ids: list[int]) -> None:
-    _refuse_spent(runtime, principal, await _account(runtime, principal, route, [ids]))
+async def _admit_one(
+    runtime: Runtime, principal: Principal, route: str, sketches: list[Sketch | None] | None
+) -> None:
+    """Count a single query against its text's budget, or raise its 429."""
+    probes = runtime.probes
+    if sketches is None or probes is None:
+        return
+    key = principal.key
+    await probes.admit_one(
+        principal.tenant.tenant_id, key.key_id, key.detail, route, sketches[0], request_id_var.get()
+    )
 
 
-def _refuse_spent(runtime: Runtime, principal: Principal, decisions: list[ProbeDecision]) -> None:
-    """429 probe_budget_exceeded when the (single) query was refused."""
-    if decisions and not decisions[0].allowed:
-        raise APIError(
-            429,
-            _budget_message(runtime, principal),
-            "probe_budget_exceeded",
-            {"Retry-After": str(retry_after(decisions))},
-        )
+async def _tokenise(
+    runtime: Runtime, principal: Principal, text: str, pieces: bool
+) -> tuple[list[int], list[str], list[Sketch | None] | None]:
+    """One worker job: the text's token ids (and, for evidence, each token's
+    characters) and its fingerprint for probe accounting; a 422 if it is too long."""
+    check_text(runtime, text)
+    sketcher = _sketcher(runtime, principal)
+
+    def work() -> tuple[list[int], list[str], list[Sketch | None] | None]:
+        if pieces:
+            ids, parts = token_pieces(runtime.tokenizer, text)
+        else:
+            ids, parts = encode_texts(runtime.tokenizer, [text])[0], []
+        return ids, parts, (sketcher([ids]) if sketcher else None)
+
+    return await runtime.watermark.offload(work)
 
 
-async def _admit_many(
-    runtime: Runtime,
-    principal: Principal,
-    route: str,
-    good: list[int],
-    ids: list[list[int]],
-    errors: dict[int, BatchItemError],
-) -> tuple[list[int], list[list[int]]]:
-    """Batch items count one by one; a refused item becomes that item's error."""
-    decisions = await _account(runtime, principal, route, ids)
-    return _keep_allowed(runtime, principal, good, ids, decisions, errors)
+async def _tokenise_all(
+    runtime: Runtime, principal: Principal, texts: list[str]
+) -> tuple[list[int], list[list[int]], list[Sketch | None] | None, dict[int, BatchItemError]]:
+    """(indices of good texts, their token ids, their fingerprints, errors by index);
+    the tokenising and fingerprinting run in one worker job."""
+    good, errors = _check_all(runtime, texts)
+    chosen = [texts[i] for i in good]
+    sketcher = _sketcher(runtime, principal)
+
+    def work() -> tuple[list[list[int]], list[Sketch | None] | None]:
+        ids = encode_texts(runtime.tokenizer, chosen)
+        return ids, (sketcher(ids) if sketcher else None)
+
+    ids, sketches = await runtime.watermark.offload(work)
+    return good, ids, sketches, errors
 
 
 _Item = TypeVar("_Item")
@@ -294,9 +286,9 @@ def _keep_allowed(
             kept_good.append(index)
             kept.append(item)
         else:
-            errors[index] = BatchItemError(
-                code="probe_budget_exceeded", message=_budget_message(runtime, principal)
-            )
+            assert runtime.probes is not None
+            message = runtime.probes.budget_message(principal.key.detail)
+            errors[index] = BatchItemError(code="probe_budget_exceeded", message=message)
     return kept_good, kept
 
 
@@ -344,30 +336,23 @@ async def decode(
     """Recover the payload and, if it was issued from the registry, whose it is.
     A ``verdict`` key gets the verdict and the registry entry only; ``evidence`` is
     for a ``full`` key that also holds the ``provenance`` scope (an analyst's key)."""
-    tenant = principal.tenant
-    pieces: list[str] = []
     if body.evidence:
         _check_evidence_allowed(principal)
-        check_text(runtime, body.text)
-        ids, pieces = await runtime.watermark.offload(
-            lambda: token_pieces(runtime.tokenizer, body.text)
-        )
-    else:
-        ids = await token_ids(runtime, body.text)
-    await _admit_one(runtime, principal, "decode", ids)
+    ids, pieces, sketches = await _tokenise(runtime, principal, body.text, body.evidence)
+    await _admit_one(runtime, principal, "decode", sketches)
     num_bits = body.num_bits or runtime.settings.default_num_bits
     try:
         outcome = (
-            await runtime.watermark.decode_many(tenant.tenant_id, [ids], num_bits, body.key_version)
+            await runtime.watermark.decode_many(
+                principal.tenant.tenant_id, [ids], num_bits, body.key_version
+            )
         )[0]
     except UnknownKeyVersion:
         raise _unknown_version(body.key_version) from None
-    schemes = await _schemes(runtime, tenant.tenant_id)
-    answer = _decode_response(runtime, schemes, num_bits, outcome)
+    answer = _decode_response(runtime, outcome)
     if body.evidence:
-        scheme, found = schemes[outcome.key_version], outcome.result
-        answer.evidence = await runtime.watermark.offload(
-            lambda: evidence_block(scheme, ids, pieces, found)
+        answer.evidence = await runtime.watermark.evidence(
+            principal.tenant.tenant_id, outcome, ids, pieces
         )
     return _decode_verdict(answer) if _is_verdict(principal) else answer
 
@@ -390,9 +375,7 @@ async def detect(
         return (sketcher(ids) if sketcher else None), scorer(ids[0])
 
     sketches, outcome = await runtime.watermark.offload(work)
-    _refuse_spent(
-        runtime, principal, await _account_sketches(runtime, principal, "detect", sketches)
-    )
+    await _admit_one(runtime, principal, "detect", sketches)
     answer = _detect_response(runtime, outcome)
     return _detect_verdict(answer) if _is_verdict(principal) else answer
 
@@ -402,23 +385,24 @@ async def decode_batch(
 ) -> DecodeBatchResponse:
     """Bulk /decode. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
-    tenant = principal.tenant
     await _admit_batch(runtime, principal, body.texts)
     num_bits = body.num_bits or runtime.settings.default_num_bits
-    good, ids, errors = await _tokenise_all(runtime, body.texts)
-    good, ids = await _admit_many(runtime, principal, "decode/batch", good, ids, errors)
+    good, ids, sketches, errors = await _tokenise_all(runtime, principal, body.texts)
+    decisions = await _account_sketches(runtime, principal, "decode/batch", sketches)
+    if sketches is None:
+        decisions = [ProbeDecision(True, 0, 0.0)] * len(ids)
+    good, ids = _keep_allowed(runtime, principal, good, ids, decisions, errors)
     try:
         outcomes = await runtime.watermark.decode_many(
-            tenant.tenant_id, ids, num_bits, body.key_version
+            principal.tenant.tenant_id, ids, num_bits, body.key_version
         )
     except UnknownKeyVersion:
         raise _unknown_version(body.key_version) from None
-    schemes = await _schemes(runtime, tenant.tenant_id)
     answers: list[DecodeResponse] = []
     answered: list[int] = []
     for index, outcome in zip(good, outcomes, strict=True):
         try:
-            answers.append(_decode_response(runtime, schemes, num_bits, outcome))
+            answers.append(_decode_response(runtime, outcome))
             answered.append(index)
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)

@@ -22,8 +22,8 @@ from app.schemas.watermark import (
     ProvenanceResponse,
     TokenScore,
 )
-from app.services.detection import check_text, registry_match, token_ids
-from app.services.evidence import evidence_block, token_pieces, unmatched_evidence
+from app.services.detection import check_text, registry_match, token_ids, token_pieces
+from app.services.evidence import evidence_block, unmatched_evidence
 from app.services.runtime import Runtime
 from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
@@ -100,7 +100,7 @@ async def provenance(
             key_p_value=10.0**result.best.log10_p_value if result.best else 1.0,
             bits=decoded.result.bits,
             num_bits=num_bits,
-            registry_entry=registry_match(runtime, outcome.scheme, num_bits, decoded),
+            registry_entry=registry_match(runtime, decoded),
         )
     candidates = [
         ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)

@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from app.schemas.watermark import EvidenceOut
 from app.services.cpu import CpuPool
+from app.services.evidence import evidence_block
 from app.services.tenants import TenantService
 from app.stores.base import RegistryEntry, Store, TenantRecord
 from worldcup_core import DecodeResult, DetectionResult, WorldCup
@@ -45,6 +47,7 @@ class DecodeOutcome:
     match: RegistryMatch | None
     entry: RegistryEntry | None
     versions_tried: int = 1  # the best of these; its p-value is corrected for them
+    entry_bits: str | None = None  # the matched entry's payload, as it was issued
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class WatermarkService:
             for v in versions
         }
 
-        def work() -> list[tuple[DecodeOutcome, int | None]]:
+        def work() -> list[tuple[DecodeOutcome, int | None, str | None]]:
             candidates = {
                 v.version: [MessageIdCodec(v.scheme.key, num_bits).payload(i).bits for i in ids]
                 for v in versions
@@ -144,18 +147,21 @@ class WatermarkService:
                 cands = candidates.get(best.key_version)
                 match = scheme.match(token_ids, cands) if cands else None
                 message_id = registry[best.key_version][match.index] if match else None
-                out.append((DecodeOutcome(best.key_version, best.result, match, None), message_id))
+                bits = cands[match.index] if match and cands else None
+                out.append(
+                    (DecodeOutcome(best.key_version, best.result, match, None), message_id, bits)
+                )
             return out
 
         decoded = await self.offload(work)
         outcomes = []
-        for outcome, message_id in decoded:
+        for outcome, message_id, bits in decoded:
             entry = None
             if message_id is not None:
                 entry = await self.store.registry_entry(tenant_id, message_id)
             outcomes.append(
                 DecodeOutcome(
-                    outcome.key_version, outcome.result, outcome.match, entry, len(versions)
+                    outcome.key_version, outcome.result, outcome.match, entry, len(versions), bits
                 )
             )
         return outcomes
@@ -177,6 +183,14 @@ class WatermarkService:
             return DetectOutcome(version if p_value < significance else None, best, p_value, z)
 
         return one
+
+    async def evidence(
+        self, tenant_id: str, outcome: DecodeOutcome, ids: list[int], pieces: list[str]
+    ) -> EvidenceOut:
+        """The per-token evidence block of a decoded text, under the key that decoded it."""
+        scheme = (await self.tenants.version(tenant_id, outcome.key_version)).scheme
+        found = outcome.result
+        return await self.offload(lambda: evidence_block(scheme, ids, pieces, found))
 
     # provenance -------------------------------------------------------------
     async def key_bank(self) -> tuple[KeyBank, list[tuple[str, int]]]:
