@@ -87,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             store=store,
             tenants=tenants,
             watermark=WatermarkService(store, tenants, cpu, settings.provenance_refresh_s),
+            cpu=cpu,
             tokenizer=tokenizer,
             model_id=model_id,
             engine=engine,

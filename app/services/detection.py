@@ -101,7 +101,7 @@ def token_pieces(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
 async def token_ids(runtime: Runtime, text: str) -> list[int]:
     """Tokenise one text off the event loop, or raise a 422 about it."""
     check_text(runtime, text)
-    return (await runtime.watermark.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
+    return (await runtime.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
 
 
 def registry_match(runtime: Runtime, outcome: DecodeOutcome) -> RegistryMatchOut | None:
@@ -248,7 +248,7 @@ async def _tokenise(
             ids, parts = encode_texts(runtime.tokenizer, [text])[0], []
         return ids, parts, (sketcher([ids]) if sketcher else None)
 
-    return await runtime.watermark.offload(work)
+    return await runtime.offload(work)
 
 
 async def _tokenise_all(
@@ -264,7 +264,7 @@ async def _tokenise_all(
         ids = encode_texts(runtime.tokenizer, chosen)
         return ids, (sketcher(ids) if sketcher else None)
 
-    ids, sketches = await runtime.watermark.offload(work)
+    ids, sketches = await runtime.offload(work)
     return good, ids, sketches, errors
 
 
@@ -374,7 +374,7 @@ async def detect(
         ids = encode_texts(runtime.tokenizer, [body.text])
         return (sketcher(ids) if sketcher else None), scorer(ids[0])
 
-    sketches, outcome = await runtime.watermark.offload(work)
+    sketches, outcome = await runtime.offload(work)
     await _admit_one(runtime, principal, "detect", sketches)
     answer = _detect_response(runtime, outcome)
     return _detect_verdict(answer) if _is_verdict(principal) else answer
@@ -432,7 +432,7 @@ async def detect_batch(
         ids = encode_texts(runtime.tokenizer, chosen)
         return (sketcher(ids) if sketcher else None), [scorer(t) for t in ids]
 
-    sketches, scored = await runtime.watermark.offload(work)
+    sketches, scored = await runtime.offload(work)
     decisions = await _account_sketches(runtime, principal, "detect/batch", sketches)
     if sketches is None:
         decisions = [ProbeDecision(True, 0, 0.0)] * len(scored)

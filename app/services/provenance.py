@@ -79,9 +79,7 @@ async def provenance(
     pieces: list[str] = []
     if body.evidence:
         check_text(runtime, body.text)
-        ids, pieces = await runtime.watermark.offload(
-            lambda: token_pieces(runtime.tokenizer, body.text)
-        )
+        ids, pieces = await runtime.offload(lambda: token_pieces(runtime.tokenizer, body.text))
     else:
         ids = await token_ids(runtime, body.text)
     outcome = await runtime.watermark.provenance(
@@ -123,9 +121,7 @@ async def provenance(
         best, best_decode = outcome.scheme, outcome.decoded
         if best is not None and best_decode is not None:
             found = best_decode.result
-            evidence = await runtime.watermark.offload(
-                lambda: evidence_block(best, ids, pieces, found)
-            )
+            evidence = await runtime.offload(lambda: evidence_block(best, ids, pieces, found))
         else:
             evidence = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
     per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None

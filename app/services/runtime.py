@@ -4,17 +4,21 @@ limit every route charges against it."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.core.config import Settings
 from app.core.errors import APIError
 from app.core.metrics import Metrics
 from app.engines.base import Engine
+from app.services.cpu import CpuPool, offload
 from app.services.probes import ProbeAccountant
 from app.services.tenants import TenantService
 from app.services.watermark import WatermarkService
 from app.stores.base import Store, TenantRecord
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,6 +37,11 @@ class Runtime:
     warm: bool = False
     draining: bool = False
     marker: str | None = None  # the store's marker, once seen (see /ready)
+    cpu: CpuPool | None = None  # the bounded worker pool of requests' CPU work
+
+    async def offload(self, fn: Callable[[], T]) -> T:
+        """Run a request's CPU work (tokenising, scoring) off the event loop."""
+        return await offload(self.cpu, fn)
 
 
 async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:

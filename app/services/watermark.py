@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from app.schemas.watermark import EvidenceOut
-from app.services.cpu import CpuPool
+from app.services.cpu import CpuPool, offload
 from app.services.evidence import evidence_block
 from app.services.tenants import TenantService
 from app.stores.base import RegistryEntry, Store, TenantRecord
@@ -95,11 +95,8 @@ class WatermarkService:
         self._bank_lock = asyncio.Lock()
 
     async def offload(self, fn: Callable[[], T]) -> T:
-        """Run scoring work off the event loop: in the bounded CPU pool (which may
-        refuse it with Overloaded), or in a plain thread when there is none."""
-        if self.cpu is not None:
-            return await self.cpu.run(fn)
-        return await asyncio.to_thread(fn)
+        """Run scoring work off the event loop (see :func:`app.services.cpu.offload`)."""
+        return await offload(self.cpu, fn)
 
     # decode / detect --------------------------------------------------------
     async def decode_many(
