@@ -343,7 +343,7 @@ async def decode(
     num_bits = body.num_bits or runtime.settings.default_num_bits
     try:
         outcome = (
-            await runtime.watermark.decode_many(
+            await runtime.watermark.decode_texts(
                 principal.tenant.tenant_id, [ids], num_bits, body.key_version
             )
         )[0]
@@ -351,7 +351,7 @@ async def decode(
         raise _unknown_version(body.key_version) from None
     answer = _decode_response(runtime, outcome)
     if body.evidence:
-        answer.evidence = await runtime.watermark.evidence(
+        answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
         )
     return _decode_verdict(answer) if _is_verdict(principal) else answer
@@ -393,7 +393,7 @@ async def decode_batch(
         decisions = [ProbeDecision(True, 0, 0.0)] * len(ids)
     good, ids = _keep_allowed(runtime, principal, good, ids, decisions, errors)
     try:
-        outcomes = await runtime.watermark.decode_many(
+        outcomes = await runtime.watermark.decode_texts(
             principal.tenant.tenant_id, ids, num_bits, body.key_version
         )
     except UnknownKeyVersion:

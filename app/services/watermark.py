@@ -99,7 +99,7 @@ class WatermarkService:
         return await offload(self.cpu, fn)
 
     # decode / detect --------------------------------------------------------
-    async def decode_many(
+    async def decode_texts(
         self,
         tenant_id: str,
         texts: Sequence[list[int]],
@@ -181,7 +181,7 @@ class WatermarkService:
 
         return one
 
-    async def evidence(
+    async def token_evidence(
         self, tenant_id: str, outcome: DecodeOutcome, ids: list[int], pieces: list[str]
     ) -> EvidenceOut:
         """The per-token evidence block of a decoded text, under the key that decoded it."""
@@ -234,7 +234,7 @@ class WatermarkService:
         lengths = await self.store.registry_bit_lengths(tenant_id, version) or [default_num_bits]
         decoded: DecodeOutcome | None = None
         for bits in lengths:
-            outcome = (await self.decode_many(tenant_id, [token_ids], bits, version))[0]
+            outcome = (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
             if decoded is None or _better(outcome, decoded):
                 decoded = outcome
         return ProvenanceOutcome(
