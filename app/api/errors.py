@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from app.core.errors import OPENAI_PREFIX, APIError, envelope, openai_envelope, openai_status
 from app.core.security import KeyUnwrapError
@@ -31,6 +32,24 @@ def error_response(
         body = openai_envelope(status, message, code, param)
         return JSONResponse(body, status_code=openai_status(status), headers=headers)
     return JSONResponse(envelope(status, message, code), status_code=status, headers=headers)
+
+
+_HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def allowed_methods(request: Request, fallback: str | None) -> str | None:
+    """A 405's ``Allow``: every method the schema documents for this path.
+
+    Starlette names only the methods of the first route whose path matches, and a
+    path that two routes share (``GET`` and ``POST /admin/tenants/{id}/api-keys``)
+    would then omit one the schema documents. A path the schema leaves out keeps
+    Starlette's answer (``fallback``)."""
+    paths = request.app.openapi().get("paths", {})
+    for template, item in paths.items():
+        regex, _, _ = compile_path(template)
+        if regex.match(request.url.path):
+            return ", ".join(m.upper() for m in _HTTP_METHODS if m in item)
+    return fallback
 
 
 def _param(exc: RequestValidationError) -> str | None:
@@ -87,6 +106,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and "parsing the body" in message:
             code, message = "malformed_body", "the body is not valid UTF-8 JSON"
         headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:
+            allow = allowed_methods(request, (headers or {}).get("Allow"))
+            headers = {**(headers or {}), **({"Allow": allow} if allow is not None else {})}
         return error_response(exc.status_code, message, code, headers, path=request.url.path)
 
     @app.exception_handler(StoreUnavailable)

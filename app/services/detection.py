@@ -45,7 +45,7 @@ def check_text(runtime: Runtime, text: str) -> None:
     Whitespace-only text is scored like any other (JSON Schema cannot say "not only
     whitespace", and the schema says "non-empty"): an ordinary answer, not a 422.
     """
-    limit = runtime.settings.max_text_chars
+    limit = runtime.settings.text_chars_limit
     if len(text) > limit:
         raise APIError(
             422, f"text is {len(text)} characters; the limit is {limit}", "text_too_long"

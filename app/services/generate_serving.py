@@ -27,6 +27,7 @@ from app.schemas.watermark import (
     Timing,
     Usage,
     metadata_bytes,
+    prompt_chars_limit,
 )
 from app.services import generation as gen
 from app.services.runtime import Runtime
@@ -79,6 +80,13 @@ def _check_limits(runtime: Runtime, body: GenerateRequest) -> None:
     """Beyond the schema: this server's ``max_new_tokens`` limit (the default is
     clamped to it) and the metadata's size as compact JSON."""
     settings = runtime.settings
+    limit = prompt_chars_limit(settings)
+    longest = max([len(m.content) for m in body.messages or []] + [len(body.prompt or "")])
+    if longest > limit:
+        field = "prompt" if body.prompt is not None else "a message"
+        raise APIError(
+            422, f"{field} is {longest} characters; the limit is {limit}", "prompt_too_long"
+        )
     if "max_new_tokens" not in body.model_fields_set:  # the default, within this server's limit
         body.max_new_tokens = min(body.max_new_tokens, settings.max_new_tokens_limit)
         body.min_new_tokens = min(body.min_new_tokens, body.max_new_tokens)
