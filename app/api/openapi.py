@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from pydantic.json_schema import models_json_schema
 
 from app.core.config import Settings
-from app.schemas.common import StrictRequest
+from app.schemas.common import IntegralFloats
 from app.schemas.openai import ChatCompletionChunk, CompletionChunk
 from app.schemas.watermark import UNSTATED_RULES, prompt_chars_limit
 
@@ -38,8 +38,9 @@ def _copy_bounds(published: Any, exact: Any) -> None:
     _copy_bounds(published.get("items"), exact.get("items"))
 
 
-def _request_models() -> list[type[StrictRequest]]:
-    found, todo = [], list(StrictRequest.__subclasses__())
+def _request_models() -> list[type[IntegralFloats]]:
+    """Every request model: the native ones and the OpenAI-compatible ones."""
+    found, todo = [], list(IntegralFloats.__subclasses__())
     while todo:
         model = todo.pop()
         found.append(model)
