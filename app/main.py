@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from app.api.deps import Runtime, known_query_parameters
+from app.api.deps import known_query_parameters
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.openapi import install_openapi
@@ -30,7 +30,9 @@ from app.core.security import KeyWrapper
 from app.engines import Engine, load_engine
 from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
+from app.services.runtime import Runtime
 from app.services.tenants import TenantService
+from app.services.watermark import WatermarkService
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
 from worldcup_core import WatermarkConfig, __version__
@@ -73,17 +75,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             version=settings.scheme,
         )
         cpu = CpuPool(settings.cpu_workers, settings.cpu_max_pending)
+        tenants = TenantService(
+            store,
+            KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
+            defaults,
+            settings.cache_ttl_s,
+        )
         runtime = Runtime(
             settings=settings,
             metrics=metrics,
             store=store,
-            tenants=TenantService(
-                store,
-                KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),
-                defaults,
-                settings.cache_ttl_s,
-                cpu,
-            ),
+            tenants=tenants,
+            watermark=WatermarkService(store, tenants, cpu, settings.provenance_refresh_s),
+            cpu=cpu,
             tokenizer=tokenizer,
             model_id=model_id,
             engine=engine,
@@ -96,7 +100,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.probe_budget_verdict,
             ),
         )
-        runtime.tenants.provenance_refresh_s = settings.provenance_refresh_s
         with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
             runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
         app.state.runtime = runtime

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -308,8 +309,9 @@ def test_schema_states_the_servers_limits(client: TestClient) -> None:
     assert components["DetectBatchRequest"]["properties"]["texts"]["maxItems"] == 200
     max_new = components["GenerateRequest"]["properties"]["max_new_tokens"]
     assert max_new["maximum"] == 256 and max_new["default"] == 128
-    seed = components["GenerateRequest"]["properties"]["seed"]["anyOf"][0]
-    assert seed["maximum"] == 2**63 - 1  # exact, not rounded through a float
+    for model in ("GenerateRequest", "ChatCompletionRequest", "CompletionRequest"):
+        seed = components[model]["properties"]["seed"]["anyOf"][0]
+        assert seed["maximum"] == 2**63 - 1, model  # exact, not rounded through a float
     payload = components["PayloadIn"]
     assert len(payload["oneOf"]) == 3
     generate = components["GenerateRequest"]
@@ -331,3 +333,72 @@ def test_min_new_tokens_is_capped_at_max_new_tokens(client: TestClient) -> None:
     r = client.post("/generate", json=body, headers=auth)
     assert r.status_code == 200, r.text
     assert r.json()["num_tokens"] == 3
+
+
+def _published_limit(schema: dict[str, Any], model: str, field: str) -> int:
+    prop = schema["components"]["schemas"][model]["properties"][field]
+    options = [o for o in prop.get("anyOf", [prop]) if o.get("type") == "string"]
+    return int(options[0]["maxLength"])
+
+
+def test_a_string_over_its_max_length_gets_the_schemas_422_not_the_body_limit(
+    client: TestClient,
+) -> None:
+    """Every text and prompt at its published maxLength fits the body limit in the
+    longest JSON spelling (12 bytes a character), so one just over it is refused by
+    its own rule (422), not by the byte count (413)."""
+    schema = client.get("/openapi.json").json()
+    _, auth = new_tenant(client)
+    admin = ADMIN
+    cases = [
+        ("/detect", "DetectRequest", "text", auth, lambda s: {"text": s}),
+        ("/decode", "DecodeRequest", "text", auth, lambda s: {"text": s}),
+        ("/provenance", "ProvenanceRequest", "text", admin, lambda s: {"text": s}),
+        ("/generate", "GenerateRequest", "prompt", auth,
+         lambda s: {"prompt": s, "payload": {"bits": "1011"}}),
+        ("/generate", "ChatMessage", "content", auth,
+         lambda s: {"messages": [{"role": "user", "content": s}], "payload": {"bits": "1011"}}),
+    ]  # fmt: skip
+    limit_bytes = 64 * 1024  # the fixture's max_body_bytes
+    assert _published_limit(schema, "GenerateRequest", "prompt") < 100_000  # lowered to fit
+    for path, model, field, headers, body in cases:
+        limit = _published_limit(schema, model, field)
+        at_limit = json.dumps(body("\U0001f600" * limit)).encode()  # \ud83d\ude00 each
+        assert len(at_limit) <= limit_bytes, (path, field, len(at_limit))
+        over = json.dumps(body("\U0001f600" * (limit + 1))).encode()
+        r = client.post(path, content=over, headers={**headers, "Content-Type": "application/json"})
+        assert r.status_code == 422, (path, field, r.status_code, r.text[:200])
+
+
+def test_a_405_allows_exactly_the_documented_methods(client: TestClient) -> None:
+    """Allow names every method the schema documents for the path, also where two
+    routes share it (GET and POST /admin/tenants/{tenant_id}/api-keys)."""
+    paths = client.get("/openapi.json").json()["paths"]
+    shared = 0
+    for template, operations in paths.items():
+        documented = {m.upper() for m in operations if m in {"get", "post", "put", "delete"}}
+        shared += len(documented) > 1
+        path = template.replace("{tenant_id}", "0" * 32)
+        for name in ("message_id", "key_id", "model"):
+            path = path.replace("{" + name + "}", "1")
+        r = client.request("PATCH", path, headers=ADMIN)
+        assert r.status_code == 405, (template, r.status_code)
+        assert set(r.headers["Allow"].split(", ")) == documented, (template, r.headers["Allow"])
+    assert shared >= 1  # the case Starlette gets wrong is among them
+
+
+def test_streams_are_documented_by_their_events(client: TestClient) -> None:
+    """A text/event-stream is described event by event (OpenAPI 3.2's itemSchema): an
+    event object whose data is JSON of a named schema, or the closing [DONE]."""
+    schema = client.get("/openapi.json").json()
+    assert schema["openapi"] == "3.2.0"
+    components = schema["components"]["schemas"]
+    for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+        stream = schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+        assert "schema" not in stream  # not "one opaque string"
+        text = json.dumps(stream["itemSchema"])
+        refs = {r.split("/")[-1] for r in re.findall(r'"#/components/schemas/([^"]+)"', text)}
+        assert refs and refs <= set(components), refs
+        assert '"[DONE]"' in text and '"contentMediaType": "application/json"' in text
+    chat = json.dumps(schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"])
+    assert "ChatCompletionChunk" in chat and "ChatCompletionChunk" in components

@@ -29,7 +29,7 @@ from test_service_api import (
     new_tenant,
 )
 
-import app.api.routes.detection as detection_module
+import app.services.detection as detection_module
 from app.main import create_app
 from app.schemas.exposure import verdict_of
 from app.services.probes import SIMILARITY, probe_secret, sketch_tokens

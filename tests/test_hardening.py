@@ -155,7 +155,7 @@ def test_every_error_log_line_carries_the_request_id(
             async def broken(*_: Any, **__: Any) -> Any:
                 raise RuntimeError("boom")
 
-            monkeypatch.setattr(app.state.runtime.tenants, "detector", broken)
+            monkeypatch.setattr(app.state.runtime.watermark, "detector", broken)
             r = client.post(
                 "/detect", json={"text": "x"}, headers={**auth, "X-Request-ID": "req-e-1"}
             )

@@ -974,12 +974,15 @@ def test_tenant_isolation(client: TestClient) -> None:
     r = client.post("/generate", json=body, headers=auth_a)
     assert r.status_code == 200, r.text
     text, message_id = r.json()["text"], r.json()["message_id"]
+    issued = r.json()["payload"]["bits"]
 
     mine = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth_a).json()
     assert mine["is_watermarked"] is True
     assert mine["registry_match"] is not None
     assert mine["registry_match"]["message_id"] == message_id
     assert mine["registry_match"]["metadata"] == {"owner": "A"}
+    # exact: the decoded bits are the payload issued for that entry, bit for bit
+    assert mine["registry_match"]["exact"] is (mine["bits"] == issued)
 
     # B gets a message id of its own so its registry is not empty
     client.post("/generate", json={**body, "metadata": {"owner": "B"}}, headers=auth_b)

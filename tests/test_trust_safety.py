@@ -364,8 +364,8 @@ def test_registry_match_needs_significance_and_confidence(
     """A close runner-up withholds the match rather than risk naming the wrong entry."""
     from types import SimpleNamespace
 
-    from app.api.routes.detection import registry_match
-    from app.services.tenants import DecodeOutcome
+    from app.services.detection import registry_match
+    from app.services.watermark import DecodeOutcome
     from app.stores.base import RegistryEntry
     from worldcup_core import WatermarkKey, WorldCup
     from worldcup_core.message import MessageIdCodec
@@ -377,15 +377,18 @@ def test_registry_match_needs_significance_and_confidence(
     bits = MessageIdCodec(scheme.key, 16).payload(7).bits
     result: Any = SimpleNamespace(bits=bits)
 
-    def outcome(p_value: float, posterior: float) -> DecodeOutcome:
+    def outcome(p_value: float, posterior: float, issued: str = bits) -> DecodeOutcome:
         match: Any = SimpleNamespace(p_value=p_value, posterior=posterior)
-        return DecodeOutcome(1, result, match, entry)
+        return DecodeOutcome(1, result, match, entry, entry_bits=issued)
 
-    found = registry_match(runtime, scheme, 16, outcome(1e-9, 0.99))
+    found = registry_match(runtime, outcome(1e-9, 0.99))
     assert found is not None and found.message_id == 7 and found.exact
-    assert registry_match(runtime, scheme, 16, outcome(1e-9, 0.80)) is None  # ambiguous
-    assert registry_match(runtime, scheme, 16, outcome(0.2, 0.999)) is None  # not significant
+    flipped = ("1" if bits[0] == "0" else "0") + bits[1:]
+    inexact = registry_match(runtime, outcome(1e-9, 0.99, flipped))
+    assert inexact is not None and not inexact.exact  # decoded with a bit error
+    assert registry_match(runtime, outcome(1e-9, 0.80)) is None  # ambiguous
+    assert registry_match(runtime, outcome(0.2, 0.999)) is None  # not significant
     lenient: Any = SimpleNamespace(
         settings=settings.model_copy(update={"registry_min_confidence": 0.5})
     )
-    assert registry_match(lenient, scheme, 16, outcome(1e-9, 0.80)) is not None
+    assert registry_match(lenient, outcome(1e-9, 0.80)) is not None

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
+from app.core.schemes import watermark_scheme
+from worldcup_core import WatermarkKey, WorldCup
 
 if TYPE_CHECKING:
     from app.stores.base import AuditRecord, RegistryEntry, Store
@@ -50,14 +51,7 @@ class KeySpec:
         return f"KeySpec(tenant_id={self.tenant_id!r}, version={self.version})"
 
     def worldcup(self) -> WorldCup:
-        config = WatermarkConfig(
-            groups=self.groups,
-            layers=self.layers,
-            alpha=self.alpha,
-            context_width=self.context_width,
-            version=self.scheme,
-        )
-        return WorldCup(WatermarkKey(self.secret), config)
+        return watermark_scheme(self.secret, self)
 
 
 @dataclass(frozen=True)

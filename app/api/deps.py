@@ -2,43 +2,24 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.api.errors import APIError
-from app.core.config import Role, Settings
-from app.core.metrics import Metrics  # noqa: F401  (Runtime field type)
+from app.core.config import Role
+from app.core.errors import APIError
 from app.core.security import tokens_equal
 from app.engines.base import Engine
-from app.services.probes import ProbeAccountant
-from app.services.tenants import Principal, TenantService
-from app.stores.base import Store, TenantRecord
+from app.services.provenance import Investigator
+from app.services.runtime import Runtime, charge
+from app.services.tenants import Principal
+from app.stores.base import TenantRecord
 
 PROVENANCE_SCOPE = "provenance"
 
 bearer = HTTPBearer(auto_error=False, description="Tenant API key, or the admin token")
-
-
-@dataclass
-class Runtime:
-    """What the lifespan builds once and every request shares."""
-
-    settings: Settings
-    metrics: Metrics
-    store: Store
-    tenants: TenantService
-    tokenizer: Any
-    model_id: str
-    engine: Engine | None = None  # None in the detector role
-    probes: ProbeAccountant | None = None
-    warm: bool = False
-    draining: bool = False
-    marker: str | None = None  # the store's marker, once seen (see /ready)
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -115,29 +96,6 @@ async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
         )
 
 
-async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:
-    """Take ``cost`` tokens from the tenant's bucket (in the store, so every replica
-    shares it) or answer 429 with Retry-After. A cost above the burst is capped at
-    the burst: a full bucket always admits one maximal batch."""
-    settings = runtime.settings
-    if settings.rate_limit_per_s <= 0:
-        return
-    burst = settings.rate_limit_burst
-    decision = await runtime.store.take_tokens(
-        tenant.tenant_id, settings.rate_limit_per_s, burst, min(cost, burst)
-    )
-    if not decision.allowed:
-        runtime.metrics.rejections.labels("rate_limited").inc()
-        retry = max(1, math.ceil(decision.retry_after_s))
-        raise APIError(
-            429,
-            f"rate limit exceeded ({settings.rate_limit_per_s:g} requests/s, burst {burst}); "
-            f"retry in {retry} s",
-            "rate_limited",
-            {"Retry-After": str(retry)},
-        )
-
-
 async def rate_limited_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
     """Generation routes: a key with the ``generate`` scope, charged one token."""
     principal = await get_principal(runtime, credentials)
@@ -152,14 +110,6 @@ async def generating_tenant(runtime: RuntimeDep, credentials: Credentials) -> Te
     principal = await get_principal(runtime, credentials)
     _check_scope(principal, "generate")
     return principal.tenant
-
-
-@dataclass(frozen=True)
-class Investigator:
-    """Who may run provenance searches: the admin, or a tenant granted the scope."""
-
-    actor: str  # "admin" or "tenant:<id>", as written to the audit log
-    is_admin: bool
 
 
 async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> Investigator:

@@ -1,72 +1,22 @@
-"""One error envelope for everything: ``{"error": {"message", "type", "code"}}``.
-
-The OpenAI-compatible routes (``/v1/...``) get OpenAI's envelope instead,
-``{"error": {"message", "type", "param", "code"}}``, and 400 where the rest of
-the service says 422: the OpenAI SDKs map status codes to exception types.
-"""
+"""The exception handlers: every error, rendered as the envelope of
+:mod:`app.core.errors` (OpenAI's on the ``/v1/...`` routes)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
+from app.core.errors import OPENAI_PREFIX, APIError, envelope, openai_envelope, openai_status
 from app.core.security import KeyUnwrapError
 from app.services.cpu import Overloaded
 from app.stores.base import StoreUnavailable
 
 logger = logging.getLogger("worldcup.api")
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    501: "not_implemented_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
-
-
-class APIError(Exception):
-    """Raised by routes and dependencies; rendered as the envelope."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        headers: dict[str, str] | None = None,
-        param: str | None = None,  # the offending request field (OpenAI envelope only)
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.headers = status, message, code, headers
-        self.param = param
-
-
-def envelope(status: int, message: str, code: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "code": code}}
-
-
-OPENAI_PREFIX = "/v1/"
-
-
-def openai_status(status: int) -> int:
-    return 400 if status == 422 else status
-
-
-def openai_envelope(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
-    kind = _TYPES.get(openai_status(status), "server_error" if status >= 500 else "api_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(
@@ -82,6 +32,24 @@ def error_response(
         body = openai_envelope(status, message, code, param)
         return JSONResponse(body, status_code=openai_status(status), headers=headers)
     return JSONResponse(envelope(status, message, code), status_code=status, headers=headers)
+
+
+_HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def allowed_methods(request: Request, fallback: str | None) -> str | None:
+    """A 405's ``Allow``: every method the schema documents for this path.
+
+    Starlette names only the methods of the first route whose path matches, and a
+    path that two routes share (``GET`` and ``POST /admin/tenants/{id}/api-keys``)
+    would then omit one the schema documents. A path the schema leaves out keeps
+    Starlette's answer (``fallback``)."""
+    paths = request.app.openapi().get("paths", {})
+    for template, item in paths.items():
+        regex, _, _ = compile_path(template)
+        if regex.match(request.url.path):
+            return ", ".join(m.upper() for m in _HTTP_METHODS if m in item)
+    return fallback
 
 
 def _param(exc: RequestValidationError) -> str | None:
@@ -138,6 +106,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and "parsing the body" in message:
             code, message = "malformed_body", "the body is not valid UTF-8 JSON"
         headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:
+            allow = allowed_methods(request, (headers or {}).get("Allow"))
+            headers = {**(headers or {}), **({"Allow": allow} if allow is not None else {})}
         return error_response(exc.status_code, message, code, headers, path=request.url.path)
 
     @app.exception_handler(StoreUnavailable)

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import OPENAI_PREFIX, envelope, openai_envelope
+from app.core.errors import OPENAI_PREFIX, envelope, openai_envelope
 from app.core.logging import request_id_var
 from app.core.metrics import Metrics
 

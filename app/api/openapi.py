@@ -12,10 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
+from pydantic.json_schema import models_json_schema
 
 from app.core.config import Settings
-from app.schemas.common import StrictRequest
-from app.schemas.watermark import UNSTATED_RULES
+from app.schemas.common import IntegralFloats
+from app.schemas.openai import ChatCompletionChunk, CompletionChunk
+from app.schemas.watermark import UNSTATED_RULES, prompt_chars_limit
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
@@ -36,8 +38,9 @@ def _copy_bounds(published: Any, exact: Any) -> None:
     _copy_bounds(published.get("items"), exact.get("items"))
 
 
-def _request_models() -> list[type[StrictRequest]]:
-    found, todo = [], list(StrictRequest.__subclasses__())
+def _request_models() -> list[type[IntegralFloats]]:
+    """Every request model: the native ones and the OpenAI-compatible ones."""
+    found, todo = [], list(IntegralFloats.__subclasses__())
     while todo:
         model = todo.pop()
         found.append(model)
@@ -65,7 +68,10 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
             _copy_bounds(components[request_model.__name__], request_model.model_json_schema())
     for model in ("DecodeRequest", "DetectRequest", "ProvenanceRequest"):
         if (prop := _property(schema, model, "text")) is not None:
-            prop["maxLength"] = settings.max_text_chars
+            prop["maxLength"] = settings.text_chars_limit
+    for model, field in (("GenerateRequest", "prompt"), ("ChatMessage", "content")):
+        if (prop := _property(schema, model, field)) is not None:
+            prop["maxLength"] = prompt_chars_limit(settings)
     for model in ("DecodeBatchRequest", "DetectBatchRequest"):
         if (prop := _property(schema, model, "texts")) is not None:
             prop["maxItems"] = settings.max_batch_texts
@@ -90,8 +96,91 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
         + rules
         + "\n\nAnd a request body over the server's byte limit "
         "(`WORLDCUP_MAX_BODY_BYTES`, `WORLDCUP_MAX_BATCH_BODY_BYTES` on `/…/batch`) "
-        "is refused with 413 `request_too_large`, whatever it holds."
+        "is refused with 413 `request_too_large`, whatever it holds. A text's or a "
+        "prompt's `maxLength` is never more than that limit holds in any JSON spelling "
+        "(12 bytes a character), so a string over its `maxLength` gets the 422 first."
     )
+
+
+def _json_data(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """An SSE event's ``data``: a string that holds JSON matching ``schema``."""
+    return {
+        "type": "string",
+        "description": description,
+        "contentMediaType": "application/json",
+        "contentSchema": schema,
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """One Server-Sent Event as a parser reads it: ``event`` (``message`` when the
+    stream names none), ``data`` (its lines joined), and no ``id`` or ``retry``."""
+    return {
+        "type": "object",
+        "properties": {"event": {"const": name}, "data": data},
+        "required": ["event", "data"],
+        "additionalProperties": False,
+    }
+
+
+_DONE = {"const": "[DONE]", "description": "The stream's last event."}
+_GENERATE_DELTA = {
+    "type": "object",
+    "properties": {
+        "token_id": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "text": {"type": "string"},
+    },
+    "required": ["token_id", "text"],
+    "additionalProperties": False,
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _stream_events() -> dict[str, dict[str, Any]]:
+    """The event of each streamed route, by path (OpenAPI 3.2's ``itemSchema``)."""
+
+    def openai(chunk: str) -> dict[str, Any]:
+        data = _json_data(
+            {"anyOf": [_ref(chunk), _ref("OpenAIErrorEnvelope")]},
+            f"One {chunk} (or an error envelope), as JSON; `[DONE]` ends the stream.",
+        )
+        return _event("message", {"anyOf": [data, _DONE]})
+
+    delta = _json_data(_GENERATE_DELTA, "A text delta, as JSON; `[DONE]` ends the stream.")
+    return {
+        "/generate": {
+            "anyOf": [
+                _event("message", {"anyOf": [delta, _DONE]}),
+                _event("result", _json_data(_ref("GenerateResponse"), "The whole answer.")),
+                _event("error", _json_data(_ref("ErrorEnvelope"), "Why the stream ended.")),
+            ]
+        },
+        "/v1/chat/completions": openai("ChatCompletionChunk"),
+        "/v1/completions": openai("CompletionChunk"),
+    }
+
+
+def describe_event_streams(schema: dict[str, Any]) -> None:
+    """Document each ``text/event-stream`` response by its events (``itemSchema``,
+    OpenAPI 3.2), not as one opaque string; the chunk models join the components."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    _, defs = models_json_schema(
+        [(ChatCompletionChunk, "serialization"), (CompletionChunk, "serialization")],
+        ref_template="#/components/schemas/{model}",
+    )
+    for name, component in defs.get("$defs", {}).items():
+        components.setdefault(name, component)
+    for path, item in _stream_events().items():
+        for operation in schema.get("paths", {}).get(path, {}).values():
+            media = operation.get("responses", {}).get("200", {}).get("content", {})
+            stream = media.get("text/event-stream")
+            if stream is not None:
+                stream.pop("schema", None)  # in 3.2 it would describe the whole stream
+                stream["itemSchema"] = item
+    schema["openapi"] = "3.2.0"  # itemSchema is 3.2's; nothing else differs from 3.1
 
 
 def install_openapi(app: FastAPI, settings: Settings) -> None:
@@ -100,7 +189,9 @@ def install_openapi(app: FastAPI, settings: Settings) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            apply_limits(build(), settings)
+            document = build()
+            apply_limits(document, settings)
+            describe_event_streams(document)
         assert app.openapi_schema is not None
         return app.openapi_schema
 

@@ -108,7 +108,7 @@ async def console_page(request: Request, runtime: RuntimeDep) -> HTMLResponse:
         render_console(
             version=__version__,
             model=runtime.model_id,
-            max_chars=settings.max_text_chars,
+            max_chars=settings.text_chars_limit,
             groups=settings.groups,
             significance=settings.significance,
         )

@@ -30,6 +30,12 @@ class Environment(StrEnum):
     PROD = "prod"
 
 
+# JSON spells one character in at most 12 bytes (a surrogate pair: \uXXXX\uXXXX), and
+# a request's other fields take at most BODY_HEADROOM bytes beside its one long string.
+JSON_BYTES_PER_CHAR = 12
+BODY_HEADROOM = 8 * 1024
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="WORLDCUP_",
@@ -99,7 +105,8 @@ class Settings(BaseSettings):
     max_new_tokens_limit: Annotated[int, Field(ge=1)] = 1024
     max_prompt_tokens: Annotated[int, Field(ge=1)] = 1536
     request_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
+    # a text of max_text_chars fits in any JSON spelling (see text_chars_limit)
+    max_body_bytes: Annotated[int, Field(ge=1024)] = JSON_BYTES_PER_CHAR * 100_000 + BODY_HEADROOM
     max_text_chars: Annotated[int, Field(ge=1)] = 100_000
     idempotency_ttl_s: Annotated[int, Field(ge=1)] = 86_400
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
@@ -170,6 +177,18 @@ class Settings(BaseSettings):
     def previous_master_keys(self) -> tuple[bytes, ...]:
         key = _hex_key(self.master_key_previous)
         return () if key is None else (key,)
+
+    @property
+    def body_chars(self) -> int:
+        """The longest string a body of ``max_body_bytes`` holds in any JSON spelling
+        beside the request's other fields: no string limit may exceed it, or a string
+        just over its limit would meet the body limit (413) before its own (422)."""
+        return max(1, (self.max_body_bytes - BODY_HEADROOM) // JSON_BYTES_PER_CHAR)
+
+    @property
+    def text_chars_limit(self) -> int:
+        """A text's limit as published and enforced: ``max_text_chars``, within the body."""
+        return min(self.max_text_chars, self.body_chars)
 
 
 def _hex_key(value: SecretStr | None) -> bytes | None:

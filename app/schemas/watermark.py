@@ -6,14 +6,18 @@ import json
 import math
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from app.schemas.common import StrictModel, StrictRequest
 from app.schemas.exposure import DecodeVerdict, DetectVerdict
 
+if TYPE_CHECKING:
+    from app.core.config import Settings
+
 MAX_METADATA_BYTES = 4096
+MAX_PROMPT_CHARS = 100_000  # a prompt, or one chat message's content (within the body)
 MAX_METADATA_DEPTH = 4
 MAX_METADATA_ITEMS = 32  # keys of one object, items of one array
 MAX_METADATA_STRING = 512
@@ -192,11 +196,11 @@ class PayloadIn(StrictRequest):
 
 class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(max_length=100_000)]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
 class GenerateRequest(StrictRequest):
-    prompt: Annotated[str | None, Field(min_length=1, max_length=100_000)] = Field(
+    prompt: Annotated[str | None, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] = Field(
         None,
         description="Raw text to continue. Instruct models answer `messages` better. "
         "At most the server's prompt token limit (422 `prompt_too_long`).",
@@ -303,6 +307,12 @@ class GenerateResponse(StrictModel):
     scheme: str
     usage: Usage
     timing: Timing
+
+
+def prompt_chars_limit(settings: Settings) -> int:
+    """A prompt's (or a chat message's) length limit as published and enforced:
+    ``MAX_PROMPT_CHARS``, within what the body limit holds."""
+    return min(MAX_PROMPT_CHARS, settings.body_chars)
 
 
 TEXT_DESCRIPTION = (

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["CpuPool", "Overloaded"]
+__all__ = ["CpuPool", "Overloaded", "offload"]
 
 T = TypeVar("T")
 
@@ -81,3 +81,11 @@ class CpuPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def offload(pool: CpuPool | None, fn: Callable[[], T]) -> T:
+    """Run a request's CPU work off the event loop: in the bounded pool (which may
+    refuse it with Overloaded), or in a plain thread when there is none."""
+    if pool is not None:
+        return await pool.run(fn)
+    return await asyncio.to_thread(fn)

@@ -8,33 +8,11 @@ key material.
 
 from __future__ import annotations
 
-from typing import Any
-
 from app.schemas.watermark import BitEvidenceOut, EvidenceOut, IslandOut, TokenEvidenceOut
 from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult
 from worldcup_core.evidence import text_evidence
 from worldcup_core.islands import locate_islands
-
-
-def token_pieces(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
-    """Token ids of ``text`` and the characters of each token, as consecutive pieces
-    that concatenate to ``text`` (the ids are those :func:`encode_texts` gives)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        encoding = backend.encode(text, add_special_tokens=False)
-        ids, ends = list(encoding.ids), [end for _, end in encoding.offsets]
-    else:  # a slow tokenizer has no offsets: the decoded prefix lengths stand in
-        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-        ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
-    pieces, cut = [], 0
-    for end in ends:
-        stop = min(max(end, cut), len(text))  # byte-level tokens of one character share it
-        pieces.append(text[cut:stop])
-        cut = stop
-    if pieces:
-        pieces[-1] += text[cut:]
-    return ids, pieces
 
 
 def unmatched_evidence(pieces: list[str], groups: int, num_bits: int) -> EvidenceOut:

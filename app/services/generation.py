@@ -19,9 +19,9 @@ from typing import Any
 
 from fastapi import Request
 
-from app.api.deps import Runtime
-from app.api.errors import APIError
+from app.core.errors import APIError
 from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull
+from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from worldcup_core import Payload, SamplingConfig

@@ -25,8 +25,7 @@ from typing import Any, Literal
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.deps import Runtime
-from app.api.errors import APIError, openai_envelope
+from app.core.errors import APIError, openai_envelope
 from app.engines.base import Engine
 from app.schemas.openai import (
     MAX_CHOICES,
@@ -49,6 +48,7 @@ from app.schemas.openai import (
 )
 from app.schemas.watermark import DEFAULT_NO_REPEAT_NGRAM
 from app.services import generation as gen
+from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
 from worldcup_core.generation import GenerationResult
@@ -175,7 +175,7 @@ async def _tokenise(
 ) -> list[int]:
     """Off the event loop, in the CPU pool, as /generate does."""
     try:
-        return await runtime.tenants.offload(lambda: gen.prompt_ids(runtime, prompt, messages))
+        return await runtime.offload(lambda: gen.prompt_ids(runtime, prompt, messages))
     except APIError as exc:
         exc.param = param
         raise
@@ -549,3 +549,41 @@ def replay(
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+async def serve(
+    runtime: Runtime,
+    engine: Engine,
+    tenant_id: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    request: Request,
+    idempotency_key: str | None,
+) -> Any:
+    """A replayed response for a known Idempotency-Key; else the completion, as JSON
+    or, when ``stream`` is true, as OpenAI's Server-Sent Events."""
+    pending = await plan(runtime, body)
+    digest = body_hash(pending)
+    streamed = bool(body.stream)
+    if idempotency_key is not None:
+        stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
+        if stored is not None:
+            return replay(stored, body)
+    gen.ensure_queue_room(runtime, engine, pending.choices)  # before allocating
+    claim = None
+    if idempotency_key is not None:
+        claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
+        if isinstance(claimed, IdempotencyRecord):
+            return replay(claimed, body)
+        claim = claimed
+    try:
+        run = await start(runtime, engine, tenant_id, pending)
+        if streamed:
+            return stream(run, request, engine, claim)
+        response = await complete(run, request, engine)
+        if claim is not None:
+            await claim.remember(response.model_dump(mode="json"))
+        return response
+    except BaseException:
+        if claim is not None:
+            await claim.release()
+        raise

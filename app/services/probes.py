@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from app.core.errors import APIError
 from app.core.metrics import Metrics
 from app.stores.base import AuditRecord, ProbeDecision, Store
 
@@ -164,6 +165,52 @@ class ProbeAccountant:
                 )
             )
         return decisions
+
+    async def account(
+        self,
+        tenant_id: str,
+        key_id: str,
+        detail: str,
+        route: str,
+        sketches: Sequence[Sketch | None],
+        request_id: str,
+    ) -> list[ProbeDecision]:
+        """Count each fingerprinted query of one request against its text's budget;
+        the refusals are audited and counted once per request."""
+        decisions = await self.admit(tenant_id, key_id, detail, sketches)
+        refused = sum(not d.allowed for d in decisions)
+        if refused:
+            await self.refused(tenant_id, key_id, detail, route, request_id, refused)
+        return decisions
+
+    async def admit_one(
+        self,
+        tenant_id: str,
+        key_id: str,
+        detail: str,
+        route: str,
+        sketch: Sketch | None,
+        request_id: str,
+    ) -> None:
+        """Count one query, or raise its 429 (``probe_budget_exceeded``) if refused."""
+        decisions = await self.account(tenant_id, key_id, detail, route, [sketch], request_id)
+        if not decisions[0].allowed:
+            raise self.refusal(detail, decisions)
+
+    def budget_message(self, detail: str) -> str:
+        return (
+            f"this text's probe budget is spent ({self.budget(detail)} near-duplicate queries "
+            f"per {self.window_s:g} s under this API key)"
+        )
+
+    def refusal(self, detail: str, decisions: Sequence[ProbeDecision]) -> APIError:
+        """The 429 for a refused query, with the wait until its text has budget again."""
+        return APIError(
+            429,
+            self.budget_message(detail),
+            "probe_budget_exceeded",
+            {"Retry-After": str(retry_after(decisions))},
+        )
 
     async def refused(
         self, tenant_id: str, key_id: str, detail: str, route: str, request_id: str, count: int

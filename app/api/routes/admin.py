@@ -10,9 +10,9 @@ from fastapi import APIRouter, Path, Query
 from pydantic import Field
 
 from app.api.deps import AdminDep, RuntimeDep
-from app.api.errors import APIError
-from app.api.routes.detection import readable_metadata
+from app.core.errors import APIError
 from app.schemas.common import ERROR_RESPONSES, StrictModel
+from app.services.detection import readable_metadata
 from app.services.tenants import UnknownTenant
 from app.stores.base import Conflict
 

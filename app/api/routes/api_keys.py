@@ -9,8 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 
 from app.api.deps import AdminDep, RuntimeDep
-from app.api.errors import APIError
 from app.api.routes.admin import TenantId
+from app.core.errors import APIError
 from app.schemas.common import ERROR_RESPONSES
 from app.schemas.exposure import ApiKeyCreated, ApiKeyList, ApiKeyOut, CreateApiKey
 from app.services.tenants import UnknownApiKey, UnknownTenant

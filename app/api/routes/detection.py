@@ -2,338 +2,24 @@
 
 from __future__ import annotations
 
-import datetime as dt
-import math
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 from fastapi import APIRouter
 
-from app.api.deps import (
-    DecodeBatchKey,
-    DecodeKey,
-    DetectBatchKey,
-    DetectKey,
-    Runtime,
-    RuntimeDep,
-    charge,
-)
-from app.api.errors import APIError
-from app.core.logging import request_id_var
+from app.api.deps import DecodeBatchKey, DecodeKey, DetectBatchKey, DetectKey, RuntimeDep
 from app.schemas.common import error_responses
-from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch, verdict_of
+from app.schemas.exposure import DecodeVerdict, DetectVerdict
 from app.schemas.watermark import (
-    BatchItemError,
-    BitConfidence,
-    DecodeBatchItem,
     DecodeBatchRequest,
     DecodeBatchResponse,
     DecodeRequest,
     DecodeResponse,
-    DetectBatchItem,
     DetectBatchRequest,
     DetectBatchResponse,
     DetectRequest,
     DetectResponse,
-    RegistryMatchOut,
-    check_metadata,
 )
-from app.services.evidence import evidence_block, token_pieces
-from app.services.probes import Sketch, retry_after
-from app.services.tenants import DecodeOutcome, DetectOutcome, Principal, UnknownKeyVersion
-from app.stores.base import ProbeDecision
-from worldcup_core import WorldCup
-from worldcup_core.detector import z_from_log_p
-from worldcup_core.message import MessageIdCodec
-from worldcup_core.scoring import sidak_log_p
+from app.services import detection
 
 router = APIRouter(tags=["watermark"])
-
-
-def check_text(runtime: Runtime, text: str) -> None:
-    """Raise a 422 if a text to score is over the (published) limit (cheap: no tokenising).
-
-    Whitespace-only text is scored like any other (JSON Schema cannot say "not only
-    whitespace", and the schema says "non-empty"): an ordinary answer, not a 422.
-    """
-    limit = runtime.settings.max_text_chars
-    if len(text) > limit:
-        raise APIError(
-            422, f"text is {len(text)} characters; the limit is {limit}", "text_too_long"
-        )
-
-
-def readable_metadata(metadata: dict[str, Any], message_id: int) -> dict[str, Any]:
-    """Stored metadata, or a clear 409 if an entry written before metadata was checked
-    holds something that cannot be returned exactly (a lone surrogate, NaN)."""
-    try:
-        check_metadata(metadata)
-    except ValueError:
-        raise APIError(
-            409,
-            f"registry entry {message_id} holds metadata that cannot be returned exactly "
-            "(written before metadata was validated)",
-            "registry_entry_unreadable",
-        ) from None
-    return metadata
-
-
-def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float]:
-    """(p, z) of the best of ``tests`` key versions, Šidák-corrected: exact and uniform
-    under H0 (independent keys), so z is standard normal there, never clipped."""
-    log_p = sidak_log_p(log10_p * math.log(10.0), tests)
-    return math.exp(log_p), z_from_log_p(log_p, num_scored)
-
-
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of many texts in one call. Runs in a worker thread: the fast
-    tokenizer's Rust backend encodes the batch with the GIL released."""
-    if not texts:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return [list(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
-    return [list(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
-
-
-async def token_ids(runtime: Runtime, text: str) -> list[int]:
-    """Tokenise one text off the event loop, or raise a 422 about it."""
-    check_text(runtime, text)
-    return (await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, [text])))[0]
-
-
-def registry_match(
-    runtime: Runtime, scheme: WorldCup, num_bits: int, outcome: DecodeOutcome
-) -> RegistryMatchOut | None:
-    """The registry entry, reported only when its agreement is significant (the search
-    always has a best candidate, and any text, another tenant's or a human's, would
-    otherwise "match" whichever entry happens to agree best) and clearly ahead of
-    the other entries (``registry_min_confidence``)."""
-    found, entry = outcome.match, outcome.entry
-    settings = runtime.settings
-    if found is None or entry is None or found.p_value >= settings.significance:
-        return None
-    if found.posterior < settings.registry_min_confidence:
-        return None  # a close runner-up: too likely to name the wrong entry
-    exact_bits = MessageIdCodec(scheme.key, num_bits).payload(entry.message_id).bits
-    return RegistryMatchOut(
-        message_id=entry.message_id,
-        metadata=readable_metadata(entry.metadata, entry.message_id),
-        issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
-        num_bits=entry.num_bits,
-        confidence=found.posterior,
-        p_value=found.p_value,
-        exact=exact_bits == outcome.result.bits,
-    )
-
-
-def _decode_response(
-    runtime: Runtime, schemes: dict[int, WorldCup], num_bits: int, outcome: DecodeOutcome
-) -> DecodeResponse:
-    result, det = outcome.result, outcome.result.detection
-    p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
-    watermarked = p_value < runtime.settings.significance
-    runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
-    return DecodeResponse(
-        bits=result.bits,
-        bit_confidence=[
-            BitConfidence(z=round(z, 4), p_value=p)
-            for z, p in zip(result.bit_z, result.bit_p_values, strict=True)
-        ],
-        erasures=list(result.erasures),
-        p_value=p_value,
-        z_score=z_score,
-        is_watermarked=watermarked,
-        num_tokens=det.num_tokens,
-        num_scored_tokens=det.num_scored_tokens,
-        key_version=outcome.key_version,
-        registry_match=registry_match(runtime, schemes[outcome.key_version], num_bits, outcome),
-    )
-
-
-def _detect_response(runtime: Runtime, outcome: DetectOutcome) -> DetectResponse:
-    significance = runtime.settings.significance
-    watermarked = outcome.p_value < significance
-    runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
-    return DetectResponse(
-        is_watermarked=watermarked,
-        p_value=outcome.p_value,
-        z_score=outcome.z_score,
-        num_tokens=outcome.result.num_tokens,
-        num_scored_tokens=outcome.result.num_scored_tokens,
-        significance=significance,
-        key_version=outcome.key_version,
-    )
-
-
-async def _schemes(runtime: Runtime, tenant_id: str) -> dict[int, WorldCup]:
-    return {v.version: v.scheme for v in await runtime.tenants.versions(tenant_id)}
-
-
-def _check_batch(runtime: Runtime, texts: list[str]) -> None:
-    limit = runtime.settings.max_batch_texts
-    if len(texts) > limit:
-        raise APIError(
-            422, f"{len(texts)} texts in one batch; the limit is {limit}", "batch_too_large"
-        )
-
-
-def _check_all(runtime: Runtime, texts: list[str]) -> tuple[list[int], dict[int, BatchItemError]]:
-    """(indices of good texts, errors by index), without tokenising."""
-    good: list[int] = []
-    errors: dict[int, BatchItemError] = {}
-    for i, text in enumerate(texts):
-        try:
-            check_text(runtime, text)
-            good.append(i)
-        except APIError as exc:
-            errors[i] = BatchItemError(code=exc.code, message=exc.message)
-    return good, errors
-
-
-async def _tokenise_all(
-    runtime: Runtime, texts: list[str]
-) -> tuple[list[int], list[list[int]], dict[int, BatchItemError]]:
-    """(indices of good texts, their token ids, errors by index); the tokenising
-    runs in one worker job."""
-    good, errors = _check_all(runtime, texts)
-    chosen = [texts[i] for i in good]
-    ids = await runtime.tenants.offload(lambda: encode_texts(runtime.tokenizer, chosen))
-    return good, ids, errors
-
-
-_Answer = TypeVar("_Answer")
-
-
-def _assemble(
-    count: int, good: list[int], answers: list[_Answer], errors: dict[int, BatchItemError]
-) -> list[tuple[int, _Answer | None, BatchItemError | None]]:
-    """(index, answer, error) for every text of a batch."""
-    by_index = dict(zip(good, answers, strict=True))
-    return [(i, by_index.get(i), errors.get(i)) for i in range(count)]
-
-
-def _sketcher(
-    runtime: Runtime, principal: Principal
-) -> Callable[[list[list[int]]], list[Sketch | None]] | None:
-    """The fingerprinting function for a worker job; None when this key's detail
-    level has no probe budget."""
-    probes = runtime.probes
-    if probes is None or probes.budget(principal.key.detail) <= 0:
-        return None
-    return probes.sketches
-
-
-async def _account(
-    runtime: Runtime, principal: Principal, route: str, ids: list[list[int]]
-) -> list[ProbeDecision]:
-    """Probe accounting for each text (see app/services/probes.py)."""
-    sketcher = _sketcher(runtime, principal)
-    if sketcher is None:
-        return [ProbeDecision(True, 0, 0.0)] * len(ids)
-    sketches = await runtime.tenants.offload(lambda: sketcher(ids))
-    return await _account_sketches(runtime, principal, route, sketches)
-
-
-async def _account_sketches(
-    runtime: Runtime, principal: Principal, route: str, sketches: list[Sketch | None] | None
-) -> list[ProbeDecision]:
-    """Count each fingerprinted query against its text's budget (None: accounting is
-    off); refusals are audited and counted once per request."""
-    probes = runtime.probes
-    if sketches is None or probes is None:
-        return [ProbeDecision(True, 0, 0.0)] * len(sketches or [])
-    tenant_id, key = principal.tenant.tenant_id, principal.key
-    decisions = await probes.admit(tenant_id, key.key_id, key.detail, sketches)
-    refused = sum(not d.allowed for d in decisions)
-    if refused:
-        await probes.refused(
-            tenant_id, key.key_id, key.detail, route, request_id_var.get(), refused
-        )
-    return decisions
-
-
-def _budget_message(runtime: Runtime, principal: Principal) -> str:
-    probes = runtime.probes
-    assert probes is not None
-    budget = probes.budget(principal.key.detail)
-    return (
-        f"this text's probe budget is spent ({budget} near-duplicate queries per "
-        f"{probes.window_s:g} s under this API key)"
-    )
-
-
-async def _admit_one(runtime: Runtime, principal: Principal, route: str, ids: list[int]) -> None:
-    _refuse_spent(runtime, principal, await _account(runtime, principal, route, [ids]))
-
-
-def _refuse_spent(runtime: Runtime, principal: Principal, decisions: list[ProbeDecision]) -> None:
-    """429 probe_budget_exceeded when the (single) query was refused."""
-    if decisions and not decisions[0].allowed:
-        raise APIError(
-            429,
-            _budget_message(runtime, principal),
-            "probe_budget_exceeded",
-            {"Retry-After": str(retry_after(decisions))},
-        )
-
-
-async def _admit_many(
-    runtime: Runtime,
-    principal: Principal,
-    route: str,
-    good: list[int],
-    ids: list[list[int]],
-    errors: dict[int, BatchItemError],
-) -> tuple[list[int], list[list[int]]]:
-    """Batch items count one by one; a refused item becomes that item's error."""
-    decisions = await _account(runtime, principal, route, ids)
-    return _keep_allowed(runtime, principal, good, ids, decisions, errors)
-
-
-_Item = TypeVar("_Item")
-
-
-def _keep_allowed(
-    runtime: Runtime,
-    principal: Principal,
-    good: list[int],
-    items: list[_Item],
-    decisions: list[ProbeDecision],
-    errors: dict[int, BatchItemError],
-) -> tuple[list[int], list[_Item]]:
-    """Batch items count one by one; a refused item becomes that item's error."""
-    kept_good, kept = [], []
-    for index, item, decision in zip(good, items, decisions, strict=True):
-        if decision.allowed:
-            kept_good.append(index)
-            kept.append(item)
-        else:
-            errors[index] = BatchItemError(
-                code="probe_budget_exceeded", message=_budget_message(runtime, principal)
-            )
-    return kept_good, kept
-
-
-def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
-    match = answer.registry_match
-    return DecodeVerdict(
-        verdict=verdict_of(answer.p_value),
-        registry_match=None
-        if match is None
-        else VerdictRegistryMatch(
-            message_id=match.message_id, metadata=match.metadata, issued_at=match.issued_at
-        ),
-    )
-
-
-def _detect_verdict(answer: DetectResponse) -> DetectVerdict:
-    return DetectVerdict(verdict=verdict_of(answer.p_value))
-
-
-def _is_verdict(principal: Principal) -> bool:
-    return principal.key.detail == "verdict"
-
 
 _SCORING_ERRORS = (400, 401, 403, 413, 422, 429, 503)
 _UNREADABLE = "A registry entry that cannot be returned exactly (`registry_entry_unreadable`)"
@@ -352,44 +38,7 @@ async def decode(
     """Recover the payload and, if it was issued from the registry, whose it is.
     A ``verdict`` key gets the verdict and the registry entry only; ``evidence`` is
     for a ``full`` key that also holds the ``provenance`` scope (an analyst's key)."""
-    tenant = principal.tenant
-    pieces: list[str] = []
-    if body.evidence:
-        _check_evidence_allowed(principal)
-        check_text(runtime, body.text)
-        ids, pieces = await runtime.tenants.offload(
-            lambda: token_pieces(runtime.tokenizer, body.text)
-        )
-    else:
-        ids = await token_ids(runtime, body.text)
-    await _admit_one(runtime, principal, "decode", ids)
-    num_bits = body.num_bits or runtime.settings.default_num_bits
-    try:
-        outcome = await runtime.tenants.decode(tenant.tenant_id, ids, num_bits, body.key_version)
-    except UnknownKeyVersion:
-        raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
-    schemes = await _schemes(runtime, tenant.tenant_id)
-    answer = _decode_response(runtime, schemes, num_bits, outcome)
-    if body.evidence:
-        scheme, found = schemes[outcome.key_version], outcome.result
-        answer.evidence = await runtime.tenants.offload(
-            lambda: evidence_block(scheme, ids, pieces, found)
-        )
-    return _decode_verdict(answer) if _is_verdict(principal) else answer
-
-
-def _check_evidence_allowed(principal: Principal) -> None:
-    """Per-token evidence shows which tokens to edit: one query would do what the probe
-    budget exists to prevent. So it is never given to ``verdict`` keys (public
-    checkers) and, under ``full``, only to keys that also hold the ``provenance``
-    scope, which the admin grants per tenant to its trust-and-safety analysts."""
-    if principal.key.detail != "full" or "provenance" not in principal.scopes:
-        raise APIError(
-            403,
-            "per-token evidence needs a 'full' API key that also holds the 'provenance' "
-            "scope (granted by an admin)",
-            "evidence_not_allowed",
-        )
+    return await detection.decode(runtime, principal, body)
 
 
 @router.post(
@@ -402,24 +51,7 @@ async def detect(
 ) -> DetectResponse | DetectVerdict:
     """Is this text watermarked with any of my keys? A calibrated, message-free test.
     A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores."""
-    check_text(runtime, body.text)
-    scorer = await runtime.tenants.detector(
-        principal.tenant.tenant_id, runtime.settings.significance
-    )
-    sketcher = _sketcher(runtime, principal)
-
-    def work() -> tuple[list[Sketch | None] | None, DetectOutcome]:
-        """One worker job: tokenise, fingerprint and score (a query refused below
-        was scored for nothing; the answer is withheld all the same)."""
-        ids = encode_texts(runtime.tokenizer, [body.text])
-        return (sketcher(ids) if sketcher else None), scorer(ids[0])
-
-    sketches, outcome = await runtime.tenants.offload(work)
-    _refuse_spent(
-        runtime, principal, await _account_sketches(runtime, principal, "detect", sketches)
-    )
-    answer = _detect_response(runtime, outcome)
-    return _detect_verdict(answer) if _is_verdict(principal) else answer
+    return await detection.detect(runtime, principal, body)
 
 
 @router.post(
@@ -432,40 +64,7 @@ async def decode_batch(
 ) -> DecodeBatchResponse:
     """Bulk /decode. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
-    tenant = principal.tenant
-    _check_batch(runtime, body.texts)
-    await charge(runtime, tenant, len(body.texts))
-    num_bits = body.num_bits or runtime.settings.default_num_bits
-    good, ids, errors = await _tokenise_all(runtime, body.texts)
-    good, ids = await _admit_many(runtime, principal, "decode/batch", good, ids, errors)
-    try:
-        outcomes = await runtime.tenants.decode_many(
-            tenant.tenant_id, ids, num_bits, body.key_version
-        )
-    except UnknownKeyVersion:
-        raise APIError(404, f"no key version {body.key_version}", "unknown_key_version") from None
-    schemes = await _schemes(runtime, tenant.tenant_id)
-    answers: list[DecodeResponse] = []
-    answered: list[int] = []
-    for index, outcome in zip(good, outcomes, strict=True):
-        try:
-            answers.append(_decode_response(runtime, schemes, num_bits, outcome))
-            answered.append(index)
-        except APIError as exc:  # an unreadable registry entry fails only its item
-            errors[index] = BatchItemError(code=exc.code, message=exc.message)
-    good = answered
-    shown: list[DecodeResponse | DecodeVerdict]
-    if _is_verdict(principal):
-        verdicts = [_decode_verdict(a) for a in answers]
-        shown, watermarked = list(verdicts), sum(v.verdict == "watermarked" for v in verdicts)
-    else:
-        shown, watermarked = list(answers), sum(a.is_watermarked for a in answers)
-    items = _assemble(len(body.texts), good, shown, errors)
-    return DecodeBatchResponse(
-        results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in items],
-        num_watermarked=watermarked,
-        num_errors=len(errors),
-    )
+    return await detection.decode_batch(runtime, principal, body)
 
 
 @router.post(
@@ -476,33 +75,4 @@ async def detect_batch(
 ) -> DetectBatchResponse:
     """Bulk /detect. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
-    tenant = principal.tenant
-    _check_batch(runtime, body.texts)
-    await charge(runtime, tenant, len(body.texts))
-    good, errors = _check_all(runtime, body.texts)
-    chosen = [body.texts[i] for i in good]
-    scorer = await runtime.tenants.detector(tenant.tenant_id, runtime.settings.significance)
-    sketcher = _sketcher(runtime, principal)
-
-    def work() -> tuple[list[Sketch | None] | None, list[DetectOutcome]]:
-        ids = encode_texts(runtime.tokenizer, chosen)
-        return (sketcher(ids) if sketcher else None), [scorer(t) for t in ids]
-
-    sketches, scored = await runtime.tenants.offload(work)
-    decisions = await _account_sketches(runtime, principal, "detect/batch", sketches)
-    if sketches is None:
-        decisions = [ProbeDecision(True, 0, 0.0)] * len(scored)
-    good, outcomes = _keep_allowed(runtime, principal, good, scored, decisions, errors)
-    answers = [_detect_response(runtime, o) for o in outcomes]
-    shown: list[DetectResponse | DetectVerdict]
-    if _is_verdict(principal):
-        verdicts = [_detect_verdict(a) for a in answers]
-        shown, watermarked = list(verdicts), sum(v.verdict == "watermarked" for v in verdicts)
-    else:
-        shown, watermarked = list(answers), sum(a.is_watermarked for a in answers)
-    items = _assemble(len(body.texts), good, shown, errors)
-    return DetectBatchResponse(
-        results=[DetectBatchItem(index=i, result=r, error=e) for i, r, e in items],
-        num_watermarked=watermarked,
-        num_errors=len(errors),
-    )
+    return await detection.detect_batch(runtime, principal, body)

@@ -1,43 +1,20 @@
 """POST /generate: embed an explicit payload, or allocate a message id for metadata.
 
-A protocol adapter over :mod:`app.services.generation`, which the OpenAI
-routes share.
+The request's flow is :mod:`app.services.generate_serving`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.deps import CurrentTenant, EngineDep, Runtime, RuntimeDep
-from app.api.errors import APIError, envelope
-from app.engines.base import Engine
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep
 from app.schemas.common import error_responses
-from app.schemas.watermark import (
-    MAX_METADATA_BYTES,
-    UNSTATED_RULES,
-    GenerateRequest,
-    GenerateResponse,
-    PayloadOut,
-    Timing,
-    Usage,
-    metadata_bytes,
-)
-from app.services import generation as gen
-from app.services.tenants import KeyVersion
-from app.stores.base import IdempotencyRecord
-from worldcup_core import SamplingConfig
-from worldcup_core.generation import GenerationResult
+from app.schemas.watermark import UNSTATED_RULES, GenerateRequest, GenerateResponse
+from app.services import generate_serving as serving
 
 router = APIRouter(tags=["watermark"])
-logger = logging.getLogger("worldcup.generate")
 
 IdempotencyKey = Annotated[
     str | None,
@@ -88,183 +65,4 @@ async def generate(
     engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
-    settings = runtime.settings
-    if "max_new_tokens" not in body.model_fields_set:  # the default, within this server's limit
-        body.max_new_tokens = min(body.max_new_tokens, settings.max_new_tokens_limit)
-        body.min_new_tokens = min(body.min_new_tokens, body.max_new_tokens)
-    if body.max_new_tokens > settings.max_new_tokens_limit:
-        raise APIError(
-            422,
-            f"max_new_tokens may be at most {settings.max_new_tokens_limit}",
-            "max_new_tokens_too_large",
-        )
-    if body.metadata is not None and metadata_bytes(body.metadata) > MAX_METADATA_BYTES:
-        raise APIError(
-            422,
-            f"metadata: more than {MAX_METADATA_BYTES} bytes as compact UTF-8 JSON",
-            "metadata_too_large",
-        )
-    body_hash = gen.body_hash(body.model_dump(mode="json"))
-    if idempotency_key is not None:
-        stored = await gen.stored_response(runtime, tenant.tenant_id, idempotency_key, body_hash)
-        if stored is not None:
-            return _replay(stored, body.stream)
-    gen.ensure_queue_room(runtime, engine)  # refuse before allocating a message id
-    messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-    prompt_ids = await runtime.tenants.offload(
-        lambda: gen.prompt_ids(runtime, body.prompt, messages)
-    )
-    if settings.debug_log_prompts:  # off by default: prompts are user data
-        logger.debug("prompt", extra={"fields": {"prompt_ids": prompt_ids}})
-    key = await runtime.tenants.version(tenant.tenant_id, None)
-    claim = None
-    if idempotency_key is not None:
-        claimed = await gen.claim(runtime, tenant.tenant_id, idempotency_key, body_hash)
-        if isinstance(claimed, IdempotencyRecord):
-            return _replay(claimed, body.stream)
-        claim = claimed
-    try:
-        return await _run(body, request, runtime, tenant.tenant_id, engine, key, prompt_ids, claim)
-    except BaseException:
-        if claim is not None:
-            await claim.release()
-        raise
-
-
-async def _run(
-    body: GenerateRequest,
-    request: Request,
-    runtime: Runtime,
-    tenant_id: str,
-    engine: Engine,
-    key: KeyVersion,
-    prompt_ids: list[int],
-    claim: gen.IdempotencyClaim | None,
-) -> Any:
-    message_id = None
-    if body.metadata is not None:
-        payload, message_id = await gen.allocate(
-            runtime, tenant_id, key, body.metadata, body.num_bits
-        )
-    else:
-        assert body.payload is not None
-        p = body.payload
-        payload = gen.parse_payload(p.bits, p.hex, p.integer, p.num_bits)
-    sampling = SamplingConfig(
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        max_new_tokens=body.max_new_tokens,
-        min_new_tokens=body.min_new_tokens,
-        no_repeat_ngram_size=body.no_repeat_ngram_size,
-        seed=body.seed,
-    )
-    sample = gen.submit(runtime, engine, tenant_id, key, prompt_ids, sampling, payload, message_id)
-    if body.stream:
-        return StreamingResponse(
-            _stream(sample, claim, request, engine),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    watcher = asyncio.create_task(gen.watch_disconnect(request, engine, [sample.job]))
-    try:
-        result = await gen.collect(sample, engine)
-    finally:
-        watcher.cancel()
-    response = _response(sample, result)
-    if claim is not None:
-        await claim.remember(response.model_dump(mode="json"))
-    return response
-
-
-def _response(sample: gen.Sample, result: GenerationResult) -> GenerateResponse:
-    job = sample.job
-    text = sample.runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    total = time.perf_counter() - job.enqueued_at
-    n = len(result.token_ids)
-    queue = (job.admitted_at or job.enqueued_at) - job.enqueued_at
-    ttft = job.first_token_at - job.enqueued_at if job.first_token_at else None
-    gen_time = (job.last_token_at or 0) - (job.admitted_at or 0)
-    return GenerateResponse(
-        text=text,
-        num_tokens=n,
-        finish_reason="eos" if result.finish_reason == "eos" else "length",
-        payload=PayloadOut(
-            bits=sample.payload.bits,
-            hex=format(sample.payload.to_int(), "x"),
-            num_bits=sample.payload.num_bits,
-        ),
-        message_id=sample.message_id,
-        key_version=sample.key.version,
-        scheme=sample.key.scheme.version,
-        usage=Usage(
-            prompt_tokens=len(sample.prompt_ids),
-            completion_tokens=n,
-            total_tokens=len(sample.prompt_ids) + n,
-        ),
-        timing=Timing(
-            queue_seconds=round(queue, 4),
-            time_to_first_token_seconds=round(ttft, 4) if ttft is not None else None,
-            total_seconds=round(total, 4),
-            tokens_per_second=round(n / gen_time, 2) if gen_time > 0 and n else None,
-        ),
-    )
-
-
-def _sse(data: str, event: str | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {data}\n\n".encode()
-
-
-async def _stream(
-    sample: gen.Sample,
-    claim: gen.IdempotencyClaim | None,
-    request: Request,
-    engine: Engine,
-) -> AsyncIterator[bytes]:
-    deltas = gen.TextDeltas(sample.runtime.tokenizer)
-    try:
-        while True:
-            if await request.is_disconnected():
-                engine.cancel(sample.job)
-                return
-            item = await gen.next_event(sample)
-            if isinstance(item, GenerationResult):
-                response = _response(sample, item)
-                if claim is not None:
-                    await claim.remember(response.model_dump(mode="json"))
-                if rest := deltas.rest(response.text):
-                    # flush a character still held back (the text ended inside it)
-                    yield _sse(json.dumps({"token_id": None, "text": rest}))
-                yield _sse(response.model_dump_json(), "result")
-                break
-            if item.finish == "eos":
-                continue  # the closing EOS is not part of the text
-            yield _sse(json.dumps({"token_id": item.token, "text": deltas.push(item.token)}))
-    except TimeoutError:
-        engine.cancel(sample.job)
-        yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
-    except APIError as exc:
-        yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
-    except Exception:
-        engine.cancel(sample.job)
-        yield _sse(json.dumps(envelope(500, "generation failed", "generation_failed")), "error")
-    finally:
-        if not sample.job.done:
-            engine.cancel(sample.job)
-        if claim is not None:
-            await claim.release()
-    yield b"data: [DONE]\n\n"
-
-
-def _replay(stored: IdempotencyRecord, stream: bool) -> Any:
-    headers = {"Idempotent-Replayed": "true"}
-    if not stream:
-        return JSONResponse(stored.response, status_code=stored.status_code, headers=headers)
-
-    async def events() -> AsyncIterator[bytes]:
-        yield _sse(json.dumps({"token_id": None, "text": stored.response.get("text", "")}))
-        yield _sse(json.dumps(stored.response), "result")
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return await serving.serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key)

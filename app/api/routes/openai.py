@@ -13,9 +13,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant, charge
-from app.api.errors import APIError
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
 from app.api.routes.generate import IdempotencyKey
+from app.core.errors import APIError
 from app.schemas.openai import (
     OPENAI_ERROR_RESPONSES,
     ChatCompletion,
@@ -27,9 +27,8 @@ from app.schemas.openai import (
     ModelCard,
     ModelList,
 )
-from app.services import generation as gen
 from app.services import openai_serving as serving
-from app.stores.base import IdempotencyRecord
+from app.services.runtime import charge
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _STARTED = time.time()
@@ -44,42 +43,6 @@ def _streamed(chunk: type[Any], example: str) -> dict[int | str, dict[str, Any]]
             f"{chunk.__name__} per `data:` event, then `data: [DONE]`.",
         },
     }
-
-
-async def _serve(
-    body: ChatCompletionRequest | CompletionRequest,
-    request: Request,
-    runtime: RuntimeDep,
-    tenant_id: str,
-    engine: EngineDep,
-    idempotency_key: str | None,
-) -> Any:
-    pending = await serving.plan(runtime, body)
-    digest = serving.body_hash(pending)
-    streamed = bool(body.stream)
-    if idempotency_key is not None:
-        stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
-        if stored is not None:
-            return serving.replay(stored, body)
-    gen.ensure_queue_room(runtime, engine, pending.choices)  # before allocating
-    claim = None
-    if idempotency_key is not None:
-        claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
-        if isinstance(claimed, IdempotencyRecord):
-            return serving.replay(claimed, body)
-        claim = claimed
-    try:
-        run = await serving.start(runtime, engine, tenant_id, pending)
-        if streamed:
-            return serving.stream(run, request, engine, claim)
-        response = await serving.complete(run, request, engine)
-        if claim is not None:
-            await claim.remember(response.model_dump(mode="json"))
-        return response
-    except BaseException:
-        if claim is not None:
-            await claim.release()
-        raise
 
 
 @router.post(
@@ -101,7 +64,7 @@ async def chat_completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, body.n or 1)  # one token per sample
-    return await _serve(body, request, runtime, tenant.tenant_id, engine, idempotency_key)
+    return await serving.serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key)
 
 
 @router.post(
@@ -122,7 +85,7 @@ async def completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
-    return await _serve(body, request, runtime, tenant.tenant_id, engine, idempotency_key)
+    return await serving.serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key)
 
 
 @router.get(

@@ -8,53 +8,14 @@ fails, the caller gets a 503 and no answer.
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
 from fastapi import APIRouter
 
 from app.api.deps import InvestigatorDep, RuntimeDep
-from app.api.errors import APIError
-from app.api.routes.detection import check_text, registry_match, token_ids
-from app.core.logging import request_id_var
 from app.schemas.common import ERROR_RESPONSES
-from app.schemas.watermark import (
-    ProvenanceCandidate,
-    ProvenanceMatch,
-    ProvenanceRequest,
-    ProvenanceResponse,
-    TokenScore,
-)
-from app.services.evidence import evidence_block, token_pieces, unmatched_evidence
-from app.services.tenants import ProvenanceOutcome
-from app.stores.base import AuditRecord
-from worldcup_core import WorldCup
+from app.schemas.watermark import ProvenanceRequest, ProvenanceResponse
+from app.services import provenance as search
 
 router = APIRouter(tags=["trust and safety"])
-
-
-def _token_scores(scheme: WorldCup, ids: list[int]) -> list[TokenScore]:
-    """Mean g per group of each scored token under the matching key (admin only:
-    per-token scores show an attacker exactly which tokens carry the watermark)."""
-    evidence = scheme.evidence(ids)
-    means = np.asarray(evidence.ones, dtype=np.float64) / evidence.trials_per_token
-    return [
-        TokenScore(index=i, g_mean=[round(float(x), 4) for x in row])
-        for i, row in zip(scheme.scored_indices(ids), means, strict=True)
-    ]
-
-
-def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
-    entry = outcome.decoded.entry if outcome.decoded is not None else None
-    return {
-        "found": outcome.significant,
-        "tenant_id": outcome.tenant.tenant_id if outcome.tenant else None,
-        "key_version": outcome.key_version,
-        "message_id": entry.message_id if entry is not None else None,
-        "p_value": outcome.result.p_value,
-        "num_keys": outcome.result.num_keys,
-        "num_tokens": outcome.result.num_tokens,
-    }
 
 
 @router.post("/provenance", response_model=ProvenanceResponse, responses=ERROR_RESPONSES)
@@ -63,87 +24,4 @@ async def provenance(
 ) -> ProvenanceResponse:
     """Which tenant, key version and registry entry produced this text, if any.
     ``evidence`` (admin token only) adds the best key's per-token evidence."""
-    if body.include_token_scores and not who.is_admin:
-        raise APIError(403, "per-token scores are for the admin token only", "admin_only")
-    if body.evidence and not who.is_admin:
-        raise APIError(
-            403,
-            "per-token evidence of a provenance search is for the admin token only",
-            "evidence_not_allowed",
-        )
-    settings = runtime.settings
-    pieces: list[str] = []
-    if body.evidence:
-        check_text(runtime, body.text)
-        ids, pieces = await runtime.tenants.offload(
-            lambda: token_pieces(runtime.tokenizer, body.text)
-        )
-    else:
-        ids = await token_ids(runtime, body.text)
-    outcome = await runtime.tenants.provenance(
-        ids, settings.significance, settings.default_num_bits
-    )
-    result = outcome.result
-    match = None
-    if outcome.significant and outcome.decoded is not None and outcome.key_version is not None:
-        assert outcome.scheme is not None and outcome.tenant is not None
-        decoded = outcome.decoded
-        num_bits = decoded.result.num_bits
-        match = ProvenanceMatch(
-            tenant_id=outcome.tenant.tenant_id,
-            tenant_name=outcome.tenant.name,
-            key_version=outcome.key_version,
-            key_p_value=10.0**result.best.log10_p_value if result.best else 1.0,
-            bits=decoded.result.bits,
-            num_bits=num_bits,
-            registry_entry=registry_match(runtime, outcome.scheme, num_bits, decoded),
-        )
-    candidates = [
-        ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)
-        for t, v, log10_p in outcome.candidates
-    ]
-    await runtime.store.append_audit(
-        AuditRecord(
-            at=time.time(),
-            actor=who.actor,
-            action="provenance",
-            request_id=request_id_var.get(),
-            outcome={**_outcome_summary(outcome), "evidence": body.evidence},
-        )
-    )
-    scores = None
-    if body.include_token_scores and outcome.scheme is not None:
-        scores = _token_scores(outcome.scheme, ids)
-    evidence = None
-    if body.evidence:
-        best, best_decode = outcome.scheme, outcome.decoded
-        if best is not None and best_decode is not None:
-            found = best_decode.result
-            evidence = await runtime.tenants.offload(
-                lambda: evidence_block(best, ids, pieces, found)
-            )
-        else:
-            evidence = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
-    per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None
-    return ProvenanceResponse(
-        found=outcome.significant,
-        message=(
-            f"watermarked for tenant {outcome.tenant.name!r}"
-            if outcome.significant and outcome.tenant is not None
-            else "no watermark found"
-        ),
-        p_value=result.p_value,
-        num_keys=result.num_keys,
-        num_tenants=outcome.num_tenants,
-        num_tokens=result.num_tokens,
-        num_scored_tokens=result.num_scored_tokens,
-        significance=settings.significance,
-        match=match,
-        candidates=candidates,
-        scan_seconds=round(outcome.scan_seconds, 6),
-        scan_ms_per_1000_keys=round(1000.0 * per_1000, 3) if per_1000 is not None else None,
-        screened=result.screened,
-        num_full_scans=result.num_full_scans,
-        token_scores=scores,
-        evidence=evidence,
-    )
+    return await search.provenance(runtime, who, body)

@@ -1,0 +1,67 @@
+"""What the lifespan builds once and every request shares, and the per-tenant rate
+limit every route charges against it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from app.core.config import Settings
+from app.core.errors import APIError
+from app.core.metrics import Metrics
+from app.engines.base import Engine
+from app.services.cpu import CpuPool, offload
+from app.services.probes import ProbeAccountant
+from app.services.tenants import TenantService
+from app.services.watermark import WatermarkService
+from app.stores.base import Store, TenantRecord
+
+T = TypeVar("T")
+
+
+@dataclass
+class Runtime:
+    """What the lifespan builds once and every request shares."""
+
+    settings: Settings
+    metrics: Metrics
+    store: Store
+    tenants: TenantService  # tenants, API keys, key versions
+    watermark: WatermarkService  # decode, detect, provenance (and the CPU pool)
+    tokenizer: Any
+    model_id: str
+    engine: Engine | None = None  # None in the detector role
+    probes: ProbeAccountant | None = None
+    warm: bool = False
+    draining: bool = False
+    marker: str | None = None  # the store's marker, once seen (see /ready)
+    cpu: CpuPool | None = None  # the bounded worker pool of requests' CPU work
+
+    async def offload(self, fn: Callable[[], T]) -> T:
+        """Run a request's CPU work (tokenising, scoring) off the event loop."""
+        return await offload(self.cpu, fn)
+
+
+async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:
+    """Take ``cost`` tokens from the tenant's bucket (in the store, so every replica
+    shares it) or answer 429 with Retry-After. A cost above the burst is capped at
+    the burst: a full bucket always admits one maximal batch."""
+    settings = runtime.settings
+    if settings.rate_limit_per_s <= 0:
+        return
+    burst = settings.rate_limit_burst
+    decision = await runtime.store.take_tokens(
+        tenant.tenant_id, settings.rate_limit_per_s, burst, min(cost, burst)
+    )
+    if not decision.allowed:
+        runtime.metrics.rejections.labels("rate_limited").inc()
+        retry = max(1, math.ceil(decision.retry_after_s))
+        raise APIError(
+            429,
+            f"rate limit exceeded ({settings.rate_limit_per_s:g} requests/s, burst {burst}); "
+            f"retry in {retry} s",
+            "rate_limited",
+            {"Retry-After": str(retry)},
+        )

@@ -1,0 +1,135 @@
+"""The app is layered, and no import runs back up a layer.
+
+From the bottom: ``core`` and ``schemas`` (shapes and shared types, importing nothing
+else of the app), ``stores``, then ``services`` with ``engines`` beside them, then
+``api`` with the ``console`` beside it, and ``main``/``server`` on top. A module may
+import its own layer or any layer below it, never one above. Every import is read
+from the source (``ast``), lazy and ``TYPE_CHECKING`` ones included, so a function-
+local import cannot slip an arrow past the test.
+
+The scan (``worldcup_scan``) runs without the web stack: it may use ``app.core`` and
+``app.stores`` (through the shared helpers there), never FastAPI or the layers above.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LAYERS: dict[str, int] = {
+    "app.core": 0,
+    "app.schemas": 0,
+    "app.stores": 1,
+    "app.engines": 2,
+    "app.services": 2,
+    "app.api": 3,
+    "app.console": 3,
+    "app.main": 4,
+    "app.server": 4,
+    "app": 4,  # the package itself (app/__init__.py)
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of an ``app`` module (the longest matching prefix); None outside app."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    return None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``source``; ``from a import b`` yields
+    ``a.b`` (b may be a module: ``from app.services import generation``)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def upward_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Every import in ``source`` that reaches a layer above ``module``'s."""
+    own = layer_of(module)
+    assert own is not None, module
+    bad = []
+    for line, target in imported_modules(source, module, is_package):
+        theirs = layer_of(target)
+        if theirs is not None and theirs > own:
+            bad.append(f"{module}:{line} imports {target} (layer {theirs} > {own})")
+    return bad
+
+
+def app_modules() -> list[Path]:
+    return sorted((ROOT / "app").rglob("*.py"))
+
+
+def test_every_app_module_has_a_layer() -> None:
+    paths = app_modules()
+    assert len(paths) > 30  # the walk found the app, not an empty folder
+    missing = [module_name(p) for p in paths if layer_of(module_name(p)) is None]
+    assert missing == []
+
+
+def test_no_app_import_runs_up_a_layer() -> None:
+    bad: list[str] = []
+    for path in app_modules():
+        name = module_name(path)
+        bad += upward_imports(path.read_text(), name, path.name == "__init__.py")
+    assert bad == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("app.services.generation", "from app.api.deps import Runtime\n", 1),
+        ("app.services.tenants", "def f():\n    import app.api.errors\n", 1),
+        ("app.core.errors", "from app.stores.base import Store\n", 1),
+        ("app.stores.base", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+         "    from app.services.runtime import Runtime\n", 1),
+        ("app.services.detection", "from . import tenants\nfrom ..api import deps\n", 1),
+        ("app.api.routes.detection", "from app.services.watermark import decode\n", 0),
+        ("app.engines.hf", "from app.services.cpu import CpuPool\n", 0),  # beside
+        ("app.core.config", "import fastapi\nfrom worldcup_core import WorldCup\n", 0),
+    ],
+)  # fmt: skip
+def test_the_check_catches_an_upward_import(module: str, source: str, expected: int) -> None:
+    """The check itself can fail: a planted upward import is reported, a downward or
+    sideways one is not."""
+    assert len(upward_imports(source, module)) == expected
+
+
+def test_the_scan_does_not_need_the_web_stack() -> None:
+    """worldcup_scan reads keys through app.core and app.stores, never FastAPI,
+    Starlette or the app's services and routes."""
+    bad = []
+    for path in sorted((ROOT / "worldcup_scan").rglob("*.py")):
+        name = module_name(path)
+        for line, target in imported_modules(path.read_text(), name, path.name == "__init__.py"):
+            top = target.split(".")[0]
+            layer = layer_of(target)
+            if top in {"fastapi", "starlette"} or (layer is not None and layer > 1):
+                bad.append(f"{name}:{line} imports {target}")
+    assert bad == []
