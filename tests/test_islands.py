@@ -5,12 +5,15 @@ Per-token z is mean 0 / variance 1 outside the watermark and has a positive mean
 two ways: z drawn directly (many trials: the tolerance is a measured rate), and
 tokens generated with the real scheme and scored with :func:`text_evidence`.
 
-Tolerance, per boundary, as measured at 200 trials (docs/console.md quotes it):
-at the scheme's own strength (mu ~ 1) 90 % of boundaries are within 15 tokens;
-a weak watermark (mu = 0.5) within 40 tokens of a single span in 80 % of trials.
+Tolerance, per boundary, measured over 5 seeds x 200 trials (docs/console.md quotes
+it): at the scheme's own strength (mu ~ 1), 91-98 % of boundaries are within 15
+tokens; a weak watermark (mu = 0.5), 85-94 % within 40 tokens. The tests assert
+85 % and 80 %, on fixed seeds.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import pytest
@@ -48,10 +51,10 @@ def _boundary_errors(found: list[tuple[int, int]], spans: list[tuple[int, int]])
 @pytest.mark.parametrize(
     ("name", "length", "spans", "mu", "tolerance", "rate"),
     [
-        ("fully watermarked", 132, [(0, 131)], 1.0, 15, 0.9),
-        ("human, watermarked, human", 260, [(43, 175)], 1.0, 15, 0.9),
-        ("watermarked at both ends", 300, [(0, 79), (220, 299)], 1.0, 15, 0.9),
-        ("short text", 40, [(0, 39)], 1.0, 15, 0.9),
+        ("fully watermarked", 132, [(0, 131)], 1.0, 15, 0.85),
+        ("human, watermarked, human", 260, [(43, 175)], 1.0, 15, 0.85),
+        ("watermarked at both ends", 300, [(0, 79), (220, 299)], 1.0, 15, 0.85),
+        ("short text", 40, [(0, 39)], 1.0, 15, 0.85),
         ("weak, fully watermarked", 132, [(0, 131)], 0.5, 40, 0.8),
         ("weak, human-watermarked-human", 260, [(43, 175)], 0.5, 40, 0.8),
     ],
@@ -59,7 +62,7 @@ def _boundary_errors(found: list[tuple[int, int]], spans: list[tuple[int, int]])
 def test_islands_cover_known_spans(
     name: str, length: int, spans: list[tuple[int, int]], mu: float, tolerance: int, rate: float
 ) -> None:
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # fixed: str hashes vary by run
     errors: list[int] = []
     counts = []
     for _ in range(TRIALS):
