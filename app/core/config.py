@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     debug_log_prompts: bool = False
 
     # engine: "hf" (our batching loop, the embedded default) or "vllm" (needs the
-    # [vllm] extra; see README "Running on vLLM")
+    # [vllm] extra; see docs/vllm.md)
     engine: Literal["hf", "vllm"] = "hf"
     # vLLM only (WORLDCUP_ENGINE=vllm); max_batch_size is its max_num_seqs
     vllm_max_model_len: Annotated[int, Field(ge=16)] | None = None  # None: the model's

@@ -222,7 +222,7 @@ class GenerateRequest(StrictRequest):
     no_repeat_ngram_size: Annotated[int, Field(ge=0, le=16)] = Field(
         DEFAULT_NO_REPEAT_NGRAM,
         description="Ban repeating n-grams of this size (0: off). The default is the "
-        "configuration the README's quality figures were measured with.",
+        "configuration docs/evaluation.md's quality figures were measured with.",
     )
     seed: Annotated[int | None, Field(ge=0, le=2**63 - 1)] = None
     payload: PayloadIn | None = None

@@ -7,7 +7,7 @@ is added here is only protocol: the model name, ``n`` samples per prompt (each
 its own registry entry when metadata is allocated), stop strings, and the
 response shapes.
 
-Every completion is watermarked; there is no opt-out (see the README).
+Every completion is watermarked; there is no opt-out (see docs/openai.md).
 """
 
 from __future__ import annotations
