@@ -17,12 +17,12 @@ import zlib
 
 import numpy as np
 import pytest
+from test_evidence import VOCAB, simulate
 
 from worldcup_core import Payload, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.evidence import text_evidence
 from worldcup_core.islands import EXACT_TOKENS, locate_islands
 
-VOCAB = 49152
 TRIALS = 200
 
 
@@ -110,16 +110,6 @@ def scheme() -> WorldCup:
     return WorldCup(WatermarkKey(bytes(range(32))), WatermarkConfig(groups=2))
 
 
-def _generated(wc: WorldCup, payload: Payload, length: int, rng: np.random.Generator) -> list[int]:
-    seq = wc.sequence(payload)
-    for _ in range(length):
-        p = rng.dirichlet(np.ones(50) * 0.5)
-        cand = rng.choice(VOCAB, 50, replace=False)
-        seq.observe(int(cand[rng.choice(50, p=seq.reweight(cand, p))]))
-    tokens: list[int] = seq.generated
-    return tokens
-
-
 @pytest.mark.parametrize("layout", ["human-watermarked-human", "watermarked-human-watermarked"])
 def test_islands_of_real_scheme_text(scheme: WorldCup, layout: str) -> None:
     """Tokens generated with the scheme, pasted between random tokens, scored with the
@@ -128,11 +118,11 @@ def test_islands_of_real_scheme_text(scheme: WorldCup, layout: str) -> None:
     payload = Payload.random(16, rng)
     human = rng.integers(0, VOCAB, 150).tolist()
     if layout == "human-watermarked-human":
-        ids = human + _generated(scheme, payload, 120, rng) + rng.integers(0, VOCAB, 150).tolist()
+        ids = human + simulate(scheme, payload, 120, rng) + rng.integers(0, VOCAB, 150).tolist()
         spans = [(150, 269)]
     else:
-        ids = _generated(scheme, payload, 100, rng) + human
-        ids += _generated(scheme, payload, 100, rng)
+        ids = simulate(scheme, payload, 100, rng) + human
+        ids += simulate(scheme, payload, 100, rng)
         spans = [(0, 99), (250, 349)]
     z: list[float | None] = [None] * len(ids)
     for mark in text_evidence(scheme, ids, 16):
