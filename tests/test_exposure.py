@@ -357,6 +357,43 @@ def test_full_keys_have_the_larger_budget(client: TestClient) -> None:
     assert_error(client.post("/detect", json={"text": texts[0]}, headers=auth), 429)
 
 
+def test_refused_batch_items_are_not_scored(
+    app: FastAPI, client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24, point 5: a refused item is fingerprinted and refused before any
+    scoring, so it costs no scoring (or decoding) at all."""
+    watermark = app.state.runtime.watermark
+    scored: list[int] = []
+    decoded: list[int] = []
+    real_detector, real_decode = watermark.detector, watermark.decode_texts
+
+    async def counting_detector(*args: Any, **kwargs: Any) -> Callable[[list[int]], Any]:
+        score = await real_detector(*args, **kwargs)
+
+        def counted(ids: list[int]) -> Any:
+            scored.append(len(ids))
+            return score(ids)
+
+        return counted
+
+    async def counting_decode(tenant_id: str, texts: Any, *args: Any) -> Any:
+        decoded.append(len(texts))
+        return await real_decode(tenant_id, texts, *args)
+
+    monkeypatch.setattr(watermark, "detector", counting_detector)
+    monkeypatch.setattr(watermark, "decode_texts", counting_decode)
+    _, auth = new_tenant(client)  # a full key: budget 6 here
+    texts = [_without_word(TEXT * 3, i) for i in range(10)]
+    r = client.post("/detect/batch", json={"texts": texts}, headers=auth)
+    codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
+    assert codes == [None] * 6 + ["probe_budget_exceeded"] * 4
+    assert len(scored) == 6  # not 10: the four refused items were never scored
+    r = client.post("/decode/batch", json={"texts": texts[:3]}, headers=auth)
+    assert all(i["error"]["code"] == "probe_budget_exceeded" for i in r.json()["results"])
+    assert sum(decoded) == 0  # the spent text is decoded for nobody
+    assert len(scored) == 6
+
+
 def test_sketches_find_near_duplicates_and_only_them() -> None:
     """Statistical: estimated Jaccard of 64 keyed minhashes. Leave-one-out variants
     (true J about 0.97) must always clear SIMILARITY; unrelated texts (J about 0)
