@@ -296,6 +296,59 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
         assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
 
 
+def test_provenance_honours_verdict_and_is_accounted(client: TestClient) -> None:
+    """Issue 24, point 2: a verdict key holding the provenance scope gets a verdict
+    (verdict_of of the search's p-value) and whose key, nothing graded; its queries
+    count against the tenant's probe budget (3 here) and its audit lines name the
+    key. The admin token stays unmetered."""
+    with fixed_watermark_keys(2468):
+        tenant_id, primary = new_tenant(client)
+    body = gen_body(max_new_tokens=96, min_new_tokens=96, seed=7)
+    r = client.post("/generate", json=body, headers=primary)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    grant = {"scopes": ["provenance"]}
+    r = client.put(f"/admin/tenants/{tenant_id}/scopes", json=grant, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    created, verdict = new_key(client, tenant_id, ["provenance"], "verdict")
+    _, analyst = new_key(client, tenant_id, ["provenance"], "full")
+
+    r = client.post("/provenance", json={"text": text}, headers=verdict)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"detail": "verdict", "verdict": "watermarked", "tenant_id": tenant_id}
+    admin = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
+    assert admin["p_value"] < 1e-6 and admin["match"]["tenant_id"] == tenant_id
+    human = client.post("/provenance", json={"text": TEXT}, headers=verdict).json()
+    human_p = client.post("/provenance", json={"text": TEXT}, headers=ADMIN).json()["p_value"]
+    assert human == {"detail": "verdict", "verdict": verdict_of(human_p), "tenant_id": None}
+    for answer in (r.json(), human):
+        assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
+        assert not {"candidates", "num_tokens", "match", "num_keys"} & set(answer)
+    # a full analyst key of the tenant still gets the full answer, counted as well
+    full = client.post("/provenance", json={"text": _without_word(text, 4)}, headers=analyst)
+    assert full.status_code == 200 and full.json()["p_value"] < 1e-6
+    # the tenant's third query of the text: the verdict budget (3) is then spent
+    assert client.post("/provenance", json={"text": text}, headers=verdict).is_success
+    err = assert_error(
+        client.post("/provenance", json={"text": _without_word(text, 6)}, headers=verdict),
+        429,
+        "probe_budget_exceeded",
+    )
+    assert text not in err["message"]
+    # the admin token is unmetered (and audited)
+    for _ in range(4):
+        assert client.post("/provenance", json={"text": text}, headers=ADMIN).is_success
+    audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
+    mine = [e for e in audit if e["actor"] == f"tenant:{tenant_id}"]
+    searches = [e for e in mine if e["action"] == "provenance"]
+    assert [e["outcome"]["key_id"] for e in searches].count(created["key_id"]) == 3
+    refusal = next(e for e in mine if e["action"] == "probe_budget_exceeded")
+    assert refusal["outcome"]["route"] == "provenance"
+    assert refusal["outcome"]["key_id"] == created["key_id"]
+    assert sum(e["action"] == "provenance" and e["actor"] == "admin" for e in audit) >= 6
+    assert created["api_key"] not in str(audit) and text not in str(audit)
+
+
 # --------------------------------------------------------------------------- probes
 def _without_word(text: str, i: int) -> str:
     words = text.split(" ")
