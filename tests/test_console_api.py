@@ -299,3 +299,28 @@ def test_evidence_pieces_rebuild_any_text_exactly(
     tokens = r.json()["evidence"]["tokens"]
     assert "".join(t["text"] for t in tokens) == text
     assert len(tokens) == r.json()["num_tokens"]
+
+
+def test_session_check_is_rate_limited(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 24, point 5: the sign-in check takes a token from the caller's bucket
+    (the API's rate and burst, per client address) before it looks at the credential,
+    so guessing credentials is limited like any API call: 429 after the burst."""
+    settings = make_settings(
+        tiny_model_dir, tmp_path_factory.mktemp("db"), rate_limit_per_s=0.01, rate_limit_burst=3
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        for i in range(3):
+            bad = {"Authorization": f"Bearer wc_not-a-key-{i}"}
+            assert_error(c.get("/console/session", headers=bad), 401)
+        r = c.get("/console/session", headers={"Authorization": "Bearer wc_not-a-key-3"})
+        assert_error(r, 429, "rate_limited")
+        assert 1 <= int(r.headers["Retry-After"]) <= 100
+        # the bucket is the client's: a good credential from the same address waits too
+        assert_error(c.get("/console/session", headers=ADMIN), 429, "rate_limited")
+        # and it is not a tenant's: a tenant's API calls are not charged by it
+        r = c.post("/admin/tenants", json={"name": "limited"}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
+        assert c.post("/detect", json={"text": HUMAN}, headers=auth).status_code == 200

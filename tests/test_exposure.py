@@ -256,8 +256,8 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     text, message_id = r.json()["text"], r.json()["message_id"]
     _, verdict = new_key(client, tenant_id, ["detect", "decode"], "verdict")
 
-    full = client.post("/detect", json={"text": text}, headers=primary).json()
-    assert full["p_value"] < 1e-6  # so the verdict below must be "watermarked"
+    # (the tenant's keys share one probe budget per text, so the full key's check
+    # of this text comes last, below)
     r = client.post("/detect", json={"text": text}, headers=verdict)
     assert r.status_code == 200 and r.json() == {"detail": "verdict", "verdict": "watermarked"}
     r = client.post("/detect", json={"text": TEXT}, headers=verdict)
@@ -282,14 +282,71 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     ]
     assert batch["results"][2]["error"]["code"] == "text_too_long"
     assert batch["num_watermarked"] == 1 and batch["num_errors"] == 1
-    # that was this key's third query of the text (budget 3): the next is refused
+    # that was the tenant's third query of the text (verdict budget 3): the next is
+    # refused, under this key and under another verdict key of the tenant alike
     r = client.post("/decode/batch", json={"texts": [text]}, headers=verdict)
     assert r.json()["results"][0]["error"]["code"] == "probe_budget_exceeded"
     _, verdict2 = new_key(client, tenant_id, ["decode"], "verdict")
     r = client.post("/decode/batch", json={"texts": [text]}, headers=verdict2)
-    assert r.json()["results"][0]["result"]["verdict"] == "watermarked"
+    assert r.json()["results"][0]["error"]["code"] == "probe_budget_exceeded"
+    # a full key's own (larger) budget applies to the same shared count
+    full = client.post("/detect", json={"text": text}, headers=primary).json()
+    assert full["p_value"] < 1e-6  # the verdicts above had to be "watermarked"
     for answer in (batch, r.json(), dec):
         assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
+
+
+def test_provenance_honours_verdict_and_is_accounted(client: TestClient) -> None:
+    """Issue 24, point 2: a verdict key holding the provenance scope gets a verdict
+    (verdict_of of the search's p-value) and whose key, nothing graded; its queries
+    count against the tenant's probe budget (3 here) and its audit lines name the
+    key. The admin token stays unmetered."""
+    with fixed_watermark_keys(2468):
+        tenant_id, primary = new_tenant(client)
+    body = gen_body(max_new_tokens=96, min_new_tokens=96, seed=7)
+    r = client.post("/generate", json=body, headers=primary)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    grant = {"scopes": ["provenance"]}
+    r = client.put(f"/admin/tenants/{tenant_id}/scopes", json=grant, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    created, verdict = new_key(client, tenant_id, ["provenance"], "verdict")
+    _, analyst = new_key(client, tenant_id, ["provenance"], "full")
+
+    r = client.post("/provenance", json={"text": text}, headers=verdict)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"detail": "verdict", "verdict": "watermarked", "tenant_id": tenant_id}
+    admin = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
+    assert admin["p_value"] < 1e-6 and admin["match"]["tenant_id"] == tenant_id
+    human = client.post("/provenance", json={"text": TEXT}, headers=verdict).json()
+    human_p = client.post("/provenance", json={"text": TEXT}, headers=ADMIN).json()["p_value"]
+    assert human == {"detail": "verdict", "verdict": verdict_of(human_p), "tenant_id": None}
+    for answer in (r.json(), human):
+        assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
+        assert not {"candidates", "num_tokens", "match", "num_keys"} & set(answer)
+    # a full analyst key of the tenant still gets the full answer, counted as well
+    full = client.post("/provenance", json={"text": _without_word(text, 4)}, headers=analyst)
+    assert full.status_code == 200 and full.json()["p_value"] < 1e-6
+    # the tenant's third query of the text: the verdict budget (3) is then spent
+    assert client.post("/provenance", json={"text": text}, headers=verdict).is_success
+    err = assert_error(
+        client.post("/provenance", json={"text": _without_word(text, 6)}, headers=verdict),
+        429,
+        "probe_budget_exceeded",
+    )
+    assert text not in err["message"]
+    # the admin token is unmetered (and audited)
+    for _ in range(4):
+        assert client.post("/provenance", json={"text": text}, headers=ADMIN).is_success
+    audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
+    mine = [e for e in audit if e["actor"] == f"tenant:{tenant_id}"]
+    searches = [e for e in mine if e["action"] == "provenance"]
+    assert [e["outcome"]["key_id"] for e in searches].count(created["key_id"]) == 3
+    refusal = next(e for e in mine if e["action"] == "probe_budget_exceeded")
+    assert refusal["outcome"]["route"] == "provenance"
+    assert refusal["outcome"]["key_id"] == created["key_id"]
+    assert sum(e["action"] == "provenance" and e["actor"] == "admin" for e in audit) >= 6
+    assert created["api_key"] not in str(audit) and text not in str(audit)
 
 
 # --------------------------------------------------------------------------- probes
@@ -317,10 +374,11 @@ def test_probe_budget_429_audit_and_metric(client: TestClient) -> None:
     assert "3 near-duplicate queries" in err["message"] and text not in err["message"]
     assert 1 <= int(r.headers["Retry-After"]) <= 3600
     assert_error(client.post("/decode", json={"text": text}, headers=auth), 429)
-    # an unrelated text, and the same text under another key, have budgets of their own
+    # an unrelated text has a budget of its own; another key of the tenant shares
+    # this text's budget
     other_text = "Tides rise twice a day because the moon pulls the oceans toward it."
     assert client.post("/detect", json={"text": other_text}, headers=auth).status_code == 200
-    assert client.post("/detect", json={"text": text}, headers=other).status_code == 200
+    assert_error(client.post("/detect", json={"text": text}, headers=other), 429)
     # batch items count one by one: the first two copies of a new text pass, the
     # third and fourth are refused as items, the spent text is refused too
     fresh = "A lighthouse keeper counted the ships that passed the point every night."
@@ -335,17 +393,62 @@ def test_probe_budget_429_audit_and_metric(client: TestClient) -> None:
     after = metric_value(
         client.get("/metrics").text, "worldcup_probe_budget_exceeded_total", detail="verdict"
     )
-    assert after - before == 4
+    assert after - before == 5
     audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
     mine = [
         e
         for e in audit
         if e["action"] == "probe_budget_exceeded" and e["actor"] == f"tenant:{tenant_id}"
     ]
-    assert [e["outcome"]["refused"] for e in mine] == [2, 1, 1]  # newest first
+    assert [e["outcome"]["refused"] for e in mine] == [2, 1, 1, 1]  # newest first
     assert {e["outcome"]["route"] for e in mine} == {"detect/batch", "decode", "detect"}
     assert all(e["outcome"]["budget"] == 3 and e["request_id"] for e in mine)
     assert text not in str(audit)
+
+
+def test_a_tenants_keys_share_one_budget(client: TestClient) -> None:
+    """Issue 24, point 1: accounted per tenant, audited per key. Two verdict keys of
+    one tenant spend one budget of 3 together; another tenant's budget is its own."""
+    tenant_id, primary = new_tenant(client)
+    first, k1 = new_key(client, tenant_id, ["detect"], "verdict")
+    second, k2 = new_key(client, tenant_id, ["detect", "decode"], "verdict")
+    text = TEXT + " Cold rain fell on the square while the traders packed their stalls."
+    assert client.post("/detect", json={"text": text}, headers=k1).is_success
+    assert client.post("/detect", json={"text": _without_word(text, 2)}, headers=k2).is_success
+    assert client.post("/decode", json={"text": text}, headers=k2).is_success
+    # three queries by two keys: the tenant's verdict budget is spent, for both keys
+    assert_error(client.post("/detect", json={"text": text}, headers=k1), 429)
+    err = assert_error(client.post("/detect", json={"text": text}, headers=k2), 429)
+    assert "all its API keys" in err["message"]
+    # the full key's budget (6) applies to the same shared count of 3
+    for i in range(3):
+        r = client.post("/detect", json={"text": _without_word(text, i)}, headers=primary)
+        assert r.status_code == 200, r.text
+    assert_error(client.post("/detect", json={"text": text}, headers=primary), 429)
+    # another tenant's keys have their own budget for the same text
+    other_id, other_primary = new_tenant(client)
+    _, other_verdict = new_key(client, other_id, ["detect"], "verdict")
+    for headers in (other_verdict, other_verdict, other_primary):
+        assert client.post("/detect", json={"text": text}, headers=headers).is_success
+    # each refusal is audited under the tenant, naming the key that asked (never a secret)
+    audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
+    refusals = [
+        e
+        for e in audit
+        if e["action"] == "probe_budget_exceeded" and e["actor"] == f"tenant:{tenant_id}"
+    ]
+    assert [e["outcome"]["key_id"] for e in refusals] == [
+        primary_key_id(client, tenant_id),
+        second["key_id"],
+        first["key_id"],
+    ]
+    assert not any(e["action"] == "probe_budget_exceeded" for e in audit if other_id in str(e))
+    assert first["api_key"] not in str(audit) and second["api_key"] not in str(audit)
+
+
+def primary_key_id(client: TestClient, tenant_id: str) -> str:
+    keys = client.get(f"/admin/tenants/{tenant_id}/api-keys", headers=ADMIN).json()["keys"]
+    return str(keys[0]["key_id"])  # oldest first: the key made with the tenant
 
 
 def test_full_keys_have_the_larger_budget(client: TestClient) -> None:
@@ -355,6 +458,43 @@ def test_full_keys_have_the_larger_budget(client: TestClient) -> None:
     codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
     assert codes == [None] * 6 + ["probe_budget_exceeded"] * 2
     assert_error(client.post("/detect", json={"text": texts[0]}, headers=auth), 429)
+
+
+def test_refused_batch_items_are_not_scored(
+    app: FastAPI, client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24, point 5: a refused item is fingerprinted and refused before any
+    scoring, so it costs no scoring (or decoding) at all."""
+    watermark = app.state.runtime.watermark
+    scored: list[int] = []
+    decoded: list[int] = []
+    real_detector, real_decode = watermark.detector, watermark.decode_texts
+
+    async def counting_detector(*args: Any, **kwargs: Any) -> Callable[[list[int]], Any]:
+        score = await real_detector(*args, **kwargs)
+
+        def counted(ids: list[int]) -> Any:
+            scored.append(len(ids))
+            return score(ids)
+
+        return counted
+
+    async def counting_decode(tenant_id: str, texts: Any, *args: Any) -> Any:
+        decoded.append(len(texts))
+        return await real_decode(tenant_id, texts, *args)
+
+    monkeypatch.setattr(watermark, "detector", counting_detector)
+    monkeypatch.setattr(watermark, "decode_texts", counting_decode)
+    _, auth = new_tenant(client)  # a full key: budget 6 here
+    texts = [_without_word(TEXT * 3, i) for i in range(10)]
+    r = client.post("/detect/batch", json={"texts": texts}, headers=auth)
+    codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
+    assert codes == [None] * 6 + ["probe_budget_exceeded"] * 4
+    assert len(scored) == 6  # not 10: the four refused items were never scored
+    r = client.post("/decode/batch", json={"texts": texts[:3]}, headers=auth)
+    assert all(i["error"]["code"] == "probe_budget_exceeded" for i in r.json()["results"])
+    assert sum(decoded) == 0  # the spent text is decoded for nobody
+    assert len(scored) == 6
 
 
 def test_sketches_find_near_duplicates_and_only_them() -> None:

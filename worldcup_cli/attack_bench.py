@@ -18,8 +18,10 @@ one batch and keeps one of them:
   once any answer is not ``watermarked``.
 
 Both stop when every query of a round was refused (probe budget), or after
-``max_queries`` queries. The final text is then scored by a fresh ``full`` key:
-"survived" means p < 0.01 there.
+``max_queries`` queries. The final text is then scored by the admin's
+``/provenance`` (unmetered): "survived" means p < 0.01 there. The tenant's
+keys share one probe budget per text, so with budgets on the ``verdict`` run
+starts where the ``full`` run left that budget.
 """
 
 from __future__ import annotations
@@ -129,8 +131,11 @@ async def _new_key(
     return {"Authorization": f"Bearer {r.json()['api_key']}"}
 
 
-async def _score(client: Any, auth: dict[str, str], text: str) -> float:
-    r = await client.post("/detect", json={"text": text}, headers=auth)
+async def _score(client: Any, admin: dict[str, str], text: str) -> float:
+    """The judge: the admin's /provenance, unmetered (the tenant's probe budget, shared
+    by all its keys, may be spent by the attack). One tenant with one key version is
+    searched, so its p-value is the tenant key's own."""
+    r = await client.post("/provenance", json={"text": text}, headers=admin)
     r.raise_for_status()
     return float(r.json()["p_value"])
 
@@ -179,8 +184,7 @@ async def _phase(
             started = time.perf_counter()
             run = await _attack(client, auth, text, detail, max_queries, seed=1)
             run["seconds"] = round(time.perf_counter() - started, 1)
-            judge = await _new_key(client, admin, tenant_id, "full")
-            p_final = await _score(client, judge, run.pop("final_text"))
+            p_final = await _score(client, admin, run.pop("final_text"))
             rows.append(
                 {
                     "key": detail,
@@ -191,8 +195,7 @@ async def _phase(
                 }
             )
         if not budgets:
-            judge = await _new_key(client, admin, tenant_id, "full")
-            state["initial_p_value"] = await _score(client, judge, text)
+            state["initial_p_value"] = await _score(client, admin, text)
     return rows
 
 

@@ -119,7 +119,7 @@ async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> I
     _check_scope(principal, PROVENANCE_SCOPE)
     tenant = principal.tenant
     await charge(runtime, tenant)
-    return Investigator(f"tenant:{tenant.tenant_id}", False)
+    return Investigator(f"tenant:{tenant.tenant_id}", False, principal)
 
 
 def require_generator(runtime: RuntimeDep) -> Engine:

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import Credentials, RuntimeDep, get_principal, is_admin
 from app.schemas.common import StrictModel
+from app.services.runtime import charge_client
 from worldcup_core import __version__
 
 __all__ = ["SECURITY_HEADERS", "ConsoleHeaders", "install_console"]
@@ -124,9 +125,13 @@ class ConsoleSession(StrictModel):
 
 
 @router.get("/session", response_model=ConsoleSession)
-async def console_session(runtime: RuntimeDep, credentials: Credentials) -> ConsoleSession:
-    """Who the pasted credential is (the sign-in check): nothing is charged or logged,
-    and nothing secret is returned."""
+async def console_session(
+    request: Request, runtime: RuntimeDep, credentials: Credentials
+) -> ConsoleSession:
+    """Who the pasted credential is (the sign-in check): rate-limited per client
+    address (the API's rate and burst; a bad credential costs a token too, so it
+    cannot be guessed at will); nothing is logged, and nothing secret is returned."""
+    await charge_client(runtime, request.client.host if request.client else None)
     if is_admin(runtime, credentials):
         return ConsoleSession(role="admin", scopes=["provenance"])
     principal = await get_principal(runtime, credentials)

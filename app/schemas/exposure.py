@@ -44,6 +44,20 @@ class DetectVerdict(StrictModel):
     )
 
 
+class ProvenanceVerdict(StrictModel):
+    """/provenance under a ``verdict`` key holding the ``provenance`` scope: the verdict
+    of the search (its Šidák-corrected p-value) and, for ``watermarked``, whose key;
+    no p-values, bits, token counts or runner-ups."""
+
+    detail: Literal["verdict"] = "verdict"
+    verdict: Verdict = Field(
+        description="watermarked: p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."
+    )
+    tenant_id: str | None = Field(
+        None, description="The tenant whose key matched, when the verdict is watermarked."
+    )
+
+
 class VerdictRegistryMatch(StrictModel):
     message_id: int
     metadata: dict[str, Any]

@@ -428,15 +428,17 @@ async def detect_batch(
     scorer = await runtime.watermark.detector(tenant.tenant_id, runtime.settings.significance)
     sketcher = _sketcher(runtime, principal)
 
-    def work() -> tuple[list[Sketch | None] | None, list[DetectOutcome]]:
+    def fingerprint() -> tuple[list[list[int]], list[Sketch | None] | None]:
         ids = encode_texts(runtime.tokenizer, chosen)
-        return (sketcher(ids) if sketcher else None), [scorer(t) for t in ids]
+        return ids, (sketcher(ids) if sketcher else None)
 
-    sketches, scored = await runtime.offload(work)
+    ids, sketches = await runtime.offload(fingerprint)
     decisions = await _account_sketches(runtime, principal, "detect/batch", sketches)
     if sketches is None:
-        decisions = [ProbeDecision(True, 0, 0.0)] * len(scored)
-    good, outcomes = _keep_allowed(runtime, principal, good, scored, decisions, errors)
+        decisions = [ProbeDecision(True, 0, 0.0)] * len(ids)
+    # only the items the budget allows are scored: a refused item costs no scoring
+    good, allowed = _keep_allowed(runtime, principal, good, ids, decisions, errors)
+    outcomes = await runtime.offload(lambda: [scorer(t) for t in allowed]) if allowed else []
     answers = [_detect_response(runtime, o) for o in outcomes]
     items, watermarked = _batch_results(
         principal, len(body.texts), good, answers, errors, _detect_verdict

@@ -6,7 +6,8 @@ an API key is fingerprinted here from the (context, token) pairs a detector
 scores (token 3-grams for the default context width c = 2, each once, so the
 first c tokens and repeated contexts do not count, as in scoring), with a
 MinHash sketch of 64 values. A query whose estimated Jaccard similarity with
-a cluster of recent queries under the same key is at least
+a cluster of recent queries under the same tenant (any of its keys: the
+clusters are the tenant's, shared by its keys) is at least
 :data:`SIMILARITY` counts against that cluster's budget (sliding window in
 the store, shared by replicas); unrelated texts start clusters of their own.
 Candidates are found by LSH (16 bands of 4 values: a 0.7-similar query is
@@ -14,6 +15,13 @@ found with probability 0.988, a 0.95-similar one always in practice) and
 checked against the stored sketch. A matched query whose similarity is below
 0.9 moves the cluster's sketch to itself, so a text that drifts word by word
 stays in one cluster.
+
+Accounted per tenant, audited per key: a tenant with N keys has one budget per
+text, not N. The limit applied to a query is its own key's detail-level budget
+(``verdict`` or ``full``) against the tenant's shared count, so a ``verdict``
+key is refused once the tenant's keys together asked its (smaller) budget's
+worth about a text, while a ``full`` key may go on to the ``full`` budget. The
+audit line of a refusal names the key id (never its secret).
 
 Why a small keyed MinHash and not ``datasketch``: the hash functions are
 keyed with a secret derived from the master key, so nobody can compute
@@ -50,6 +58,7 @@ MOVE_BELOW = 0.9  # a matched query less similar than this becomes the cluster's
 CONTEXT_WIDTH = 2  # the default c: a scored pair is (2 previous tokens, token)
 _ID_BITS = 21  # token ids below 2**21 pack three to a uint64
 _ID_MASK = np.uint64((1 << _ID_BITS) - 1)
+TENANT_ACCOUNT = "tenant"  # the store's account id: one set of clusters per tenant
 
 
 def probe_secret(master_key: bytes) -> bytes:
@@ -105,7 +114,7 @@ def sketch_tokens(token_ids: Sequence[int], keys: NDArray[np.uint64]) -> Sketch 
 
 
 class ProbeAccountant:
-    """Counts detect/decode queries against per-text budgets in the store."""
+    """Counts detect/decode queries against per-text budgets of a tenant in the store."""
 
     def __init__(
         self,
@@ -136,14 +145,16 @@ class ProbeAccountant:
         self, tenant_id: str, key_id: str, detail: str, sketches: Sequence[Sketch | None]
     ) -> list[ProbeDecision]:
         """One decision per query, in order (a batch's near-copies of each other count
-        against one budget). A budget of 0 turns accounting off for that detail level."""
+        against one budget). The clusters are the tenant's, shared by all its keys;
+        ``key_id`` only names the caller. A budget of 0 turns accounting off for that
+        detail level."""
         budget = self.budget(detail)
         decisions = []
         for sketch in sketches:
             if budget <= 0 or sketch is None:
                 decisions.append(ProbeDecision(True, 0, 0.0))
                 continue
-            candidates = await self.store.probe_candidates(tenant_id, key_id, sketch.bands)
+            candidates = await self.store.probe_candidates(tenant_id, TENANT_ACCOUNT, sketch.bands)
             best_id, best = None, 0.0
             for cluster_id, raw in candidates:
                 sim = sketch.similarity(raw)
@@ -156,7 +167,7 @@ class ProbeAccountant:
             decisions.append(
                 await self.store.probe_hit(
                     tenant_id,
-                    key_id,
+                    TENANT_ACCOUNT,
                     cluster_id,
                     sketch.values.tobytes() if move else None,
                     sketch.bands if move else [],
@@ -200,7 +211,7 @@ class ProbeAccountant:
     def budget_message(self, detail: str) -> str:
         return (
             f"this text's probe budget is spent ({self.budget(detail)} near-duplicate queries "
-            f"per {self.window_s:g} s under this API key)"
+            f"per {self.window_s:g} s for this tenant, all its API keys together)"
         )
 
     def refusal(self, detail: str, decisions: Sequence[ProbeDecision]) -> APIError:

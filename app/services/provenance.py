@@ -4,6 +4,11 @@ For trust-and-safety: the admin token, or a tenant API key granted the
 ``provenance`` scope. Every query is written to the audit log (who, when, what
 was found; never the text) *before* the answer is sent: if the audit write
 fails, the caller gets a 503 and no answer.
+
+A tenant key's queries count against the tenant's probe budget like ``/detect``
+(route ``provenance``), its audit lines name the key, and a ``verdict`` key gets
+a verdict only (:func:`app.schemas.exposure.verdict_of` of the search's
+p-value). The admin token is unmetered (and audited).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
+from app.schemas.exposure import ProvenanceVerdict, verdict_of
 from app.schemas.watermark import (
     ProvenanceCandidate,
     ProvenanceMatch,
@@ -22,9 +28,18 @@ from app.schemas.watermark import (
     ProvenanceResponse,
     TokenScore,
 )
-from app.services.detection import check_text, registry_match, token_ids, token_pieces
+from app.services.detection import (
+    _admit_one,
+    _sketcher,
+    check_text,
+    encode_texts,
+    registry_match,
+    token_pieces,
+)
 from app.services.evidence import evidence_block, unmatched_evidence
+from app.services.probes import Sketch
 from app.services.runtime import Runtime
+from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
@@ -36,6 +51,15 @@ class Investigator:
 
     actor: str  # "admin" or "tenant:<id>", as written to the audit log
     is_admin: bool
+    principal: Principal | None = None  # the tenant's API key; None for the admin
+
+    @property
+    def key_id(self) -> str | None:
+        return None if self.principal is None else self.principal.key.key_id
+
+    @property
+    def is_verdict(self) -> bool:
+        return self.principal is not None and self.principal.key.detail == "verdict"
 
 
 def _token_scores(scheme: WorldCup, ids: list[int]) -> list[TokenScore]:
@@ -62,9 +86,26 @@ def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
     }
 
 
+async def _tenant_ids(runtime: Runtime, who: Investigator, text: str) -> list[int]:
+    """Tokenise (and, for a tenant key, fingerprint) in one worker job; a tenant key's
+    query is then counted against the tenant's probe budget, or refused with a 429."""
+    check_text(runtime, text)
+    principal = who.principal
+    sketcher = _sketcher(runtime, principal) if principal is not None else None
+
+    def work() -> tuple[list[int], list[Sketch | None] | None]:
+        ids = encode_texts(runtime.tokenizer, [text])
+        return ids[0], (sketcher(ids) if sketcher else None)
+
+    ids, sketches = await runtime.offload(work)
+    if principal is not None:
+        await _admit_one(runtime, principal, "provenance", sketches)
+    return ids
+
+
 async def provenance(
     runtime: Runtime, who: Investigator, body: ProvenanceRequest
-) -> ProvenanceResponse:
+) -> ProvenanceResponse | ProvenanceVerdict:
     """Which tenant, key version and registry entry produced this text, if any;
     ``evidence`` (admin token only) adds the best key's per-token evidence."""
     if body.include_token_scores and not who.is_admin:
@@ -81,7 +122,7 @@ async def provenance(
         check_text(runtime, body.text)
         ids, pieces = await runtime.offload(lambda: token_pieces(runtime.tokenizer, body.text))
     else:
-        ids = await token_ids(runtime, body.text)
+        ids = await _tenant_ids(runtime, who, body.text)
     outcome = await runtime.watermark.provenance(
         ids, settings.significance, settings.default_num_bits
     )
@@ -110,9 +151,20 @@ async def provenance(
             actor=who.actor,
             action="provenance",
             request_id=request_id_var.get(),
-            outcome={**_outcome_summary(outcome), "evidence": body.evidence},
+            outcome={
+                **_outcome_summary(outcome),
+                "evidence": body.evidence,
+                **({"key_id": who.key_id} if who.key_id is not None else {}),
+                **({"detail": "verdict"} if who.is_verdict else {}),
+            },
         )
     )
+    if who.is_verdict:
+        verdict = verdict_of(result.p_value)
+        owner = outcome.tenant.tenant_id if outcome.tenant is not None else None
+        return ProvenanceVerdict(
+            verdict=verdict, tenant_id=owner if verdict == "watermarked" else None
+        )
     scores = None
     if body.include_token_scores and outcome.scheme is not None:
         scores = _token_scores(outcome.scheme, ids)

@@ -3,6 +3,7 @@ limit every route charges against it."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,12 +49,30 @@ async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:
     """Take ``cost`` tokens from the tenant's bucket (in the store, so every replica
     shares it) or answer 429 with Retry-After. A cost above the burst is capped at
     the burst: a full bucket always admits one maximal batch."""
+    await _take(runtime, tenant.tenant_id, cost)
+
+
+def client_bucket(host: str | None) -> str:
+    """The rate bucket of an unauthenticated caller (the console's sign-in check), by
+    its address: hashed (an IPv6 ':' may not appear in a bucket id) and prefixed
+    with ``client-`` so it can never be a tenant id (those are bare hex)."""
+    digest = hashlib.sha256((host or "unknown").encode()).hexdigest()[:24]
+    return f"client-{digest}"
+
+
+async def charge_client(runtime: Runtime, host: str | None) -> None:
+    """The tenant rate limit's bucket, rate and burst, per client address: for checks
+    that come before any credential is known to be good, so a bad one is limited too."""
+    await _take(runtime, client_bucket(host), 1)
+
+
+async def _take(runtime: Runtime, bucket: str, cost: int) -> None:
     settings = runtime.settings
     if settings.rate_limit_per_s <= 0:
         return
     burst = settings.rate_limit_burst
     decision = await runtime.store.take_tokens(
-        tenant.tenant_id, settings.rate_limit_per_s, burst, min(cost, burst)
+        bucket, settings.rate_limit_per_s, burst, min(cost, burst)
     )
     if not decision.allowed:
         runtime.metrics.rejections.labels("rate_limited").inc()

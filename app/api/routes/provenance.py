@@ -12,16 +12,23 @@ from fastapi import APIRouter
 
 from app.api.deps import InvestigatorDep, RuntimeDep
 from app.schemas.common import ERROR_RESPONSES
+from app.schemas.exposure import ProvenanceVerdict
 from app.schemas.watermark import ProvenanceRequest, ProvenanceResponse
 from app.services import provenance as search
 
 router = APIRouter(tags=["trust and safety"])
 
 
-@router.post("/provenance", response_model=ProvenanceResponse, responses=ERROR_RESPONSES)
+@router.post(
+    "/provenance",
+    response_model=ProvenanceResponse | ProvenanceVerdict,
+    responses=ERROR_RESPONSES,
+)
 async def provenance(
     body: ProvenanceRequest, runtime: RuntimeDep, who: InvestigatorDep
-) -> ProvenanceResponse:
+) -> ProvenanceResponse | ProvenanceVerdict:
     """Which tenant, key version and registry entry produced this text, if any.
-    ``evidence`` (admin token only) adds the best key's per-token evidence."""
+    ``evidence`` (admin token only) adds the best key's per-token evidence. A
+    ``verdict`` key gets one word (see VERDICT_LEVELS); a tenant key's queries
+    count against its tenant's probe budget."""
     return await search.provenance(runtime, who, body)
