@@ -136,6 +136,29 @@ class _Collect(logging.Handler):
         self.sink.append(f"{record.getMessage()} {record.__dict__!r}")
 
 
+def _diagnosis(svc: Service, gen: dict[str, Any], dec: dict[str, Any]) -> str:
+    """What a failed round trip needs for its investigation: the decode's figures, the
+    text, the unwatermarked-rows counter and the engine core's warnings and errors (an
+    intermittent weak vLLM text, p 0.04 and 0.0075, was seen twice in CI; see #23's note)."""
+    metrics = [
+        line
+        for line in svc.http.get("/metrics").text.splitlines()
+        if line.startswith("worldcup_unwatermarked_rows_total")
+    ]
+    core = []
+    if svc.log_file is not None and svc.log_file.exists():
+        core = [
+            line
+            for line in svc.log_file.read_text(errors="replace").splitlines()
+            if "ERROR" in line or "WARNING" in line or "WorldCup" in line
+        ][-20:]
+    figures = {k: dec.get(k) for k in ("p_value", "bits", "num_tokens", "num_scored_tokens")}
+    return (
+        f"decode {figures}; payload {gen.get('payload')}; message {gen.get('message_id')}; "
+        f"metrics {metrics}; text {gen.get('text')!r}; engine core: {core}"
+    )
+
+
 def _gen(svc: Service, **kw: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": PROMPTS[0], "max_new_tokens": 16, "seed": 1}
     body.update(kw)
@@ -163,7 +186,7 @@ def test_generate_with_metadata_then_decode_matches_the_registry(service: Servic
         )
         assert r.status_code == 200, r.text
         dec = r.json()
-        assert dec["p_value"] < 1e-6, dec
+        assert dec["p_value"] < 1e-6, _diagnosis(service, gen, dec)
         match = dec["registry_match"]
         assert match is not None and match["message_id"] == gen["message_id"], dec
         assert match["metadata"] == {"user": f"u{i}"}
