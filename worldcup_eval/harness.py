@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from worldcup_core.models import LoadedModel
 from worldcup_eval.cache import BatchCache, write_text_atomic
@@ -372,19 +372,31 @@ def _paraphrase(
         for c in run.plan.attacked
         if c in gen_rows
     }
+    for c, rows in _run_keyed(run, pjobs, "paraphrase", lambda c: f"paraphrase {c.label}"):
+        paraphrases[c] = {r["index"]: r for r in rows}
+    return paraphrases
+
+
+K = TypeVar("K")
+
+
+def _run_keyed(
+    run: _Run, jobs: dict[K, list[Any]], phase: str, label: Callable[[K], str]
+) -> Iterator[tuple[K, list[dict[str, Any]]]]:
+    """Run every key's jobs as one phase; yield the rows of each key whose jobs are all
+    done, and record the others as missing (``label`` names them in the report)."""
     done, _ = _execute(
-        [j for js in pjobs.values() for j in js],
+        [j for js in jobs.values() for j in js],
         run.cache,
         run.reporter,
-        "paraphrase",
+        phase,
         not run.report_only,
     )
-    for c, js in pjobs.items():
+    for key, js in jobs.items():
         if all(j.path in done for j in js):
-            paraphrases[c] = {r["index"]: r for j in js for r in done[j.path]["rows"]}
+            yield key, [r for j in js for r in done[j.path]["rows"]]
         else:
-            run.missing.append(f"paraphrase {c.label}")
-    return paraphrases
+            run.missing.append(label(key))
 
 
 def _score(
@@ -415,18 +427,10 @@ def _score(
         if c in gen_rows
         for n in lengths
     }
-    done, _ = _execute(
-        [j for js in sjobs.values() for j in js],
-        run.cache,
-        run.reporter,
-        "scorer",
-        not run.report_only,
-    )
-    for cn, js in sjobs.items():
-        if all(j.path in done for j in js):
-            scorer_lp[cn] = {r["index"]: r["logprobs"] for j in js for r in done[j.path]["rows"]}
-        else:
-            run.missing.append(f"scorer {cn[0].label} at {cn[1]} tokens")
+    for cn, rows in _run_keyed(
+        run, sjobs, "scorer", lambda cn: f"scorer {cn[0].label} at {cn[1]} tokens"
+    ):
+        scorer_lp[cn] = {r["index"]: r["logprobs"] for r in rows}
     return scorer_lp
 
 

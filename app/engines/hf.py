@@ -71,7 +71,6 @@ class HFEngine:
         max_queue: int,
     ) -> None:
         self._batch = ContinuousBatch(model, eos_token_ids, pad_token_id)
-        self._pad = pad_token_id
         self._metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -217,7 +216,7 @@ class HFEngine:
         with self._cond:
             jobs = list(self._active.values())
             self._active.clear()
-            self._batch = ContinuousBatch(self._batch.model, self._batch.eos, self._pad)
+            self._batch = ContinuousBatch(self._batch.model, self._batch.eos, self._batch.pad)
         for job in jobs:
             job.done = True
             job._push(exc)
