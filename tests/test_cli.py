@@ -103,6 +103,7 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     verdict = json.loads(det.stdout)
     assert set(verdict) >= {"p_value", "z_score", "is_watermarked", "num_scored_tokens"}
     assert verdict["is_watermarked"] and verdict["p_value"] < 1e-6
+    assert verdict["verdict"] == "watermarked"  # worldcup_core.verdict, as the API's
 
     dec = runner.invoke(
         app, ["decode", "--key-file", str(key_file), "--num-bits", "16", "--json"], input=text
@@ -112,7 +113,7 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     assert sum(a == b for a, b in zip(decoded["bits"], payload.bits, strict=True)) >= 14
 
     human = runner.invoke(app, ["detect", "--key-file", str(key_file)], input=text)
-    assert human.exit_code == 0 and human.stdout.startswith("WATERMARKED")
+    assert human.exit_code == 0 and human.stdout.startswith("Watermarked (p = ")
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from worldcup_core import (
 )
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.scheme import WatermarkScheme
+from worldcup_core.verdict import report as verdict_report
 
 app = typer.Typer(
     help="WorldCup multi-bit watermarking for LLM text.",
@@ -445,11 +446,12 @@ def detect(
         "significance": det.significance,
         "paper_z_score": det.paper_z_score,
     }
-    verdict = "WATERMARKED" if det.is_watermarked else "not watermarked"
+    said = verdict_report(det.p_value, "detect")  # the project's one verdict function
+    out["verdict"] = said.verdict
     _emit(
         as_json,
         out,
-        f"{verdict}  p={det.p_value:.3g}  z={det.z_score:.2f}  "
+        f"{said.sentence}  z={det.z_score:.2f}  "
         f"scored {det.num_scored_tokens}/{det.num_tokens} tokens",
     )
 

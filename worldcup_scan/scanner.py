@@ -31,6 +31,7 @@ from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult, RegistryMatch
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
+from worldcup_core.verdict import verdict_of
 from worldcup_scan.inputs import Fields, Part, RawRow, read_part
 from worldcup_scan.keys import ScanKeys
 
@@ -42,6 +43,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("source", "string"),
     ("row", "int64"),
     ("is_watermarked", "bool"),
+    ("verdict", "string"),  # worldcup_core.verdict.verdict_of(p_value), as the API's
     ("p_value", "float64"),
     ("tenant_id", "string"),
     ("tenant_name", "string"),
@@ -146,6 +148,7 @@ class Scanner:
             significant = key_index is not None and p_value < self.spec.significance
             row.update(
                 is_watermarked=significant,
+                verdict=verdict_of(p_value),
                 p_value=p_value,
                 num_tokens=len(ids[j]),
                 num_scored_tokens=scored,

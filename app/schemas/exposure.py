@@ -1,7 +1,8 @@
 """Schemas of API keys (admin routes) and of the ``verdict`` detail level.
 
 A ``verdict`` key sees one of three words per text, at fixed levels of the
-calibrated p-value (see :data:`VERDICT_LEVELS`), and nothing else that is
+calibrated p-value (:mod:`worldcup_core.verdict`, the one verdict function of the
+project, re-exported here), and nothing else that is
 graded: no p-value, z, per-bit values or decoded bits. A removal attack then
 gets one bit per query instead of a score to climb down.
 """
@@ -14,25 +15,24 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from app.schemas.common import StrictModel
+from worldcup_core.verdict import (
+    VERDICT_CLEAN_FROM,
+    VERDICT_LEVELS,
+    VERDICT_WATERMARKED_BELOW,
+    Verdict,
+    verdict_of,
+)
 
 Scope = Literal["generate", "detect", "decode", "provenance"]
 Detail = Literal["full", "verdict"]
-Verdict = Literal["watermarked", "not_watermarked", "inconclusive"]
 
-# Fixed on purpose (not settings): a public checker's answers must mean the same
-# thing everywhere. watermarked: p < 1e-6 (a false accusation at most once in a
-# million unwatermarked texts); not_watermarked: p >= 0.05; inconclusive between.
-VERDICT_WATERMARKED_BELOW = 1e-6
-VERDICT_CLEAN_FROM = 0.05
-VERDICT_LEVELS = {"watermarked": VERDICT_WATERMARKED_BELOW, "not_watermarked": VERDICT_CLEAN_FROM}
-
-
-def verdict_of(p_value: float) -> Verdict:
-    if p_value < VERDICT_WATERMARKED_BELOW:
-        return "watermarked"
-    if p_value >= VERDICT_CLEAN_FROM:
-        return "not_watermarked"
-    return "inconclusive"
+__all__ = [
+    "VERDICT_CLEAN_FROM",
+    "VERDICT_LEVELS",
+    "VERDICT_WATERMARKED_BELOW",
+    "Verdict",
+    "verdict_of",
+]
 
 
 class DetectVerdict(StrictModel):
@@ -65,10 +65,16 @@ class VerdictRegistryMatch(StrictModel):
 
 
 class DecodeVerdict(StrictModel):
-    """/decode under a ``verdict`` key: the verdict and whose text it is, no bits or scores."""
+    """/decode under a ``verdict`` key: the verdict and whose text it is, no bits or scores.
+
+    The verdict is taken from the same statistic as /detect's (message-free detection),
+    so one key's /decode and /detect of one text always agree."""
 
     detail: Literal["verdict"] = "verdict"
-    verdict: Verdict
+    verdict: Verdict = Field(
+        description="Of the message-free detection statistic, as /detect: watermarked: "
+        "p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."
+    )
     registry_match: VerdictRegistryMatch | None
 
 

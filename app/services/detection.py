@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
-from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch, verdict_of
+from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch
 from app.schemas.watermark import (
     BatchItemError,
     BitConfidence,
@@ -37,6 +37,7 @@ from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
 from app.services.watermark import DecodeOutcome, DetectOutcome, corrected
 from app.stores.base import ProbeDecision
+from worldcup_core.verdict import verdict_of
 
 
 def check_text(runtime: Runtime, text: str) -> None:
@@ -292,10 +293,13 @@ def _keep_allowed(
     return kept_good, kept
 
 
-def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
+def _decode_verdict(answer: DecodeResponse, detect_p_value: float) -> DecodeVerdict:
+    """A verdict key's /decode: the verdict of the message-free statistic (``detect_p_value``,
+    the one /detect reports) with the registry entry, so that one key's /decode and
+    /detect of a text cannot disagree (issue 24, point 6)."""
     match = answer.registry_match
     return DecodeVerdict(
-        verdict=verdict_of(answer.p_value),
+        verdict=verdict_of(detect_p_value),
         registry_match=None
         if match is None
         else VerdictRegistryMatch(
@@ -306,6 +310,18 @@ def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
 
 def _detect_verdict(answer: DetectResponse) -> DetectVerdict:
     return DetectVerdict(verdict=verdict_of(answer.p_value))
+
+
+async def detect_p_values(
+    runtime: Runtime, principal: Principal, ids: list[list[int]]
+) -> list[float]:
+    """/detect's message-free statistic for each tokenised text (one worker job)."""
+    if not ids:
+        return []
+    scorer = await runtime.watermark.detector(
+        principal.tenant.tenant_id, runtime.settings.significance
+    )
+    return await runtime.offload(lambda: [scorer(t).p_value for t in ids])
 
 
 def _is_verdict(principal: Principal) -> bool:
@@ -354,7 +370,9 @@ async def decode(
         answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
         )
-    return _decode_verdict(answer) if _is_verdict(principal) else answer
+    if _is_verdict(principal):
+        return _decode_verdict(answer, (await detect_p_values(runtime, principal, [ids]))[0])
+    return answer
 
 
 async def detect(
@@ -400,14 +418,25 @@ async def decode_batch(
         raise _unknown_version(body.key_version) from None
     answers: list[DecodeResponse] = []
     answered: list[int] = []
-    for index, outcome in zip(good, outcomes, strict=True):
+    answered_ids: list[list[int]] = []
+    for index, outcome, text_ids in zip(good, outcomes, ids, strict=True):
         try:
             answers.append(_decode_response(runtime, outcome))
             answered.append(index)
+            answered_ids.append(text_ids)
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)
+    detect_p: dict[int, float] = {}
+    if _is_verdict(principal):  # verdicts of /detect's statistic, as the single route
+        p_values = await detect_p_values(runtime, principal, answered_ids)
+        detect_p = {id(a): p for a, p in zip(answers, p_values, strict=True)}
     items, watermarked = _batch_results(
-        principal, len(body.texts), answered, answers, errors, _decode_verdict
+        principal,
+        len(body.texts),
+        answered,
+        answers,
+        errors,
+        lambda a: _decode_verdict(a, detect_p[id(a)]),
     )
     return DecodeBatchResponse(
         results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in items],

@@ -7,7 +7,7 @@ fails, the caller gets a 503 and no answer.
 
 A tenant key's queries count against the tenant's probe budget like ``/detect``
 (route ``provenance``), its audit lines name the key, and a ``verdict`` key gets
-a verdict only (:func:`app.schemas.exposure.verdict_of` of the search's
+a verdict only (:func:`worldcup_core.verdict.verdict_of` of the search's
 p-value). The admin token is unmetered (and audited).
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
-from app.schemas.exposure import ProvenanceVerdict, verdict_of
+from app.schemas.exposure import ProvenanceVerdict
 from app.schemas.watermark import (
     ProvenanceCandidate,
     ProvenanceMatch,
@@ -43,6 +43,7 @@ from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
+from worldcup_core.verdict import verdict_of
 
 
 @dataclass(frozen=True)
