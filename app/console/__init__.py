@@ -13,6 +13,7 @@ script), no framing and no referrer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from pydantic import Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import Credentials, RuntimeDep, get_principal, is_admin
+from app.api.routes.cases import router as cases_router
 from app.schemas.common import StrictModel
 from app.services.runtime import charge_client
 from worldcup_core import __version__
@@ -112,6 +114,8 @@ async def console_page(request: Request, runtime: RuntimeDep) -> HTMLResponse:
             max_chars=settings.text_chars_limit,
             groups=settings.groups,
             significance=settings.significance,
+            case_id="",
+            batch_limit=settings.console_batch_limit,
         )
     )
 
@@ -122,6 +126,28 @@ class ConsoleSession(StrictModel):
     tenant_name: str | None = None
     scopes: list[str] = Field(default_factory=list)
     detail: str | None = None
+
+
+@page_router.get("/cases/{case_id}", response_class=HTMLResponse)
+async def case_page(case_id: str, request: Request, runtime: RuntimeDep) -> HTMLResponse:
+    """A case's stable link: the console page, which opens the case once signed in
+    (the credential never travels in the link). Who may see it is checked by
+    ``/console/api/cases/{id}``."""
+    settings = runtime.settings
+    return HTMLResponse(
+        render_console(
+            version=__version__,
+            model=runtime.model_id,
+            max_chars=settings.text_chars_limit,
+            groups=settings.groups,
+            significance=settings.significance,
+            case_id=case_id if _CASE_ID.match(case_id) else "",
+            batch_limit=settings.console_batch_limit,
+        )
+    )
+
+
+_CASE_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 
 
 @router.get("/session", response_model=ConsoleSession)
@@ -149,4 +175,5 @@ def install_console(app: Any, dependencies: list[Any]) -> None:
     apply to the session check, not to the page (see ``page_router``)."""
     app.include_router(page_router)
     app.include_router(router, dependencies=dependencies)
+    app.include_router(cases_router, dependencies=dependencies)
     app.mount(PREFIX + "/static", StaticFiles(directory=HERE / "static"), name="console-static")

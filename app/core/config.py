@@ -128,6 +128,11 @@ class Settings(BaseSettings):
     max_batch_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1_048_576
     provenance_refresh_s: Annotated[float, Field(ge=0)] = 30.0
 
+    # console cases (saved checks): forgotten after this many days (0 = kept until
+    # deleted); a console batch upload holds at most console_batch_limit texts
+    console_case_retention_days: Annotated[float, Field(ge=0)] = 90.0
+    console_batch_limit: Annotated[int, Field(ge=1, le=1000)] = 200
+
     # per-tenant token bucket, shared by every replica through the store; 0 disables
     rate_limit_per_s: Annotated[float, Field(ge=0)] = 50.0
     rate_limit_burst: Annotated[int, Field(ge=1)] = 1000

@@ -182,6 +182,55 @@ def audit_from_json(raw: str, record_id: str) -> AuditRecord:
 
 
 @dataclass(frozen=True)
+class CaseRecord:
+    """One saved console check (a case): who ran it, when, and what was found.
+
+    ``record`` holds the case's JSON fields (who, mode, verdict, evidence summary, the
+    text's SHA-256); ``text`` is the text itself, only when the analyst chose to keep
+    it. ``tenant_id`` is the owner's tenant (None for the admin): access checks and
+    history are by it. The store forgets a case at ``expires_at`` (None: never).
+    """
+
+    case_id: str
+    created_at: float
+    tenant_id: str | None
+    record: dict[str, Any]
+    text: str | None = None
+    batch_id: str | None = None
+    expires_at: float | None = None
+
+    def __repr__(self) -> str:  # never the text
+        return f"CaseRecord({self.case_id!r}, tenant={self.tenant_id!r})"
+
+
+def case_to_json(case: CaseRecord) -> str:
+    return compact_json(
+        {
+            "case_id": case.case_id,
+            "created_at": case.created_at,
+            "tenant_id": case.tenant_id,
+            "record": case.record,
+            "text": case.text,
+            "batch_id": case.batch_id,
+            "expires_at": case.expires_at,
+        }
+    )
+
+
+def case_from_json(raw: str) -> CaseRecord:
+    d = json.loads(raw)
+    return CaseRecord(
+        case_id=d["case_id"],
+        created_at=float(d["created_at"]),
+        tenant_id=d["tenant_id"],
+        record=d["record"],
+        text=d.get("text"),
+        batch_id=d.get("batch_id"),
+        expires_at=d.get("expires_at"),
+    )
+
+
+@dataclass(frozen=True)
 class RateDecision:
     allowed: bool
     retry_after_s: float  # 0 when allowed
@@ -322,3 +371,19 @@ class Store(Protocol):
 
     async def idempotency_delete(self, tenant_id: str, key: str) -> None:
         """Drop a record (a request that held the key failed; its retry may run)."""
+
+    # console cases
+    async def put_case(self, case: CaseRecord) -> None:
+        """Save a case (and drop cases past their ``expires_at``)."""
+
+    async def get_case(self, case_id: str, now: float) -> CaseRecord | None:
+        """A case, or None if there is none or it expired before ``now``."""
+
+    async def list_cases(
+        self, tenant_id: str | None, batch_id: str | None, limit: int, now: float
+    ) -> list[CaseRecord]:
+        """Newest first: one tenant's cases (``tenant_id``), or every case (None);
+        only one batch's when ``batch_id`` is given. Expired cases are left out."""
+
+    async def delete_case(self, case_id: str) -> bool:
+        """Delete a case and its text; False if there was none."""

@@ -21,6 +21,10 @@ Layout (``p`` = prefix, ``t`` = tenant id)::
     p:audit                   stream provenance audit log (one JSON field per entry)
     p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
     p:marker                  str   the service's marker (written at first start)
+    p:case:{id}               str   CaseRecord JSON (its text too, if kept), expiring at retention
+    p:cases:all               zset  case ids by creation time (every case)
+    p:cases:t:{t}             zset  case ids of tenant t (``-`` for the admin's)
+    p:cases:b:{batch}         zset  case ids of one console batch
 
 Every write that must be atomic is one Lua script (or WATCH/MULTI), so
 concurrent API replicas can never hand out the same message id or create two
@@ -55,6 +59,7 @@ from redis.maint_notifications import MaintNotificationsConfig
 from app.stores.base import (
     ApiKeyRecord,
     AuditRecord,
+    CaseRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
@@ -68,6 +73,8 @@ from app.stores.base import (
     api_key_to_json,
     audit_from_json,
     audit_to_json,
+    case_from_json,
+    case_to_json,
     check_tenant_id,
     compact_json,
 )
@@ -692,3 +699,94 @@ class RedisStore:
         rkey = self._t(tenant_id, "idem", key)
         async with self._guard():
             await self._redis.delete(rkey)
+
+    # -- console cases --------------------------------------------------------
+
+    def _case_indexes(self, case: CaseRecord) -> list[str]:
+        owner = check_tenant_id(case.tenant_id) if case.tenant_id is not None else "-"
+        keys = [self._g("cases", "all"), self._g("cases", "t", owner)]
+        if case.batch_id is not None:
+            keys.append(self._g("cases", "b", check_tenant_id(case.batch_id)))
+        return keys
+
+    async def put_case(self, case: CaseRecord) -> None:
+        key = self._g("case", check_tenant_id(case.case_id))
+        async with self._guard():
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.set(key, case_to_json(case))
+            if case.expires_at is not None:
+                pipe.pexpireat(key, int(case.expires_at * 1000))
+            for index in self._case_indexes(case):
+                pipe.zadd(index, {case.case_id: case.created_at})
+            await pipe.execute()
+
+    async def get_case(self, case_id: str, now: float) -> CaseRecord | None:
+        try:
+            key = self._g("case", check_tenant_id(case_id))
+        except ValueError:
+            return None
+        async with self._guard():
+            raw = cast("str | None", await self._redis.get(key))
+        if raw is None:
+            return None
+        case = case_from_json(raw)
+        if case.expires_at is not None and case.expires_at <= now:
+            return None
+        return case
+
+    async def list_cases(
+        self, tenant_id: str | None, batch_id: str | None, limit: int, now: float
+    ) -> list[CaseRecord]:
+        if batch_id is not None:
+            index = self._g("cases", "b", check_tenant_id(batch_id))
+        elif tenant_id is not None:
+            index = self._g("cases", "t", check_tenant_id(tenant_id))
+        else:
+            index = self._g("cases", "all")
+        async with self._guard():
+            ids = cast("list[str]", await self._redis.zrevrange(index, 0, -1))
+        out: list[CaseRecord] = []
+        gone: list[str] = []
+        for at in range(0, len(ids), 200):
+            chunk = ids[at : at + 200]
+            async with self._guard():
+                raws = cast(
+                    "list[str | None]",
+                    await self._redis.mget([self._g("case", c) for c in chunk]),
+                )
+            for case_id, raw in zip(chunk, raws, strict=True):
+                case = case_from_json(raw) if raw is not None else None
+                if case is None or (case.expires_at is not None and case.expires_at <= now):
+                    gone.append(case_id)
+                    continue
+                if tenant_id is not None and case.tenant_id != tenant_id:
+                    continue
+                out.append(case)
+                if len(out) >= limit:
+                    break
+            if len(out) >= limit:
+                break
+        if gone:  # expired: their index entries go too
+            async with self._guard():
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.zrem(index, *gone)
+                pipe.zrem(self._g("cases", "all"), *gone)
+                await pipe.execute()
+        return out
+
+    async def delete_case(self, case_id: str) -> bool:
+        try:
+            key = self._g("case", check_tenant_id(case_id))
+        except ValueError:
+            return False
+        async with self._guard():
+            raw = cast("str | None", await self._redis.get(key))
+            if raw is None:
+                return False
+            case = case_from_json(raw)
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(key)
+            for index in self._case_indexes(case):
+                pipe.zrem(index, case_id)
+            await pipe.execute()
+        return True

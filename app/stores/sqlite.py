@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from app.stores.base import (
     ApiKeyRecord,
     AuditRecord,
+    CaseRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
@@ -36,6 +37,8 @@ from app.stores.base import (
     api_key_to_json,
     audit_from_json,
     audit_to_json,
+    case_from_json,
+    case_to_json,
     check_tenant_id,
     compact_json,
 )
@@ -122,6 +125,17 @@ CREATE TABLE IF NOT EXISTS audit (
     id     INTEGER PRIMARY KEY AUTOINCREMENT,
     record TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS cases (
+    case_id    TEXT PRIMARY KEY,
+    tenant_id  TEXT,
+    batch_id   TEXT,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    record     TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS cases_by_tenant ON cases (tenant_id, created_at);
+CREATE INDEX IF NOT EXISTS cases_by_batch ON cases (batch_id, created_at);
+CREATE INDEX IF NOT EXISTS cases_expiry ON cases (expires_at);
 CREATE TABLE IF NOT EXISTS marker (
     id    INTEGER PRIMARY KEY CHECK (id = 1),
     value TEXT NOT NULL
@@ -741,6 +755,67 @@ class SQLiteStore:
                 )
 
         await self._run(op)
+
+    # -- console cases --------------------------------------------------------
+
+    async def put_case(self, case: CaseRecord) -> None:
+        data = case_to_json(case)
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                c.execute(
+                    "DELETE FROM cases WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                    (case.created_at,),
+                )
+                c.execute(
+                    "INSERT OR REPLACE INTO cases (case_id, tenant_id, batch_id, created_at, "
+                    "expires_at, record) VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        case.case_id,
+                        case.tenant_id,
+                        case.batch_id,
+                        case.created_at,
+                        case.expires_at,
+                        data,
+                    ),
+                )
+
+        await self._run(op)
+
+    async def get_case(self, case_id: str, now: float) -> CaseRecord | None:
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT record FROM cases WHERE case_id = ? "
+                "AND (expires_at IS NULL OR expires_at > ?)",
+                (case_id, now),
+            ).fetchone()
+        )
+        return None if row is None else case_from_json(row["record"])
+
+    async def list_cases(
+        self, tenant_id: str | None, batch_id: str | None, limit: int, now: float
+    ) -> list[CaseRecord]:
+        where = ["(expires_at IS NULL OR expires_at > ?)"]
+        args: list[Any] = [now]
+        if tenant_id is not None:
+            where.append("tenant_id = ?")
+            args.append(tenant_id)
+        if batch_id is not None:
+            where.append("batch_id = ?")
+            args.append(batch_id)
+        sql = (
+            f"SELECT record FROM cases WHERE {' AND '.join(where)} "
+            "ORDER BY created_at DESC, case_id DESC LIMIT ?"
+        )
+        rows = await self._run(lambda c: c.execute(sql, (*args, max(1, int(limit)))).fetchall())
+        return [case_from_json(r["record"]) for r in rows]
+
+    async def delete_case(self, case_id: str) -> bool:
+        def op(c: sqlite3.Connection) -> bool:
+            with _transaction(c):
+                return c.execute("DELETE FROM cases WHERE case_id = ?", (case_id,)).rowcount > 0
+
+        return await self._run(op)
 
 
 def _create_private(path: str) -> None:
