@@ -128,7 +128,16 @@
     if (first) first.checked = true;
     $("audit").hidden = !isAdmin;
     if (isAdmin) loadAudit();
-    $("text-input").focus();
+    $("history-scope").textContent = isAdmin
+      ? "Every tenant's cases (admin), newest first."
+      : `Cases of tenant ${session.tenant_name}, newest first.`;
+    loadHistory();
+    const caseId = body.dataset.caseId;
+    if (caseId) {
+      await openCase(caseId);
+    } else {
+      $("text-input").focus();
+    }
   }
 
   function signOut() {
@@ -139,6 +148,11 @@
     $("workspace").hidden = true;
     $("session-bar").hidden = true;
     $("audit").hidden = true;
+    $("case-report").hidden = true;
+    $("batch-results").hidden = true;
+    batch = null;
+    clear($("history-table").querySelector("tbody"));
+    clear($("batch-table").querySelector("tbody"));
     clear($("heatmap"));
     clear($("position-chart"));
     $("signin").hidden = false;
@@ -165,17 +179,18 @@
     }
     const mode = document.querySelector("input[name=mode]:checked").value;
     const admin = session && session.role === "admin";
-    const analyst = session && session.detail === "full" && session.scopes.includes("provenance");
-    const wantEvidence = mode === "provenance" ? admin : mode === "decode" && analyst;
     const button = $("run");
     button.disabled = true;
     $("status").textContent = "Checking…";
     try {
-      const payload = mode === "detect" ? { text } : { text, evidence: wantEvidence };
-      const data = await api("POST", "/" + mode, payload);
-      show(mode, data, text);
+      // the server runs the same check as /provenance, /decode or /detect (with the
+      // per-token evidence this credential may see) and saves it as a case
+      const out = await api("POST", "/console/api/cases", { text, mode, keep_text: $("keep-text").checked });
+      show(mode, out.result, text, out.case);
+      showCase(out.case);
       $("status").textContent = "Done.";
       if (admin && mode === "provenance") loadAudit();
+      loadHistory();
     } catch (err) {
       $("status").textContent = "";
       $("check-error").textContent = err.message;
@@ -186,9 +201,17 @@
   }
 
   // ------------------------------------------------------------------ rendering
-  function verdictText(mode, data) {
+  const HEADLINES = { watermarked: "Watermarked", not_watermarked: "No watermark found", inconclusive: "Inconclusive" };
+
+  // The headline word is the server's verdict (worldcup_core.verdict, the one verdict
+  // function); this adds who and what was matched, and the p-value where shown.
+  function verdictText(mode, data, verdict) {
+    const head = HEADLINES[verdict] || verdict;
+    const found = verdict === "watermarked";
     if (mode === "provenance") {
-      if (!data.found) return [`No watermark found (best p = ${fmtP(data.p_value)})`, false];
+      if (verdict === "not_watermarked" || !data.match) {
+        return [`${head} (best p = ${fmtP(data.p_value)})`, found];
+      }
       const m = data.match;
       const parts = [`tenant ${m.tenant_name || m.tenant_id}`];
       if (m.registry_entry) {
@@ -199,33 +222,34 @@
       }
       const keys = data.num_keys === 1 ? "1 key" : `${data.num_keys} keys`;
       parts.push(`p = ${fmtP(data.p_value)} (corrected for ${keys})`);
-      return ["Watermarked — " + parts.join(", "), true];
+      return [`${head} — ` + parts.join(", "), found];
     }
     const tenant = session && session.tenant_name ? `tenant ${session.tenant_name}` : "this tenant";
     if (data.detail === "verdict") {
       const entry = data.registry_match;
-      const words = { watermarked: "Watermarked", not_watermarked: "No watermark found", inconclusive: "Inconclusive" };
-      let text = words[data.verdict] || data.verdict;
+      let text = HEADLINES[data.verdict] || data.verdict;
       if (data.verdict === "watermarked") {
         text += ` — ${tenant}`;
         if (entry) text += `, message ${entry.message_id}, issued ${fmtTime(entry.issued_at)}`;
       }
       return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
     }
-    if (!data.is_watermarked) return [`No watermark found (p = ${fmtP(data.p_value)})`, false];
-    const parts = [tenant, `key version ${data.key_version}`];
+    if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.p_value)})`, false];
+    const parts = [tenant];
+    if (data.key_version !== null && data.key_version !== undefined) parts.push(`key version ${data.key_version}`);
     const entry = data.registry_match;
     if (entry) parts.push(`message ${entry.message_id}`, `issued ${fmtTime(entry.issued_at)}`);
     parts.push(`p = ${fmtP(data.p_value)}`);
-    return ["Watermarked — " + parts.join(", "), true];
+    return [`${head} — ` + parts.join(", "), found];
   }
 
-  function show(mode, data, text) {
+  function show(mode, data, text, saved) {
     $("result").hidden = false;
-    const [words, found] = verdictText(mode, data);
+    const [words, found] = verdictText(mode, data, saved.verdict);
+    $("verdict-rule").textContent = `${saved.sentence}. Statistic: ${saved.why}.`;
     const verdict = $("verdict");
     verdict.textContent = words;
-    verdict.className = "verdict " + (found ? "found" : "clean");
+    verdict.className = "verdict " + (found ? "found" : (saved.verdict === "inconclusive" ? "unsure" : "clean"));
     verdict.dataset.found = String(found);
     const scored = data.num_scored_tokens !== undefined
       ? `${data.num_scored_tokens} of ${data.num_tokens} tokens scored.` : "";
@@ -497,6 +521,310 @@
     box.appendChild(root);
   }
 
+  // ------------------------------------------------------------------ cases
+  let current = null; // the case shown in the report
+  let batch = null; // {batch_id, file, rows}
+  let sortKey = "row";
+  let sortDir = 1;
+
+  function caseUrl(id) {
+    return `${location.origin}/console/cases/${encodeURIComponent(id)}`;
+  }
+
+  function showCase(c) {
+    current = c;
+    $("case-report").hidden = false;
+    $("case-error").textContent = "";
+    $("case-id").textContent = c.case_id;
+    const link = $("case-link");
+    link.href = caseUrl(c.case_id);
+    link.textContent = caseUrl(c.case_id);
+    const v = $("case-verdict");
+    v.textContent = c.sentence;
+    v.className = "verdict " + ({ watermarked: "found", inconclusive: "unsure" }[c.verdict] || "clean");
+    v.dataset.verdict = c.verdict;
+    const tbody = $("case-table").querySelector("tbody");
+    clear(tbody);
+    const who = c.who || {};
+    const by = who.role === "admin" ? "admin token"
+      : `API key "${who.key_name}" (${who.key_id}) of tenant ${who.tenant_name} (${who.tenant_id})`;
+    addRow(tbody, "verdict", HEADLINES[c.verdict] || c.verdict);
+    addRow(tbody, "statistic", `${c.statistic}: ${c.why}`);
+    if (c.p_value !== null && c.p_value !== undefined) addRow(tbody, "p-value", fmtP(c.p_value));
+    addRow(tbody, "mode", c.mode);
+    addRow(tbody, "checked", fmtTime(c.created_at));
+    addRow(tbody, "checked by", by);
+    const s = c.summary || {};
+    if (s.matched_tenant) addRow(tbody, "matched tenant", s.matched_tenant_name ? `${s.matched_tenant_name} (${s.matched_tenant})` : s.matched_tenant, true);
+    if (s.key_version !== undefined && s.key_version !== null) addRow(tbody, "key version", s.key_version);
+    if (s.message_id !== undefined && s.message_id !== null) addRow(tbody, "message id", s.message_id);
+    if (s.issued_at) addRow(tbody, "issued", fmtTime(s.issued_at));
+    for (const [key, value] of Object.entries(s.metadata || {})) {
+      addRow(tbody, "metadata: " + key, typeof value === "string" ? value : JSON.stringify(value), true);
+    }
+    if (s.num_tokens !== undefined) addRow(tbody, "tokens", `${s.num_scored_tokens} of ${s.num_tokens} scored`);
+    if (s.islands && s.islands.length) {
+      addRow(tbody, "watermarked stretches", s.islands.map((i) => `tokens ${i.start}–${i.end} (mean z ${i.mean_z.toFixed(2)})`).join(", "));
+    }
+    if (c.source) addRow(tbody, "from", `${c.source.file}, row ${c.source.row} (${c.source.id})`, true);
+    addRow(tbody, "text SHA-256", c.text_sha256, true);
+    addRow(tbody, "characters", c.num_chars);
+    addRow(tbody, "text kept", c.text_kept ? "yes" : "no (only its SHA-256)");
+    if (c.expires_at) addRow(tbody, "kept until", fmtTime(c.expires_at));
+    $("case-text-block").hidden = !c.text;
+    $("case-text").textContent = c.text || "";
+  }
+
+  async function openCase(id) {
+    $("case-error").textContent = "";
+    try {
+      const c = await api("GET", "/console/api/cases/" + encodeURIComponent(id));
+      $("result").hidden = true;
+      showCase(c);
+      $("case-verdict").setAttribute("tabindex", "-1");
+      $("case-verdict").focus();
+    } catch (err) {
+      $("case-report").hidden = false;
+      $("case-id").textContent = id;
+      $("case-verdict").textContent = "";
+      clear($("case-table").querySelector("tbody"));
+      $("case-text-block").hidden = true;
+      $("case-error").textContent = err.status === 404
+        ? "No such case for this credential (it may have been deleted or expired, or it belongs to another tenant)."
+        : err.message;
+    }
+  }
+
+  async function download(path, name) {
+    const response = await fetch(path, {
+      headers: { Authorization: "Bearer " + credential() },
+      credentials: "omit", cache: "no-store", referrerPolicy: "no-referrer",
+    });
+    if (!response.ok) throw new Error(`Refused (HTTP ${response.status})`);
+    const blob = await response.blob();
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(blob);
+    a.download = name;
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 10000);
+  }
+
+  async function exportCase(fmt) {
+    if (!current) return;
+    try {
+      await download(`/console/api/cases/${encodeURIComponent(current.case_id)}/export?format=${fmt}`,
+        `case-${current.case_id}.${fmt}`);
+    } catch (err) {
+      $("case-error").textContent = err.message;
+    }
+  }
+
+  async function deleteCase() {
+    if (!current) return;
+    try {
+      await api("DELETE", "/console/api/cases/" + encodeURIComponent(current.case_id));
+      $("case-error").textContent = "";
+      $("case-report").hidden = true;
+      $("status").textContent = `Case ${current.case_id} deleted, with its text.`;
+      current = null;
+      loadHistory();
+    } catch (err) {
+      $("case-error").textContent = err.message;
+    }
+  }
+
+  function caseLink(id) {
+    const a = el("a", id, "mono");
+    a.href = caseUrl(id);
+    a.addEventListener("click", (event) => {
+      event.preventDefault();
+      history.pushState(null, "", a.href);
+      openCase(id);
+    });
+    return a;
+  }
+
+  async function loadHistory() {
+    const tbody = $("history-table").querySelector("tbody");
+    $("history-error").textContent = "";
+    try {
+      const data = await api("GET", "/console/api/cases?limit=50");
+      clear(tbody);
+      for (const c of data.cases) {
+        const tr = el("tr");
+        const who = c.who || {};
+        for (const cell of [fmtTime(c.created_at), who.role === "admin" ? "(admin)" : who.tenant_name,
+          who.role === "admin" ? "admin token" : who.key_name, c.mode, HEADLINES[c.verdict] || c.verdict]) {
+          tr.appendChild(el("td", cell));
+        }
+        const td = el("td");
+        td.appendChild(caseLink(c.case_id));
+        tr.appendChild(td);
+        tbody.appendChild(tr);
+      }
+    } catch (err) {
+      $("history-error").textContent = err.message;
+    }
+  }
+
+  // ------------------------------------------------------------------ batches
+  let batchFile = null;
+
+  function csvHeader(line) {
+    const out = [];
+    let cell = "", quoted = false;
+    for (let i = 0; i < line.length; i++) {
+      const ch = line[i];
+      if (quoted) {
+        if (ch === '"' && line[i + 1] === '"') { cell += '"'; i++; } else if (ch === '"') quoted = false; else cell += ch;
+      } else if (ch === '"') quoted = true;
+      else if (ch === ",") { out.push(cell); cell = ""; } else cell += ch;
+    }
+    out.push(cell.replace(/\r$/, ""));
+    return out;
+  }
+
+  function columnsOf(name, content) {
+    if (/\.csv$/i.test(name)) return csvHeader(content.split("\n", 1)[0]);
+    for (const line of content.split("\n").slice(0, 100)) {
+      try {
+        const obj = JSON.parse(line);
+        if (obj && typeof obj === "object" && !Array.isArray(obj)) return Object.keys(obj);
+      } catch (err) { /* not JSON: the server reports the row */ }
+    }
+    return [];
+  }
+
+  async function loadBatchFile() {
+    const file = $("batch-file").files[0];
+    const select = $("batch-column");
+    clear(select);
+    $("batch-error").textContent = "";
+    batchFile = null;
+    $("batch-run").disabled = true;
+    if (!file) return;
+    const content = await file.text();
+    const columns = columnsOf(file.name, content);
+    for (const c of columns) {
+      const option = el("option", c);
+      option.value = c;
+      select.appendChild(option);
+    }
+    const guess = columns.find((c) => /^(text|body|content|message)$/i.test(c));
+    if (guess) select.value = guess;
+    batchFile = { name: file.name, content };
+    $("batch-run").disabled = !columns.length;
+    $("batch-status").textContent = columns.length
+      ? `Loaded ${file.name}: choose the column that holds the texts.`
+      : "";
+    if (!columns.length) $("batch-error").textContent = "No columns found: is it a CSV with a header row, or JSONL objects?";
+  }
+
+  async function runBatch() {
+    if (!batchFile) return;
+    const mode = document.querySelector("input[name=mode]:checked").value;
+    const button = $("batch-run");
+    button.disabled = true;
+    $("batch-error").textContent = "";
+    $("batch-status").textContent = `Checking ${batchFile.name}…`;
+    try {
+      batch = await api("POST", "/console/api/cases/batch", {
+        filename: batchFile.name, content: batchFile.content, field: $("batch-column").value,
+        mode, keep_text: $("keep-text").checked,
+      });
+      const n = batch.counts;
+      $("batch-status").textContent = `Done: ${batch.rows.length} rows; ${n.watermarked} watermarked, ` +
+        `${n.inconclusive} inconclusive, ${n.not_watermarked} not watermarked, ${n.error} errors.`;
+      $("batch-results").hidden = false;
+      renderBatch();
+      loadHistory();
+    } catch (err) {
+      $("batch-status").textContent = "";
+      $("batch-error").textContent = err.message;
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  function batchValue(item, key) {
+    const c = item.case;
+    const s = (c && c.summary) || {};
+    switch (key) {
+      case "row": return item.row;
+      case "id": return item.id;
+      case "verdict": return c ? c.verdict : "error";
+      case "p": return c && c.p_value !== null ? c.p_value : Infinity;
+      case "tenant": return s.matched_tenant_name || s.matched_tenant || "";
+      case "message": return s.message_id === undefined || s.message_id === null ? -1 : s.message_id;
+      case "tokens": return s.num_scored_tokens === undefined ? -1 : s.num_scored_tokens;
+      default: return "";
+    }
+  }
+
+  function renderBatch() {
+    const tbody = $("batch-table").querySelector("tbody");
+    clear(tbody);
+    if (!batch) return;
+    const want = $("batch-filter-verdict").value;
+    const needle = $("batch-filter-text").value.trim().toLowerCase();
+    const rows = batch.rows.filter((item) => {
+      if (want && batchValue(item, "verdict") !== want) return false;
+      if (!needle) return true;
+      const hay = [item.id, batchValue(item, "tenant"), item.error || "", item.case ? item.case.verdict : ""]
+        .join(" ").toLowerCase();
+      return hay.includes(needle);
+    });
+    rows.sort((a, b) => {
+      const x = batchValue(a, sortKey), y = batchValue(b, sortKey);
+      if (x < y) return -sortDir;
+      if (x > y) return sortDir;
+      return a.row - b.row;
+    });
+    for (const item of rows) {
+      const c = item.case;
+      const tr = el("tr");
+      tr.dataset.verdict = c ? c.verdict : "error";
+      const s = (c && c.summary) || {};
+      const cells = [item.row, item.id, c ? HEADLINES[c.verdict] : "error: " + item.error,
+        c && c.p_value !== null ? fmtP(c.p_value) : "",
+        s.matched_tenant_name || s.matched_tenant || "",
+        s.message_id ?? "", s.num_scored_tokens ?? ""];
+      for (const cell of cells) tr.appendChild(el("td", cell));
+      const td = el("td");
+      if (c) td.appendChild(caseLink(c.case_id));
+      tr.appendChild(td);
+      tbody.appendChild(tr);
+    }
+    $("batch-count").textContent = `Showing ${rows.length} of ${batch.rows.length} rows.`;
+    for (const th of $("batch-table").querySelectorAll("th")) {
+      const button = th.querySelector("button[data-sort]");
+      if (!button) continue;
+      if (button.dataset.sort === sortKey) th.setAttribute("aria-sort", sortDir > 0 ? "ascending" : "descending");
+      else th.removeAttribute("aria-sort");
+    }
+  }
+
+  function sortBy(event) {
+    const button = event.target.closest("button[data-sort]");
+    if (!button) return;
+    const key = button.dataset.sort;
+    sortDir = key === sortKey ? -sortDir : 1;
+    sortKey = key;
+    renderBatch();
+  }
+
+  async function exportBatch(fmt) {
+    if (!batch) return;
+    try {
+      await download(`/console/api/cases/export?format=${fmt}&batch_id=${encodeURIComponent(batch.batch_id)}`,
+        `batch-${batch.batch_id}.${fmt}`);
+    } catch (err) {
+      $("batch-error").textContent = err.message;
+    }
+  }
+
   // ------------------------------------------------------------------ audit
   async function loadAudit() {
     const tbody = $("audit-table").querySelector("tbody");
@@ -527,6 +855,18 @@
     $("file-input").addEventListener("change", loadFile);
     $("audit-refresh").addEventListener("click", loadAudit);
     $("heatmap").addEventListener("keydown", moveFocus);
+    $("case-export-json").addEventListener("click", () => exportCase("json"));
+    $("case-export-csv").addEventListener("click", () => exportCase("csv"));
+    $("case-print").addEventListener("click", () => window.print());
+    $("case-delete").addEventListener("click", deleteCase);
+    $("history-refresh").addEventListener("click", loadHistory);
+    $("batch-file").addEventListener("change", loadBatchFile);
+    $("batch-run").addEventListener("click", runBatch);
+    $("batch-filter-verdict").addEventListener("change", renderBatch);
+    $("batch-filter-text").addEventListener("input", renderBatch);
+    $("batch-table").querySelector("thead").addEventListener("click", sortBy);
+    $("batch-export-csv").addEventListener("click", () => exportBatch("csv"));
+    $("batch-export-json").addEventListener("click", () => exportBatch("json"));
     if (credential()) {
       startSession().catch((err) => {
         sessionStorage.removeItem(STORE);
