@@ -1,4 +1,4 @@
-.PHONY: setup setup-vllm run demo test test-vllm test-container lint typecheck pytest bench soak fuzz
+.PHONY: setup setup-vllm run demo test test-vllm test-container lint typecheck pytest bench soak fuzz console-screenshots
 VENV := .venv/bin
 
 setup:
@@ -55,3 +55,8 @@ soak: setup
 ## WORLDCUP_FUZZ_SEED=N); `make test` runs the same test with 25 examples and seed 0.
 fuzz:
 	WORLDCUP_FUZZ_RANDOM=1 WORLDCUP_FUZZ_EXAMPLES=$${WORLDCUP_FUZZ_EXAMPLES:-300} bash scripts/pytest.sh tests/test_fuzz.py -q -s -p no:cacheprovider
+
+## The console's screenshots in docs/console/ (verdicts, a case, the batch table, the
+## printed report), taken by its browser tests against the real app.
+console-screenshots: setup
+	WORLDCUP_CONSOLE_SCREENSHOTS=docs/console bash scripts/pytest.sh tests/test_console_browser.py tests/test_console_cases_browser.py -q -p no:cacheprovider

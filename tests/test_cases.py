@@ -81,6 +81,17 @@ async def test_store_saves_lists_expires_and_deletes_cases(store: Store) -> None
 
 
 @pytest.mark.anyio
+async def test_long_histories_page_newest_first(store: Store) -> None:  # noqa: F811
+    now = time.time()
+    made = [_case("t_long", at=now - 1000 + i) for i in range(230)]
+    for c in made:
+        await store.put_case(c)
+    got = await store.list_cases("t_long", None, 215, now)
+    assert [c.case_id for c in got] == [c.case_id for c in reversed(made)][:215]
+    assert len(await store.list_cases(None, None, 1000, now)) == 230
+
+
+@pytest.mark.anyio
 async def test_an_expired_case_is_gone_from_the_backend_itself(store: Store) -> None:  # noqa: F811
     """Expiry is the backend's (Redis TTL; SQLite sweeps on the next save)."""
     now = time.time()

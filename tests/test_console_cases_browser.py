@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,15 @@ from test_service_api import ADMIN, ADMIN_TOKEN
 from app.services.cases import CSV_COLUMNS
 
 pytestmark = pytest.mark.browser
+
+
+def section_shot(locator: Any, folders: list[Path], name: str) -> None:
+    """A screenshot of one part of the page (the batch table would be 200 rows long)."""
+    first = folders[0] / name
+    locator.screenshot(path=str(first))
+    assert first.stat().st_size > 10_000
+    for folder in folders[1:]:
+        shutil.copyfile(first, folder / name)
 
 
 def _secret(auth: dict[str, str]) -> str:
@@ -152,6 +162,7 @@ def test_case_exports_json_and_csv_and_prints_on_one_page(
         assert page.get_by_test_id(hidden).is_hidden(), hidden
     assert page.get_by_test_id("case-export-json").is_hidden()
     assert page.locator(".print-only").first.is_visible()
+    assert page.get_by_test_id("case-url-print").inner_text().endswith(f"/console/cases/{case_id}")
     screenshot(page, shots, "report-print.png")
     pdf = page.pdf(format="A4", print_background=True)
     pages = len(re.findall(rb"/Type\s*/Page[^s]", pdf))
@@ -204,8 +215,17 @@ def test_a_200_text_csv_batch_is_sorted_filtered_and_exported(
     page.get_by_test_id("batch-filter-verdict").select_option("error")
     assert table.count() == 1 and "empty" in table.first.inner_text()
     page.get_by_test_id("batch-filter-verdict").select_option("")
-    page.get_by_test_id("batch-filter-text").fill("reports.csv:1")  # ids from the file's rows
-    assert page.get_by_test_id("batch-count").inner_text().startswith("Showing 11")
+    page.get_by_test_id("batch-filter-text").fill("reports.csv:1")  # ids: reports.csv:<row>
+    assert page.get_by_test_id("batch-count").inner_text() == "Showing 111 of 200 rows."
+    page.get_by_test_id("batch-filter-text").fill("reports.csv:12")  # rows 12, 120-129
+    assert page.get_by_test_id("batch-count").inner_text() == "Showing 11 of 200 rows."
+    shown = page.eval_on_selector_all(
+        "[data-testid=batch-table] tbody tr", "trs => trs.map(t => t.cells[1].textContent)"
+    )
+    assert sorted(shown) == sorted(
+        ["reports.csv:12", *(f"reports.csv:{i}" for i in range(120, 130))]
+    )
+    section_shot(page.locator("#batch"), shots, "batch.png")
     page.get_by_test_id("batch-filter-text").fill("")
 
     # sort by p: watermarked rows first, then descending puts them last
@@ -217,7 +237,6 @@ def test_a_200_text_csv_batch_is_sorted_filtered_and_exported(
     assert table.first.get_attribute("data-verdict") == "error"  # no p: sorts as largest
     page.locator("[data-testid=batch-table] button[data-sort=row]").click()
     assert table.first.locator("td").first.inner_text() == "0"
-    screenshot(page, shots, "batch.png")
 
     with page.expect_download() as info:
         page.get_by_test_id("batch-export-csv").click()

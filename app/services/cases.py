@@ -161,7 +161,9 @@ async def _answer(runtime: Runtime, analyst: Analyst, mode: Mode, text: str) -> 
             await charge(runtime, p.tenant)
             who = Investigator(f"tenant:{p.tenant.tenant_id}", False, p)
         return await search.provenance(
-            runtime, who, ProvenanceRequest(text=text, evidence=p is None)
+            runtime,
+            who,
+            ProvenanceRequest(text=text, include_token_scores=False, evidence=p is None),
         )
     if p is None:
         raise APIError(
@@ -197,11 +199,13 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
         if isinstance(answer, ProvenanceVerdict):
             summary["matched_tenant"] = answer.tenant_id
         if isinstance(answer, DecodeVerdict) and answer.registry_match is not None:
-            m = answer.registry_match
+            hit = answer.registry_match
             summary.update(
-                message_id=m.message_id, issued_at=iso(m.issued_at.timestamp()), metadata=m.metadata
+                message_id=hit.message_id,
+                issued_at=iso(hit.issued_at.timestamp()),
+                metadata=hit.metadata,
             )
-        verdict = {
+        verdict: dict[str, Any] = {
             "verdict": answer.verdict,
             "statistic": statistic,
             "p_value": None,
@@ -242,14 +246,14 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
     if not isinstance(answer, DetectResponse):
         summary["islands"] = _islands(answer.evidence)
     said = report(answer.p_value, statistic)
-    verdict = {
+    verdict_fields: dict[str, Any] = {
         "verdict": said.verdict,
         "statistic": statistic,
         "p_value": answer.p_value,
         "sentence": said.sentence,
         "why": said.why,
     }
-    return verdict, summary
+    return verdict_fields, summary
 
 
 def _expires_at(runtime: Runtime, now: float) -> float | None:

@@ -743,17 +743,21 @@ class RedisStore:
             index = self._g("cases", "t", check_tenant_id(tenant_id))
         else:
             index = self._g("cases", "all")
-        async with self._guard():
-            ids = cast("list[str]", await self._redis.zrevrange(index, 0, -1))
         out: list[CaseRecord] = []
         gone: list[str] = []
-        for at in range(0, len(ids), 200):
-            chunk = ids[at : at + 200]
+        start, page = 0, 200
+        while len(out) < limit:  # newest first, a page of ids at a time
             async with self._guard():
+                chunk = cast(
+                    "list[str]", await self._redis.zrevrange(index, start, start + page - 1)
+                )
+                if not chunk:
+                    break
                 raws = cast(
                     "list[str | None]",
                     await self._redis.mget([self._g("case", c) for c in chunk]),
                 )
+            start += page
             for case_id, raw in zip(chunk, raws, strict=True):
                 case = case_from_json(raw) if raw is not None else None
                 if case is None or (case.expires_at is not None and case.expires_at <= now):
@@ -764,8 +768,6 @@ class RedisStore:
                 out.append(case)
                 if len(out) >= limit:
                     break
-            if len(out) >= limit:
-                break
         if gone:  # expired: their index entries go too
             async with self._guard():
                 pipe = self._redis.pipeline(transaction=False)

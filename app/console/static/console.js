@@ -539,6 +539,7 @@
     const link = $("case-link");
     link.href = caseUrl(c.case_id);
     link.textContent = caseUrl(c.case_id);
+    $("case-url-print").textContent = caseUrl(c.case_id);
     const v = $("case-verdict");
     v.textContent = c.sentence;
     v.className = "verdict " + ({ watermarked: "found", inconclusive: "unsure" }[c.verdict] || "clean");
@@ -549,7 +550,7 @@
     const by = who.role === "admin" ? "admin token"
       : `API key "${who.key_name}" (${who.key_id}) of tenant ${who.tenant_name} (${who.tenant_id})`;
     addRow(tbody, "verdict", HEADLINES[c.verdict] || c.verdict);
-    addRow(tbody, "statistic", `${c.statistic}: ${c.why}`);
+    addRow(tbody, "statistic", c.why);
     if (c.p_value !== null && c.p_value !== undefined) addRow(tbody, "p-value", fmtP(c.p_value));
     addRow(tbody, "mode", c.mode);
     addRow(tbody, "checked", fmtTime(c.created_at));
@@ -656,7 +657,8 @@
         const tr = el("tr");
         const who = c.who || {};
         for (const cell of [fmtTime(c.created_at), who.role === "admin" ? "(admin)" : who.tenant_name,
-          who.role === "admin" ? "admin token" : who.key_name, c.mode, HEADLINES[c.verdict] || c.verdict]) {
+          who.role === "admin" ? "admin token" : who.key_name, c.mode, HEADLINES[c.verdict] || c.verdict,
+          (c.summary && (c.summary.matched_tenant_name || c.summary.matched_tenant)) || ""]) {
           tr.appendChild(el("td", cell));
         }
         const td = el("td");
