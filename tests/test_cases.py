@@ -169,6 +169,7 @@ def test_a_check_is_saved_as_a_case_with_its_verdict(
     case, result = out["case"], out["result"]
     assert case["mode"] == "decode" and case["statistic"] == "decode"
     assert case["verdict"] == verdict_of(result["p_value"]) == "watermarked"
+    assert (result["verdict"], result["verdict_statistic"]) == ("watermarked", "decode")
     assert case["sentence"] == report(result["p_value"], "decode").sentence
     assert case["who"]["role"] == "api_key" and case["who"]["tenant_name"] == "acme"
     assert case["who"]["key_name"] == "analyst-full" and case["who"]["key_id"]
@@ -298,7 +299,8 @@ def test_verdict_keys_cases_hold_no_p_value_and_decode_agrees_with_detect(
         dec = client.post("/decode", json={"text": text}, headers=verdict_key).json()
         det = client.post("/detect", json={"text": text}, headers=verdict_key).json()
         full = client.post("/detect", json={"text": text}, headers=world["acme"]).json()
-        assert dec["verdict"] == det["verdict"] == verdict_of(full["p_value"]), (n, dec, det)
+        assert dec["verdict"] == det["verdict"] == full["verdict"], (n, dec, det)
+        assert full["verdict"] == verdict_of(full["p_value"]) and "p_value" not in dec
         seen.add(det["verdict"])
     assert "watermarked" in seen and len(seen) >= 2  # the prefixes span the verdicts
     case = _check(client, verdict_key, world["text"], mode="decode")["case"]

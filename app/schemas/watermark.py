@@ -8,10 +8,24 @@ import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
-from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from app.schemas.common import StrictModel, StrictRequest
 from app.schemas.exposure import DecodeVerdict, DetectVerdict
+from worldcup_core.verdict import Statistic, Verdict, verdict_of
+
+VERDICT_DESCRIPTION = (
+    "The verdict of p_value (worldcup_core.verdict, the same for every route, the console, "
+    "the CLI and scans): watermarked: p < 1e-6; not_watermarked: p >= 0.05; inconclusive "
+    "between. verdict_statistic names the test it comes from."
+)
 
 if TYPE_CHECKING:
     from app.core.config import Settings
@@ -432,6 +446,16 @@ class DecodeResponse(StrictModel):
     registry_match: RegistryMatchOut | None
     evidence: EvidenceOut | None = None
 
+    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
+    @property
+    def verdict(self) -> Verdict:
+        return verdict_of(self.p_value)
+
+    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
+    @property
+    def verdict_statistic(self) -> Statistic:
+        return "decode"
+
 
 class DetectRequest(StrictRequest):
     text: Text
@@ -450,6 +474,16 @@ class DetectResponse(StrictModel):
     num_scored_tokens: int
     significance: float
     key_version: int | None = Field(description="The key version that matched, if any.")
+
+    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
+    @property
+    def verdict(self) -> Verdict:
+        return verdict_of(self.p_value)
+
+    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
+    @property
+    def verdict_statistic(self) -> Statistic:
+        return "detect"
 
 
 # --------------------------------------------------------------------------- bulk scans
@@ -562,3 +596,13 @@ class ProvenanceResponse(StrictModel):
     num_full_scans: int
     token_scores: list[TokenScore] | None = None
     evidence: EvidenceOut | None = None
+
+    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
+    @property
+    def verdict(self) -> Verdict:
+        return verdict_of(self.p_value)
+
+    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
+    @property
+    def verdict_statistic(self) -> Statistic:
+        return "provenance"
