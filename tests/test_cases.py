@@ -362,3 +362,26 @@ def test_a_batch_makes_one_case_per_row_and_has_a_limit(
     body = {"filename": "x.txt", "content": "hello", "field": "text"}
     r = client.post("/console/api/cases/batch", json=body, headers=ADMIN)
     assert r.status_code == 422 and r.json()["error"]["code"] == "unsupported_batch_format"
+
+
+def test_the_one_verdict_function_and_its_words() -> None:
+    """worldcup_core.verdict: the levels, NaN, and wording with and without a p-value."""
+    assert [verdict_of(p) for p in (0.0, 9.99e-7, 1e-6, 0.0499, 0.05, 1.0)] == [
+        "watermarked",
+        "watermarked",
+        "inconclusive",
+        "inconclusive",
+        "not_watermarked",
+        "not_watermarked",
+    ]
+    assert verdict_of(float("nan")) == "inconclusive"
+    shown = report(3.6e-4, "provenance")
+    assert shown.verdict == "inconclusive" and shown.p_value == 3.6e-4
+    assert shown.sentence.startswith("Inconclusive (p = 3.6e-04; provenance statistic between")
+    assert "Šidák" in shown.why
+    hidden = report(3.6e-4, "detect", show_p=False)
+    assert hidden.p_value is None and "p =" not in hidden.sentence
+    assert (
+        report(2e-9, "decode").sentence == "Watermarked (p = 2.0e-09; decode statistic below 1e-6)"
+    )
+    assert report(0.5, "detect").headline == "No watermark found"
