@@ -184,12 +184,19 @@ async def _pieces(
     return out, reason
 
 
-async def _rank_then_delete(run: _Run, oracle: Oracle, words: list[str]) -> tuple[list[str], str]:
-    """One leave-one-out round ranks the words; then delete the top share at once."""
-    variants = [" ".join(words[:i] + words[i + 1 :]) for i in range(len(words))]
-    answers = await run.ask(oracle, variants)
+async def _rank_then_delete(
+    run: _Run, oracle: Oracle, words: list[str], rng: random.Random, budget: int | None
+) -> tuple[list[str], str]:
+    """One leave-one-out round ranks the words; then delete the top share at once.
+    Under a (published) budget the attacker ranks a random sample of words and keeps
+    six answers for the deletions."""
+    order = list(range(len(words)))
+    if budget is not None and budget - 6 < len(words):
+        order = sorted(rng.sample(order, max(1, budget - 6)))
+    variants = [" ".join(words[:i] + words[i + 1 :]) for i in order]
+    answers = dict(zip(order, await run.ask(oracle, variants), strict=False))
     ranked = sorted(
-        (i for i, p in enumerate(answers) if p is not None), key=lambda i: -(answers[i] or 0.0)
+        (i for i, p in answers.items() if p is not None), key=lambda i: -(answers[i] or 0.0)
     )
     if not ranked:
         return words, "blocked by probe budget"
@@ -238,7 +245,13 @@ async def _new_key(
 
 
 async def _strategy(
-    name: str, client: Any, admin: dict[str, str], tenant_id: str, text: str, max_queries: int
+    name: str,
+    client: Any,
+    admin: dict[str, str],
+    tenant_id: str,
+    text: str,
+    max_queries: int,
+    budget: int | None,
 ) -> tuple[_Run, list[str], str]:
     rng = random.Random(1)
     run, words = _Run(max_queries), text.split()
@@ -262,7 +275,7 @@ async def _strategy(
         elif name in ("halves", "windows"):
             final, why = await _pieces(run, oracle, words, rng, 2 if name == "halves" else 4)
         else:
-            final, why = await _rank_then_delete(run, oracle, words)
+            final, why = await _rank_then_delete(run, oracle, words, rng, budget)
     return run, final, why
 
 
@@ -293,6 +306,7 @@ async def _phase(
     max_queries: int,
     strategies: tuple[str, ...],
     db: Path,
+    server_budget: int,
     progress: Progress,
 ) -> list[dict[str, Any]]:
     import httpx
@@ -333,7 +347,10 @@ async def _phase(
             progress(f"attack: {name}, {'with' if budgets else 'without'} budgets")
             _clear_probes(db)
             started = time.perf_counter()
-            run, final, why = await _strategy(name, client, admin, tenant_id, text, max_queries)
+            budget = server_budget if budgets else None
+            run, final, why = await _strategy(
+                name, client, admin, tenant_id, text, max_queries, budget
+            )
             seconds = round(time.perf_counter() - started, 1)
             p_final = await _score(client, admin, " ".join(final))
             rows.append(
@@ -390,6 +407,7 @@ def run_attack_bench(
                         max_queries,
                         strategies,
                         Path(settings.sqlite_path),
+                        settings.probe_budget_full,
                         say,
                     )
                 )
