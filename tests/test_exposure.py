@@ -667,25 +667,29 @@ def test_evasions_through_the_api_spend_the_originals_budget(
 # --------------------------------------------------------------------------- attack bench
 def test_attack_bench_budgets_stop_the_attack(model_dir: Path) -> None:
     """The removal-attack benchmark on the tiny model (a smoke run of the SECURITY.md
-    table): with budgets on, no key gets more answers about the text than its budget."""
-    from worldcup_cli.attack_bench import format_attack_bench, run_attack_bench
+    table): with budgets on, no strategy gets more answers about the text than its
+    key's budget, whether it salts, splits the text, spreads over keys or asks
+    through /provenance (windows excepted: disjoint windows never asked as a whole
+    are separate texts, each with its own budget: halves get two, windows four)."""
+    from worldcup_cli.attack_bench import STRATEGIES, format_attack_bench, run_attack_bench
 
-    result = run_attack_bench(model=str(model_dir), max_queries=400)
-    runs = {(r["key"], r["budgets"]): r for r in result["runs"]}
-    assert set(runs) == {("full", False), ("verdict", False), ("full", True), ("verdict", True)}
+    result = run_attack_bench(model=str(model_dir), max_queries=300)
+    runs = {(r["strategy"], r["budgets"]): r for r in result["runs"]}
+    assert set(runs) == {(s, b) for s in STRATEGIES for b in (False, True)}
     assert result["initial_p_value"] < 1e-6 and result["text_words"] > 20
-    assert result["budgets"] == {"full": 200, "verdict": 20, "window_s": 3600.0}
-    for key, budget in (("full", 200), ("verdict", 20)):
-        on, off = runs[(key, True)], runs[(key, False)]
-        assert off["refused"] == 0
-        answered = on["queries"] - on["refused"]
-        assert answered <= budget, on
-        assert on["words_deleted"] <= off["words_deleted"]
+    budgets = result["budgets"]
+    assert budgets == {"full": 30, "verdict": 20, "window_s": 86400.0}  # the defaults
+    for name in STRATEGIES:
+        on, off = runs[(name, True)], runs[(name, False)]
+        assert off["refused"] == 0, off
+        budget = budgets["verdict" if name == "greedy, verdict key" else "full"]
+        pieces = {"halves": 2, "windows": 4}.get(name, 1)
+        assert on["answered"] <= budget * pieces, on
         if on["outcome"] == "blocked by probe budget":
             assert on["refused"] > 0
-    # a verdict key's answers carry no gradient: it never gets past the first round
-    # of 20 answers with budgets on, and the watermark survives that
-    assert runs[("verdict", True)]["words_deleted"] <= 1
-    assert runs[("verdict", True)]["survived"]
+    # the budget stops greedy, salted, spread and /provenance runs alike
+    for name in ("greedy", "salted", "greedy, 4 keys", "greedy via /provenance"):
+        assert runs[(name, True)]["answered"] == budgets["full"], runs[(name, True)]
+    assert runs[("greedy, verdict key", True)]["survived"]
     table = format_attack_bench(result)
-    assert table.count("\n| ") == 5 and "blocked by probe budget" in table
+    assert table.count("\n| ") == 2 * len(STRATEGIES) + 1 and "blocked by probe budget" in table

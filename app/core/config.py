@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     # so that no strategy of `worldcup bench-attack` removes a watermark in one day
     probe_window_s: Annotated[float, Field(gt=0)] = 86400.0
     probe_budget_verdict: Annotated[int, Field(ge=0)] = 20
-    probe_budget_full: Annotated[int, Field(ge=0)] = 100
+    probe_budget_full: Annotated[int, Field(ge=0)] = 30
 
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000
