@@ -32,6 +32,8 @@ def _texts(n: int, seed: int) -> list[str]:
     from worldcup_cli.benchlib import news_articles
 
     words = [w for a in news_articles(200) for w in a.split()]
+    if not words:
+        raise SystemExit("no news articles found: set WORLDCUP_DATA_DIR to shared/data")
     rng = random.Random(seed)
     out = []
     for _ in range(n):

@@ -34,12 +34,14 @@ cut they estimate each containment (Broder 1997; Beyer et al. 2007). Each
 account keeps the sketch of the text that opened it (its root) and of its
 latest distinct variant, so a text that drifts word by word stays in its
 account while padding and windows are measured against the original. To find
-candidate accounts without scanning, the :data:`ANCHORS` (64) smallest hashes
+candidate accounts without scanning, the :data:`ANCHORS` (32) smallest hashes
 of each stored sketch point to its account in the store; a query looks up its
-own 64 smallest, which include every common unit below either cut, and only
-the :data:`CANDIDATES` (8) accounts most pointed to are fetched and compared.
-Per query: one tokenisation of the normalised text, one vectorised hash pass,
-one MGET of 64 anchors and at most 8 sketches of 2 KB.
+own 32 smallest (a contained window or a containing text shares its smallest
+common units with both lists), and only the :data:`CANDIDATES` (4) accounts
+most pointed to are fetched and compared. Per query: one table lookup per
+token, one vectorised hash pass, one MGET of 32 anchors, one of at most 4
+sketches of 2 KB, and one script call (which writes 32 anchors when the
+query opens an account or moves one).
 
 Accounted per tenant, audited per key: a tenant with N keys has one budget per
 text, not N. The limit applied to a query is its own key's detail-level budget
@@ -83,6 +85,7 @@ from app.stores.base import AuditRecord, ProbeDecision, Store
 
 __all__ = [
     "LINK",
+    "Canonical",
     "ProbeAccountant",
     "Sketch",
     "containment",
@@ -92,8 +95,8 @@ __all__ = [
 ]
 
 SKETCH_SIZE = 128  # bottom-k: the k smallest keyed hashes of a text's units
-ANCHORS = 64  # the smallest hashes of a stored sketch point to its account
-CANDIDATES = 8  # accounts fetched and compared per query, the most pointed to first
+ANCHORS = 32  # the smallest hashes of a stored sketch point to its account
+CANDIDATES = 4  # accounts fetched and compared per query, the most pointed to first
 LINK = 0.3  # either containment at least this links a query to an account
 MIN_SHARED = 3  # ... with at least this many sampled units in common
 MOVE_BELOW = 0.9  # a linked query less contained (either way) in the latest sketch replaces it
@@ -260,7 +263,10 @@ class ProbeAccountant:
         account's latest sketch)."""
         root, latest = unpack(stored)
         in_root, root_in = containment(sketch.values, root)
-        in_latest, latest_in = containment(sketch.values, latest)
+        if np.array_equal(root, latest):  # an account asked about one text so far
+            in_latest, latest_in = in_root, root_in
+        else:
+            in_latest, latest_in = containment(sketch.values, latest)
         strength = max(in_root, root_in, in_latest, latest_in)
         return strength, min(in_latest, latest_in) < MOVE_BELOW
 

@@ -605,7 +605,8 @@ class RedisStore:
     ) -> list[tuple[str, bytes]]:
         if not bands or limit <= 0:
             return []
-        band_keys = [self._probe(tenant_id, key_id, "band", b) for b in bands]
+        band = self._probe(tenant_id, key_id, "band", "")  # checked once, then joined
+        band_keys = [band + b for b in bands]
         async with self._guard():
             refs = cast("list[str | None]", await self._redis.mget(band_keys))
             counts = Counter(r for r in refs if r is not None)
@@ -635,7 +636,8 @@ class RedisStore:
             self._probe(tenant_id, key_id, "sk", cluster_id),
         ]
         if sketch is not None:
-            keys += [self._probe(tenant_id, key_id, "band", b) for b in bands]
+            band = self._probe(tenant_id, key_id, "band", "")
+            keys += [band + b for b in bands]
         args: list[str | int] = [
             max(1, round(window_s * 1000)),
             int(budget),
