@@ -85,6 +85,23 @@ def _client(
     return asyncio.run(main())
 
 
+def _cpu() -> float:
+    """CPU seconds of this process (the server: event loop and worker threads)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _redis_cpu(url: str | None) -> float:
+    if not url:
+        return 0.0
+    import redis
+
+    info = redis.Redis.from_url(url).info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 async def _setup(base_url: str, server: Any, admin: str) -> str:
     import httpx
 
@@ -148,7 +165,13 @@ def main() -> None:
             ctx = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 pool.submit(_client, base, key, texts[:50], 2, 2.0).result()  # warm-up
+                cpu0, redis0 = _cpu(), _redis_cpu(args.redis)
                 result = pool.submit(_client, base, key, texts, args.clients, args.seconds).result()
+                cpu1, redis1 = _cpu(), _redis_cpu(args.redis)
+            # CPU seconds per answered request: steadier than requests/s on a shared machine
+            answered = max(1, result["answered"])
+            result["server_cpu_ms_per_request"] = round(1e3 * (cpu1 - cpu0) / answered, 3)
+            result["redis_cpu_ms_per_request"] = round(1e3 * (redis1 - redis0) / answered, 3)
         finally:
             server.stop()
             sock.close()

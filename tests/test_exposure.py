@@ -32,7 +32,15 @@ from test_service_api import (
 import app.services.detection as detection_module
 from app.main import create_app
 from app.schemas.exposure import verdict_of
-from app.services.probes import LINK, Canonical, containment, probe_secret, sketch_tokens
+from app.services.probes import (
+    ANCHOR_HITS,
+    LINK,
+    Canonical,
+    Sketch,
+    containment,
+    probe_secret,
+    sketch_tokens,
+)
 from app.services.probes import _hash_keys as hash_keys
 
 TEXT = (
@@ -372,7 +380,7 @@ def test_probe_budget_429_audit_and_metric(client: TestClient) -> None:
     r = client.post("/detect", json={"text": _without_word(text, 12)}, headers=auth)
     err = assert_error(r, 429, "probe_budget_exceeded")
     assert "3 near-duplicate queries" in err["message"] and text not in err["message"]
-    assert 1 <= int(r.headers["Retry-After"]) <= 3600
+    assert 1 <= int(r.headers["Retry-After"]) <= 86400  # the window: a day by default
     assert_error(client.post("/decode", json={"text": text}, headers=auth), 429)
     # an unrelated text has a budget of its own; another key of the tenant shares
     # this text's budget
@@ -558,6 +566,10 @@ def test_containment_links_every_evasion_and_no_unrelated_text(
         assert result is not None
         return result.values
 
+    def found(query: Any, stored: Any) -> bool:
+        """The store's lookup: enough of the query's anchors are the account's."""
+        return len(set(Sketch(query).anchors) & set(Sketch(stored).anchors)) >= ANCHOR_HITS
+
     sketches = [sketch(t) for t in texts]
     missed = []
     for text, original in zip(texts, sketches, strict=True):
@@ -570,7 +582,7 @@ def test_containment_links_every_evasion_and_no_unrelated_text(
                     sketch(rewrite[1]),
                 )
             )
-            if max(containment(later, first)) < LINK:
+            if max(containment(later, first)) < LINK or not found(later, first):
                 missed.append(name)
     assert missed == []
     linked = [

@@ -870,6 +870,9 @@ async def test_probe_candidates_most_pointed_to_first(store: Store, clock: FakeC
     found = await store.probe_candidates(tid, "t", anchors, 2)
     assert found == [("cb", sketches["cb"]), ("cc", sketches["cc"])]
     assert len(await store.probe_candidates(tid, "t", anchors, 8)) == 3
+    # clusters fewer than min_hits anchors point to are not fetched
+    assert await store.probe_candidates(tid, "t", anchors, 8, 2) == found
+    assert await store.probe_candidates(tid, "t", anchors, 8, 3) == [("cb", sketches["cb"])]
     assert await store.probe_candidates(tid, "t", anchors, 0) == []
 
 

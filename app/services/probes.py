@@ -38,7 +38,8 @@ candidate accounts without scanning, the :data:`ANCHORS` (32) smallest hashes
 of each stored sketch point to its account in the store; a query looks up its
 own 32 smallest (a contained window or a containing text shares its smallest
 common units with both lists), and only the :data:`CANDIDATES` (4) accounts
-most pointed to are fetched and compared. Per query: one table lookup per
+most pointed to, by at least :data:`ANCHOR_HITS` (2) anchors, are fetched and
+compared (one shared stock phrase fetches nothing). Per query: one table lookup per
 token, one vectorised hash pass, one MGET of 32 anchors, one of at most 4
 sketches of 2 KB, and one script call (which writes 32 anchors when the
 query opens an account or moves one).
@@ -97,6 +98,7 @@ __all__ = [
 SKETCH_SIZE = 128  # bottom-k: the k smallest keyed hashes of a text's units
 ANCHORS = 32  # the smallest hashes of a stored sketch point to its account
 CANDIDATES = 4  # accounts fetched and compared per query, the most pointed to first
+ANCHOR_HITS = 2  # ... and only those at least this many of the query's anchors point to
 LINK = 0.3  # either containment at least this links a query to an account
 MIN_SHARED = 3  # ... with at least this many sampled units in common
 MOVE_BELOW = 0.9  # a linked query less contained (either way) in the latest sketch replaces it
@@ -285,7 +287,7 @@ class ProbeAccountant:
                 continue
             anchors = sketch.anchors
             candidates = await self.store.probe_candidates(
-                tenant_id, TENANT_ACCOUNT, anchors, CANDIDATES
+                tenant_id, TENANT_ACCOUNT, anchors, CANDIDATES, ANCHOR_HITS
             )
             best_id, best, best_raw, move = None, 0.0, b"", True
             for cluster_id, raw in candidates:

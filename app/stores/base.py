@@ -282,10 +282,11 @@ class Store(Protocol):
 
     # probe accounting (near-duplicate scoring queries per tenant account)
     async def probe_candidates(
-        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8
+        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
     ) -> list[tuple[str, bytes]]:
-        """(cluster id, sketch) of the live clusters these anchors ("bands") point to:
-        at most ``limit``, those most pointed to first (ties by cluster id)."""
+        """(cluster id, sketch) of the live clusters at least ``min_hits`` of these
+        anchors ("bands") point to: at most ``limit``, those most pointed to first
+        (ties by cluster id)."""
 
     async def probe_hit(
         self,

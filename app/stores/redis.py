@@ -601,7 +601,7 @@ class RedisStore:
         return self._t(tenant_id, "probe", key_id, *parts)
 
     async def probe_candidates(
-        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8
+        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
     ) -> list[tuple[str, bytes]]:
         if not bands or limit <= 0:
             return []
@@ -610,7 +610,8 @@ class RedisStore:
         async with self._guard():
             refs = cast("list[str | None]", await self._redis.mget(band_keys))
             counts = Counter(r for r in refs if r is not None)
-            ids = sorted(counts, key=lambda c: (-counts[c], c))[:limit]
+            hit = [c for c, n in counts.items() if n >= min_hits]
+            ids = sorted(hit, key=lambda c: (-counts[c], c))[:limit]
             if not ids:
                 return []
             sketches = cast(

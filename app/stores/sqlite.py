@@ -568,7 +568,7 @@ class SQLiteStore:
     # -- probe accounting -----------------------------------------------------
 
     async def probe_candidates(
-        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8
+        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
     ) -> list[tuple[str, bytes]]:
         check_tenant_id(tenant_id)
         if not bands or limit <= 0:
@@ -584,8 +584,8 @@ class SQLiteStore:
                 " AND k.cluster_id = b.cluster_id"
                 f" WHERE b.tenant_id = ? AND b.key_id = ? AND b.band IN ({marks})"
                 " AND b.expires_at > ? AND k.expires_at > ?"
-                " GROUP BY k.cluster_id ORDER BY n DESC, k.cluster_id LIMIT ?",
-                (tenant_id, key_id, *bands, now, now, limit),
+                " GROUP BY k.cluster_id HAVING n >= ? ORDER BY n DESC, k.cluster_id LIMIT ?",
+                (tenant_id, key_id, *bands, now, now, min_hits, limit),
             ).fetchall()
             return [(r["cluster_id"], bytes(r["sketch"])) for r in rows]
 
