@@ -98,6 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.probe_window_s,
                 settings.probe_budget_full,
                 settings.probe_budget_verdict,
+                tokenizer,
             ),
         )
         with contextlib.suppress(StoreUnavailable):  # else /ready writes it later

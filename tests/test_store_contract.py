@@ -856,6 +856,26 @@ async def test_probe_budget_counts_per_cluster_and_key(store: Store, clock: Fake
     assert await store.probe_candidates(tid, "k2", ["5:ee"]) == [("c1", moved)]
 
 
+async def test_probe_candidates_most_pointed_to_first(store: Store, clock: FakeClock) -> None:
+    """Containment accounting looks up a query's anchor hashes: the clusters most of
+    them point to come first, and at most ``limit`` come back."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    sketches = {c: os.urandom(64) for c in ("ca", "cb", "cc")}
+    await store.probe_hit(tid, "t", "ca", sketches["ca"], ["a1"], 60.0, 5)
+    await store.probe_hit(tid, "t", "cb", sketches["cb"], ["b1", "b2", "b3"], 60.0, 5)
+    await store.probe_hit(tid, "t", "cc", sketches["cc"], ["c1", "c2"], 60.0, 5)
+    anchors = ["a1", "b1", "b2", "b3", "c1", "c2", "zz"]
+    found = await store.probe_candidates(tid, "t", anchors, 2)
+    assert found == [("cb", sketches["cb"]), ("cc", sketches["cc"])]
+    assert len(await store.probe_candidates(tid, "t", anchors, 8)) == 3
+    # clusters fewer than min_hits anchors point to are not fetched
+    assert await store.probe_candidates(tid, "t", anchors, 8, 2) == found
+    assert await store.probe_candidates(tid, "t", anchors, 8, 3) == [("cb", sketches["cb"])]
+    assert await store.probe_candidates(tid, "t", anchors, 0) == []
+
+
 async def test_probe_window_slides(store: Store, clock: FakeClock) -> None:
     tenant, key = tenant_records("acme")
     await store.create_tenant(tenant, key)

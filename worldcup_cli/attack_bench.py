@@ -1,32 +1,42 @@
-"""``worldcup bench-attack``: the greedy leave-one-word-out removal attack, replayed
-through ``/detect/batch`` against a ``full`` key and a ``verdict`` key, with and
-without probe budgets (issue 15; the table in SECURITY.md comes from here).
+"""``worldcup bench-attack``: removal attacks replayed through the API, with and
+without probe budgets (issues 15 and 24; the table in SECURITY.md comes from
+here).
 
 The real app runs in-process (uvicorn on loopback, SQLite in a temporary
 directory), with per-tenant rate limits off so that only the probe budgets
 stand in the attacker's way. One watermarked text is generated with the
-embedded SmolLM2 (or ``--model DIR``); the same tenant and text serve all four
-runs (the second server reopens the first one's store with budgets on).
+embedded SmolLM2 (or ``--model DIR``) under one tenant; every strategy attacks
+that text with that tenant's keys, first with budgets off, then (a second
+server on the same store) with the default budgets. The probe accounts are
+cleared before each strategy, so each one starts with a full day's budget.
 
-Each round the attacker sends every one-word deletion of its current text in
-one batch and keeps one of them:
+Strategies (the attacker's keys are ``full`` unless said otherwise):
 
-* ``full`` key: the deletion with the highest p-value; it stops once the
-  answer says ``is_watermarked: false`` (p >= 0.01);
-* ``verdict`` key: the answers are three words, so all of them read
-  ``watermarked`` until the last step; it keeps a random deletion, and stops
-  once any answer is not ``watermarked``.
+* ``greedy``: each round, every one-word deletion of the current text in one
+  ``/detect/batch``; keep the one with the highest p; stop once an answer says
+  ``is_watermarked: false`` (p >= 0.01);
+* ``salted``: the same, with the same three random words appended to every
+  query of a round (fresh words each round), so that rounds look like new texts;
+* ``halves`` / ``windows``: greedy on each half / each of four disjoint windows
+  on its own, the pieces joined at the end;
+* ``rank-then-delete``: one leave-one-out round ranks the words by the p their
+  deletion gives; then the top 10, 15, 20, 25, 30 or 40 % are deleted at once,
+  one query each, until the answer says not watermarked;
+* ``greedy, 4 keys``: greedy with each round spread over four keys of the tenant;
+* ``greedy via /provenance``: greedy through ``/provenance`` (one text per
+  request) with a ``full`` key holding the provenance scope;
+* ``greedy, verdict key``: answers are three words, so all read ``watermarked``
+  until the last step; it keeps a random deletion.
 
-Both stop when every query of a round was refused (probe budget), or after
-``max_queries`` queries. The final text is then scored by the admin's
-``/provenance`` (unmetered): "survived" means p < 0.01 there. The tenant's
-keys share one probe budget per text, so with budgets on the ``verdict`` run
-starts where the ``full`` run left that budget.
+Every run stops when every query of a step was refused (probe budget) or
+after ``max_queries`` queries. The final text (without salt) is scored by the
+admin's ``/provenance`` (unmetered): "survived" means p < 0.01 there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import secrets
 import tempfile
@@ -73,62 +83,200 @@ def _settings(
     )
 
 
-async def _attack(
-    client: Any, auth: dict[str, str], text: str, detail: str, max_queries: int, seed: int
-) -> dict[str, Any]:
-    rng = random.Random(seed)
-    words = text.split()
-    queries = refused = deleted = rounds = 0
-    outcome = "query cap"
-    while queries < max_queries and len(words) > 1:
-        rounds += 1
-        variants = [" ".join(words[:i] + words[i + 1 :]) for i in range(len(words))]
-        variants = variants[: max_queries - queries]
-        r = await client.post("/detect/batch", json={"texts": variants}, headers=auth)
-        r.raise_for_status()
-        items = r.json()["results"]
-        queries += len(variants)
-        answered = [(i, it["result"]) for i, it in enumerate(items) if it["result"] is not None]
-        refused += len(items) - len(answered)
+Oracle = Any  # async (texts) -> p-value per text, None where refused
+
+
+def _oracle(client: Any, auths: list[dict[str, str]], route: str) -> Oracle:
+    """Ask about many texts; each round is spread over the keys in turn (one
+    ``/detect/batch`` per key, or one ``/provenance`` request per text)."""
+
+    async def ask(texts: list[str]) -> list[float | None]:
+        out: list[float | None] = []
+        if route == "provenance":
+            for i, text in enumerate(texts):
+                r = await client.post(
+                    "/provenance", json={"text": text}, headers=auths[i % len(auths)]
+                )
+                if r.status_code == 429:
+                    out.append(None)
+                    continue
+                r.raise_for_status()
+                out.append(float(r.json()["p_value"]))
+            return out
+        size = -(-len(texts) // len(auths))
+        for k, start in enumerate(range(0, len(texts), size)):
+            chunk = texts[start : start + size]
+            r = await client.post("/detect/batch", json={"texts": chunk}, headers=auths[k])
+            r.raise_for_status()
+            for item in r.json()["results"]:
+                res = item["result"]
+                if res is None:
+                    out.append(None)
+                elif "p_value" in res:
+                    out.append(float(res["p_value"]))
+                else:  # a verdict key: only "watermarked" tells the attacker anything
+                    out.append(0.0 if res["verdict"] == "watermarked" else 1.0)
+        return out
+
+    return ask
+
+
+class _Run:
+    def __init__(self, max_queries: int) -> None:
+        self.max_queries = max_queries
+        self.queries = self.answered = 0
+
+    @property
+    def left(self) -> int:
+        return self.max_queries - self.queries
+
+    async def ask(self, oracle: Oracle, texts: list[str]) -> list[float | None]:
+        texts = texts[: self.left]
+        answers: list[float | None] = await oracle(texts)
+        self.queries += len(texts)
+        self.answered += sum(a is not None for a in answers)
+        return answers
+
+
+async def _greedy(
+    run: _Run, oracle: Oracle, words: list[str], rng: random.Random, salt: int, verdict: bool
+) -> tuple[list[str], str]:
+    """Greedy leave-one-out on ``words``: (final words, why it stopped)."""
+    words = list(words)
+    while run.left > 0 and len(words) > 1:
+        extra = [rng.choice(SALT_WORDS) for _ in range(salt)]
+        variants = [" ".join(words[:i] + words[i + 1 :] + extra) for i in range(len(words))]
+        answers = await run.ask(oracle, variants)
+        answered = [(i, p) for i, p in enumerate(answers) if p is not None]
         if not answered:
-            outcome = "blocked by probe budget"
-            break
-        if detail == "full":
-            best, result = max(answered, key=lambda a: a[1]["p_value"])
-            words.pop(best)
-            deleted += 1
-            if not result["is_watermarked"]:
-                outcome = "oracle says removed"
-                break
-        else:
-            flipped = [i for i, res in answered if res["verdict"] != "watermarked"]
+            return words, "blocked by probe budget"
+        if verdict:
+            flipped = [i for i, p in answered if p >= SIGNIFICANCE]
             if flipped:
                 words.pop(flipped[0])
-                deleted += 1
-                outcome = "oracle says removed"
-                break
+                return words, "oracle says removed"
             words.pop(rng.choice(answered)[0])
-            deleted += 1
-    return {
-        "queries": queries,
-        "refused": refused,
-        "rounds": rounds,
-        "words_deleted": deleted,
-        "outcome": outcome,
-        "final_text": " ".join(words),
-    }
+            continue
+        best, p = max(answered, key=lambda a: a[1])
+        words.pop(best)
+        if p >= SIGNIFICANCE:
+            return words, "oracle says removed"
+    return words, "query cap"
+
+
+async def _pieces(
+    run: _Run, oracle: Oracle, words: list[str], rng: random.Random, count: int
+) -> tuple[list[str], str]:
+    """Greedy on each of ``count`` disjoint pieces on its own, joined at the end."""
+    size = -(-len(words) // count)
+    out, why = [], []
+    for start in range(0, len(words), size):
+        piece, reason = await _greedy(run, oracle, words[start : start + size], rng, 0, False)
+        out += piece
+        why.append(reason)
+    removed = all(w == "oracle says removed" for w in why)
+    blocked = any(w == "blocked by probe budget" for w in why)
+    reason = (
+        "oracle says removed"
+        if removed
+        else ("blocked by probe budget" if blocked else "query cap")
+    )
+    return out, reason
+
+
+async def _rank_then_delete(
+    run: _Run, oracle: Oracle, words: list[str], rng: random.Random, budget: int | None
+) -> tuple[list[str], str]:
+    """One leave-one-out round ranks the words; then delete the top share at once.
+    Under a (published) budget the attacker ranks a random sample of words and keeps
+    six answers for the deletions."""
+    order = list(range(len(words)))
+    if budget is not None and budget - 6 < len(words):
+        order = sorted(rng.sample(order, max(1, budget - 6)))
+    variants = [" ".join(words[:i] + words[i + 1 :]) for i in order]
+    answers = dict(zip(order, await run.ask(oracle, variants), strict=False))
+    ranked = sorted(
+        (i for i, p in answers.items() if p is not None), key=lambda i: -(answers[i] or 0.0)
+    )
+    if not ranked:
+        return words, "blocked by probe budget"
+    final = words
+    for share in (0.10, 0.15, 0.20, 0.25, 0.30, 0.40):
+        if run.left <= 0:
+            return final, "query cap"
+        drop = set(ranked[: max(1, round(share * len(words)))])
+        final = [w for i, w in enumerate(words) if i not in drop]
+        (p,) = await run.ask(oracle, [" ".join(final)])
+        if p is None:
+            return final, "blocked by probe budget"
+        if p >= SIGNIFICANCE:
+            return final, "oracle says removed"
+    return final, "every share tried"
+
+
+STRATEGIES = (
+    "greedy",
+    "salted",
+    "halves",
+    "windows",
+    "rank-then-delete",
+    "greedy, 4 keys",
+    "greedy via /provenance",
+    "greedy, verdict key",
+)
+
+# salt: ordinary words, so the appended words look like text
+SALT_WORDS = (
+    "river market window garden silver morning letter station winter yellow paper "
+    "bridge little orange quiet forest number simple travel summer engine kitchen"
+).split()
 
 
 async def _new_key(
-    client: Any, admin: dict[str, str], tenant_id: str, detail: str
+    client: Any, admin: dict[str, str], tenant_id: str, detail: str, scopes: list[str]
 ) -> dict[str, str]:
     r = await client.post(
         f"/admin/tenants/{tenant_id}/api-keys",
-        json={"name": f"attack {detail}", "scopes": ["detect"], "detail": detail},
+        json={"name": f"attack {detail}", "scopes": scopes, "detail": detail},
         headers=admin,
     )
     r.raise_for_status()
     return {"Authorization": f"Bearer {r.json()['api_key']}"}
+
+
+async def _strategy(
+    name: str,
+    client: Any,
+    admin: dict[str, str],
+    tenant_id: str,
+    text: str,
+    max_queries: int,
+    budget: int | None,
+) -> tuple[_Run, list[str], str]:
+    rng = random.Random(1)
+    run, words = _Run(max_queries), text.split()
+    if name == "greedy, verdict key":
+        auth = await _new_key(client, admin, tenant_id, "verdict", ["detect"])
+        final, why = await _greedy(run, _oracle(client, [auth], "detect"), words, rng, 0, True)
+    elif name == "greedy via /provenance":
+        auth = await _new_key(client, admin, tenant_id, "full", ["provenance"])
+        oracle = _oracle(client, [auth], "provenance")
+        final, why = await _greedy(run, oracle, words, rng, 0, False)
+    elif name == "greedy, 4 keys":
+        auths = [await _new_key(client, admin, tenant_id, "full", ["detect"]) for _ in range(4)]
+        final, why = await _greedy(run, _oracle(client, auths, "detect"), words, rng, 0, False)
+    else:
+        oracle = _oracle(
+            client, [await _new_key(client, admin, tenant_id, "full", ["detect"])], "detect"
+        )
+        if name in ("greedy", "salted"):
+            salt = 3 if name == "salted" else 0
+            final, why = await _greedy(run, oracle, words, rng, salt, False)
+        elif name in ("halves", "windows"):
+            final, why = await _pieces(run, oracle, words, rng, 2 if name == "halves" else 4)
+        else:
+            final, why = await _rank_then_delete(run, oracle, words, rng, budget)
+    return run, final, why
 
 
 async def _score(client: Any, admin: dict[str, str], text: str) -> float:
@@ -140,6 +288,15 @@ async def _score(client: Any, admin: dict[str, str], text: str) -> float:
     return float(r.json()["p_value"])
 
 
+def _clear_probes(db: Path) -> None:
+    """Every strategy starts with a full budget: the probe accounts are emptied."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        for table in ("probe_hits", "probe_bands", "probe_clusters"):
+            conn.execute(f"DELETE FROM {table}")  # noqa: S608 (fixed table names)
+
+
 async def _phase(
     server: Server,
     base_url: str,
@@ -147,6 +304,9 @@ async def _phase(
     state: dict[str, Any],
     budgets: bool,
     max_queries: int,
+    strategies: tuple[str, ...],
+    db: Path,
+    server_budget: int,
     progress: Progress,
 ) -> list[dict[str, Any]]:
     import httpx
@@ -159,6 +319,12 @@ async def _phase(
             r.raise_for_status()
             state["tenant_id"] = r.json()["tenant_id"]
             gen_key = {"Authorization": f"Bearer {r.json()['api_key']}"}
+            r = await client.put(
+                f"/admin/tenants/{state['tenant_id']}/scopes",
+                json={"scopes": ["provenance"]},
+                headers=admin,
+            )
+            r.raise_for_status()
             progress("generating the watermarked text")
             r = await client.post(
                 "/generate",
@@ -177,19 +343,26 @@ async def _phase(
             state["model"] = (await client.get("/version")).json()["model_id"]
         tenant_id, text = state["tenant_id"], state["text"]
         rows = []
-        for detail in ("full", "verdict"):
-            label = f"{detail} key, {'with' if budgets else 'without'} budgets"
-            progress(f"attack: {label}")
-            auth = await _new_key(client, admin, tenant_id, detail)
+        for name in strategies:
+            progress(f"attack: {name}, {'with' if budgets else 'without'} budgets")
+            _clear_probes(db)
             started = time.perf_counter()
-            run = await _attack(client, auth, text, detail, max_queries, seed=1)
-            run["seconds"] = round(time.perf_counter() - started, 1)
-            p_final = await _score(client, admin, run.pop("final_text"))
+            budget = server_budget if budgets else None
+            run, final, why = await _strategy(
+                name, client, admin, tenant_id, text, max_queries, budget
+            )
+            seconds = round(time.perf_counter() - started, 1)
+            p_final = await _score(client, admin, " ".join(final))
             rows.append(
                 {
-                    "key": detail,
+                    "strategy": name,
                     "budgets": budgets,
-                    **run,
+                    "queries": run.queries,
+                    "answered": run.answered,
+                    "refused": run.queries - run.answered,
+                    "words_deleted": len(text.split()) - len(final),
+                    "outcome": why,
+                    "seconds": seconds,
                     "final_p_value": p_final,
                     "survived": p_final < SIGNIFICANCE,
                 }
@@ -200,11 +373,18 @@ async def _phase(
 
 
 def run_attack_bench(
-    *, model: str | None = None, max_queries: int = 6000, progress: Progress | None = None
+    *,
+    model: str | None = None,
+    max_queries: int = 4000,
+    strategies: tuple[str, ...] = STRATEGIES,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Both phases (budgets off, then on) on one store; a dict of figures."""
     from app.main import create_app
 
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        raise ValueError(f"unknown strategies {sorted(unknown)}; known: {list(STRATEGIES)}")
     say = progress or (lambda _msg: None)
     state: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
@@ -225,6 +405,9 @@ def run_attack_bench(
                         state,
                         budgets,
                         max_queries,
+                        strategies,
+                        Path(settings.sqlite_path),
+                        settings.probe_budget_full,
                         say,
                     )
                 )
@@ -251,17 +434,18 @@ def format_attack_bench(result: dict[str, Any]) -> str:
     lines = [
         f"model {result['model']}; text of {result['text_words']} words, "
         f"p = {result['initial_p_value']:.2g} before the attack; "
-        f"budgets {b['full']} (full) / {b['verdict']} (verdict) per {b['window_s']:g} s",
+        f"budgets {b['full']} (full) / {b['verdict']} (verdict) per {b['window_s']:g} s; "
+        f"at most {result['max_queries']} queries per run",
         "",
-        "| key | probe budgets | queries sent | refused | words deleted | stopped because "
-        "| p-value after (full detector) | watermark survived |",
+        "| strategy | probe budgets | queries sent | answered | words deleted | stopped because "
+        "| p after (full detector) | watermark survived |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         pct = 100 * r["words_deleted"] / result["text_words"]
         lines.append(
-            f"| {r['key']} | {'on' if r['budgets'] else 'off'} | {r['queries']} | {r['refused']} "
-            f"| {r['words_deleted']} ({pct:.1f} %) | {r['outcome']} | {r['final_p_value']:.2g} "
-            f"| {'yes' if r['survived'] else 'no'} |"
+            f"| {r['strategy']} | {'on' if r['budgets'] else 'off'} | {r['queries']} "
+            f"| {r['answered']} | {r['words_deleted']} ({pct:.1f} %) | {r['outcome']} "
+            f"| {r['final_p_value']:.2g} | {'yes' if r['survived'] else 'no'} |"
         )
     return "\n".join(lines)

@@ -678,11 +678,17 @@ def bench_attack(
     ] = None,
     max_queries: Annotated[
         int, typer.Option("--max-queries", help="Query cap per attack run.")
-    ] = 6000,
+    ] = 4000,
+    strategies: Annotated[
+        str | None,
+        typer.Option(
+            "--strategies", help="Comma-separated subset of the strategies (default: all)."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Greedy leave-one-word-out removal through /detect/batch: full and verdict keys,
-    with and without probe budgets (the SECURITY.md table)."""
+    """Removal attacks (greedy, salted, halves, windows, rank-then-delete, several keys,
+    /provenance, verdict key) with and without probe budgets (the SECURITY.md table)."""
     try:
         import fastapi  # noqa: F401
         import httpx  # noqa: F401
@@ -698,7 +704,16 @@ def bench_attack(
     def progress(msg: str) -> None:
         typer.echo(msg, err=True)
 
-    result = run_attack_bench(model=model, max_queries=max_queries, progress=progress)
+    from worldcup_cli.attack_bench import STRATEGIES
+
+    chosen = tuple(x.strip() for x in strategies.split(",")) if strategies else STRATEGIES
+    if set(chosen) - set(STRATEGIES):
+        fail(
+            f"unknown strategies {sorted(set(chosen) - set(STRATEGIES))}; known: {list(STRATEGIES)}"
+        )
+    result = run_attack_bench(
+        model=model, max_queries=max_queries, strategies=chosen, progress=progress
+    )
     _emit(as_json, result, format_attack_bench(result))
 
 

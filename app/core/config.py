@@ -117,11 +117,13 @@ class Settings(BaseSettings):
     cpu_workers: Annotated[int, Field(ge=1, le=64)] = 4
     cpu_max_pending: Annotated[int, Field(ge=1)] = 64
 
-    # probe budgets: near-duplicate detect/decode queries per text and API key within
-    # the window (verdict keys, full keys); beyond them 429 probe_budget_exceeded; 0 = off
-    probe_window_s: Annotated[float, Field(gt=0)] = 3600.0
+    # probe budgets: scoring queries about one text (by containment, SECURITY.md) per
+    # tenant, all its keys together, within the window (verdict keys, full keys); beyond
+    # them 429 probe_budget_exceeded; 0 = off. A day's window: the defaults are chosen
+    # so that no strategy of `worldcup bench-attack` removes a watermark in one day
+    probe_window_s: Annotated[float, Field(gt=0)] = 86400.0
     probe_budget_verdict: Annotated[int, Field(ge=0)] = 20
-    probe_budget_full: Annotated[int, Field(ge=0)] = 200
+    probe_budget_full: Annotated[int, Field(ge=0)] = 30
 
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000

@@ -1,20 +1,48 @@
 """Probe accounting: a removal attack asks about many near-copies of one text.
 
 Leave-one-word-out through ``/detect`` walks a watermark below detection by
-scoring hundreds of variants of one text. Every detect or decode query under
-an API key is fingerprinted here from the (context, token) pairs a detector
-scores (token 3-grams for the default context width c = 2, each once, so the
-first c tokens and repeated contexts do not count, as in scoring), with a
-MinHash sketch of 64 values. A query whose estimated Jaccard similarity with
-a cluster of recent queries under the same tenant (any of its keys: the
-clusters are the tenant's, shared by its keys) is at least
-:data:`SIMILARITY` counts against that cluster's budget (sliding window in
-the store, shared by replicas); unrelated texts start clusters of their own.
-Candidates are found by LSH (16 bands of 4 values: a 0.7-similar query is
-found with probability 0.988, a 0.95-similar one always in practice) and
-checked against the stored sketch. A matched query whose similarity is below
-0.9 moves the cluster's sketch to itself, so a text that drifts word by word
-stays in one cluster.
+scoring hundreds of variants of one text. Every detect, decode or provenance
+query of a tenant key is fingerprinted here, and a query that shares most of
+its evidence with a text the tenant asked about recently counts against that
+text's budget (a sliding window in the store, shared by replicas); unrelated
+texts start accounts of their own.
+
+What is fingerprinted: the units the watermark test scores, (context, token)
+pairs of the text's own tokens, i.e. token 3-grams for the default context
+width c = 2, each once (the scorer counts a repeated context once). Before the
+units are formed, each token id is replaced by a canonical one for its
+characters after NFKC, case folding and stripping whitespace, and
+whitespace-only tokens are dropped (:class:`Canonical`): a text lower-cased or
+re-spaced keeps its units wherever it keeps its tokens, which is exactly where
+it keeps its watermark evidence (the scorer reads the same tokens). This costs
+one table lookup per token, not a second tokenisation.
+
+How queries are linked: by **containment in both directions**, not by
+similarity of whole sets. A query Q is a probe of an earlier text T when a
+large share of Q's units lie in T (windows, halves, deletions, replaced or
+inserted words) or a large share of T's units lie in Q (padding, salting with
+random words, T inside a longer text). Either share at least :data:`LINK`
+(0.3) links them, provided at least :data:`MIN_SHARED` sampled units are
+common (a few shared stock phrases do not link unrelated texts).
+
+The sketch (bounded memory and time per query): the :data:`SKETCH_SIZE` (128)
+smallest keyed 64-bit hashes of the text's units, a bottom-k ("KMV") sample.
+Two bottom-k samples estimate both containments: below the smaller of the two
+k-th hashes both samples are complete, so the units common to both there are
+exactly the common units' sample, and divided by each side's count below that
+cut they estimate each containment (Broder 1997; Beyer et al. 2007). Each
+account keeps the sketch of the text that opened it (its root) and of its
+latest distinct variant, so a text that drifts word by word stays in its
+account while padding and windows are measured against the original. To find
+candidate accounts without scanning, the :data:`ANCHORS` (32) smallest hashes
+of each stored sketch point to its account in the store; a query looks up its
+own 32 smallest (a contained window or a containing text shares its smallest
+common units with both lists), and only the :data:`CANDIDATES` (4) accounts
+most pointed to, by at least :data:`ANCHOR_HITS` (2) anchors, are fetched and
+compared (one shared stock phrase fetches nothing). Per query: one table lookup per
+token, one vectorised hash pass, one MGET of 32 anchors, one of at most 4
+sketches of 2 KB, and one script call (which writes 32 anchors when the
+query opens an account or moves one).
 
 Accounted per tenant, audited per key: a tenant with N keys has one budget per
 text, not N. The limit applied to a query is its own key's detail-level budget
@@ -23,12 +51,17 @@ key is refused once the tenant's keys together asked its (smaller) budget's
 worth about a text, while a ``full`` key may go on to the ``full`` budget. The
 audit line of a refusal names the key id (never its secret).
 
-Why a small keyed MinHash and not ``datasketch``: the hash functions are
-keyed with a secret derived from the master key, so nobody can compute
-sketches offline and pick deletions that slip out of a cluster; the sketch of
-a whole text is one vectorised numpy pass (``datasketch`` hashes element by
-element in Python unless given pre-hashed values, and brings no keying); and
-no new dependency for a 40-line function.
+Why our own 60 lines and not ``datasketch`` (its ``MinHashLSHEnsemble`` does
+containment search): the hashes must be keyed with a secret derived from the
+master key, so nobody can compute sketches offline and pick edits that slip
+out of an account; the index must live in the store shared by replicas, with
+expiry (datasketch's Redis storage has no TTLs and one key per hash table and
+partition); and one bottom-k array is one vectorised numpy pass where
+datasketch hashes element by element in Python. Limits (SECURITY.md): a
+window shorter than about 1/20 of a long text's units may miss its account
+(too few of its units in the sample), and salt several times longer than
+the text dilutes both containments below :data:`LINK`; the scorer's own
+evidence is diluted by the same factor.
 """
 
 from __future__ import annotations
@@ -36,10 +69,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 import secrets
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -48,34 +84,83 @@ from app.core.errors import APIError
 from app.core.metrics import Metrics
 from app.stores.base import AuditRecord, ProbeDecision, Store
 
-__all__ = ["SIMILARITY", "ProbeAccountant", "Sketch", "probe_secret", "sketch_tokens"]
+__all__ = [
+    "LINK",
+    "Canonical",
+    "ProbeAccountant",
+    "Sketch",
+    "containment",
+    "normalise",
+    "probe_secret",
+    "sketch_tokens",
+]
 
-NUM_HASHES = 64
-BANDS = 16
-ROWS = NUM_HASHES // BANDS
-SIMILARITY = 0.7  # a query this similar to a cluster (estimated Jaccard) is a probe of it
-MOVE_BELOW = 0.9  # a matched query less similar than this becomes the cluster's sketch
+SKETCH_SIZE = 128  # bottom-k: the k smallest keyed hashes of a text's units
+ANCHORS = 32  # the smallest hashes of a stored sketch point to its account
+CANDIDATES = 4  # accounts fetched and compared per query, the most pointed to first
+ANCHOR_HITS = 2  # ... and only those at least this many of the query's anchors point to
+LINK = 0.3  # either containment at least this links a query to an account
+MIN_SHARED = 3  # ... with at least this many sampled units in common
+MOVE_BELOW = 0.9  # a linked query less contained (either way) in the latest sketch replaces it
 CONTEXT_WIDTH = 2  # the default c: a scored pair is (2 previous tokens, token)
 _ID_BITS = 21  # token ids below 2**21 pack three to a uint64
 _ID_MASK = np.uint64((1 << _ID_BITS) - 1)
-TENANT_ACCOUNT = "tenant"  # the store's account id: one set of clusters per tenant
+_ALL = np.uint64(np.iinfo(np.uint64).max)
+_SPACE = re.compile(r"\s+")
+TENANT_ACCOUNT = "tenant"  # the store's account id: one set of accounts per tenant
 
 
 def probe_secret(master_key: bytes) -> bytes:
-    """The MinHash key: derived from (never equal to) the master key."""
+    """The sketch key: derived from (never equal to) the master key."""
     return hmac.new(master_key, b"worldcup-probe-minhash-v1", hashlib.sha256).digest()
+
+
+def normalise(text: str) -> str:
+    """What the fingerprint reads: NFKC, case-folded, whitespace runs as one space."""
+    return _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
 @dataclass(frozen=True)
 class Sketch:
-    values: NDArray[np.uint64]  # NUM_HASHES minimums
-    bands: list[str]  # "band:hash" LSH keys
+    """A text's bottom-k sample: its smallest keyed unit hashes, ascending, distinct."""
 
-    def similarity(self, raw: bytes) -> float:
-        other = np.frombuffer(raw, dtype=np.uint64)
-        if other.shape != self.values.shape:
-            return 0.0
-        return float(np.mean(other == self.values))
+    values: NDArray[np.uint64]
+
+    @property
+    def anchors(self) -> list[str]:
+        """The store keys that find this sketch's accounts (and point to its own)."""
+        return [f"{v:016x}" for v in self.values[:ANCHORS].tolist()]
+
+
+def _cut(values: NDArray[np.uint64]) -> np.uint64:
+    """Below (and at) this hash the sample is complete: all of a short text's units."""
+    return values[-1] if values.size >= SKETCH_SIZE else _ALL
+
+
+def containment(a: NDArray[np.uint64], b: NDArray[np.uint64]) -> tuple[float, float]:
+    """Estimated (share of a's units in b, share of b's units in a) from two bottom-k
+    samples; (0, 0) when fewer than MIN_SHARED sampled units are common."""
+    if a.size == 0 or b.size == 0:
+        return 0.0, 0.0
+    cut = min(_cut(a), _cut(b))
+    a_low, b_low = a[a <= cut], b[b <= cut]
+    shared = int(np.intersect1d(a_low, b_low, assume_unique=True).size)
+    if shared < MIN_SHARED:
+        return 0.0, 0.0
+    return shared / a_low.size, shared / b_low.size
+
+
+def pack(root: NDArray[np.uint64], latest: NDArray[np.uint64]) -> bytes:
+    """An account's stored sketches: [len(root), root..., latest...] as uint64."""
+    return np.concatenate([np.array([root.size], dtype=np.uint64), root, latest]).tobytes()
+
+
+def unpack(raw: bytes) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    data = np.frombuffer(raw, dtype=np.uint64) if len(raw) % 8 == 0 else np.empty(0, np.uint64)
+    if data.size == 0 or int(data[0]) > data.size - 1:
+        return np.empty(0, np.uint64), np.empty(0, np.uint64)  # unreadable: no link
+    n = int(data[0])
+    return data[1 : 1 + n], data[1 + n :]
 
 
 def _mix(z: NDArray[np.uint64]) -> NDArray[np.uint64]:
@@ -86,35 +171,67 @@ def _mix(z: NDArray[np.uint64]) -> NDArray[np.uint64]:
 
 
 def _hash_keys(secret: bytes) -> NDArray[np.uint64]:
-    raw = b"".join(
-        hashlib.blake2b(f"minhash:{i}".encode(), key=secret[:64], digest_size=64).digest()
-        for i in range(NUM_HASHES * 8 // 64)
-    )
+    """Three 64-bit words of key: the units are hashed mix(mix(u ^ k0) + k1) ^ k2."""
+    raw = hashlib.blake2b(b"worldcup-probe-kmv", key=secret[:64], digest_size=24).digest()
     return np.frombuffer(raw, dtype=np.uint64).copy()
 
 
-def _band_hash(rows: NDArray[np.uint64]) -> str:
-    return hashlib.blake2b(rows.tobytes(), digest_size=8).hexdigest()
-
-
-def sketch_tokens(token_ids: Sequence[int], keys: NDArray[np.uint64]) -> Sketch | None:
-    """The keyed MinHash of a text's scored (context, token) pairs; None if it has none."""
+def sketch_tokens(
+    token_ids: Sequence[int] | NDArray[np.int64], keys: NDArray[np.uint64]
+) -> Sketch | None:
+    """The keyed bottom-k sample of a text's scored (context, token) units; None if it
+    has none (a text of at most c tokens)."""
     ids = np.asarray(token_ids, dtype=np.uint64) & _ID_MASK
     if ids.size <= CONTEXT_WIDTH:
         return None
-    shingles = (ids[:-2] << np.uint64(2 * _ID_BITS)) | (ids[1:-1] << np.uint64(_ID_BITS)) | ids[2:]
-    shingles = np.unique(shingles)
-    values = np.empty(NUM_HASHES, dtype=np.uint64)
+    units = (ids[:-2] << np.uint64(2 * _ID_BITS)) | (ids[1:-1] << np.uint64(_ID_BITS)) | ids[2:]
     with np.errstate(over="ignore"):
-        for start in range(0, NUM_HASHES, 16):  # bounded temporaries for long texts
-            block = _mix(shingles[:, None] ^ keys[None, start : start + 16])
-            values[start : start + 16] = block.min(axis=0)
-    bands = [f"{b}:{_band_hash(values[b * ROWS : (b + 1) * ROWS])}" for b in range(BANDS)]
-    return Sketch(values, bands)
+        hashed = _mix(_mix(units ^ keys[0]) + keys[1]) ^ keys[2]
+    hashed = np.unique(hashed)  # sorted, each unit once
+    return Sketch(hashed[:SKETCH_SIZE].copy())
+
+
+class Canonical:
+    """Token ids as the fingerprint reads them: each id maps to the first id whose
+    characters are the same after NFKC, case folding and stripping whitespace
+    (" The", "the" and " the" are one unit), and whitespace-only tokens are dropped
+    (so runs of spaces or new lines change nothing). Byte fragments of a character
+    keep their own ids. One gather per text; built once from the tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.table = np.zeros(0, dtype=np.int64)
+        if tokenizer is None:
+            return
+        size = len(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        ids = [[i] for i in range(size)]
+        if backend is not None:
+            pieces = backend.decode_batch(ids, skip_special_tokens=False)
+        else:
+            pieces = [tokenizer.decode(i) for i in ids]
+        table = np.arange(size, dtype=np.int64)
+        first: dict[str, int] = {}
+        for i, piece in enumerate(pieces):
+            if "\ufffd" in piece:
+                continue
+            key = normalise(piece)
+            if not key:
+                table[i] = -1
+            else:
+                table[i] = first.setdefault(key, i)
+        self.table = table
+
+    def apply(self, token_ids: Sequence[int]) -> NDArray[np.int64]:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if self.table.size == 0 or ids.size == 0:
+            return ids
+        inside = (ids >= 0) & (ids < self.table.size)
+        mapped = np.where(inside, self.table[np.where(inside, ids, 0)], ids)
+        return mapped[mapped >= 0]
 
 
 class ProbeAccountant:
-    """Counts detect/decode queries against per-text budgets of a tenant in the store."""
+    """Counts scoring queries against per-text budgets of a tenant in the store."""
 
     def __init__(
         self,
@@ -124,11 +241,13 @@ class ProbeAccountant:
         window_s: float,
         budget_full: int,
         budget_verdict: int,
+        tokenizer: Any = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.window_s = window_s
         self.budgets = {"full": budget_full, "verdict": budget_verdict}
+        self.canonical = Canonical(tokenizer)
         self._keys = _hash_keys(secret)
 
     def __repr__(self) -> str:
@@ -138,14 +257,26 @@ class ProbeAccountant:
         return self.budgets.get(detail, self.budgets["verdict"])
 
     def sketches(self, texts: Sequence[Sequence[int]]) -> list[Sketch | None]:
-        """CPU work: call it in a worker thread."""
-        return [sketch_tokens(t, self._keys) for t in texts]
+        """The fingerprints of tokenised texts (CPU work: call it in a worker thread)."""
+        return [sketch_tokens(self.canonical.apply(t), self._keys) for t in texts]
+
+    def _link(self, sketch: Sketch, stored: bytes) -> tuple[float, bool]:
+        """(how strongly the query belongs to the account, whether it replaces the
+        account's latest sketch)."""
+        root, latest = unpack(stored)
+        in_root, root_in = containment(sketch.values, root)
+        if np.array_equal(root, latest):  # an account asked about one text so far
+            in_latest, latest_in = in_root, root_in
+        else:
+            in_latest, latest_in = containment(sketch.values, latest)
+        strength = max(in_root, root_in, in_latest, latest_in)
+        return strength, min(in_latest, latest_in) < MOVE_BELOW
 
     async def admit(
         self, tenant_id: str, key_id: str, detail: str, sketches: Sequence[Sketch | None]
     ) -> list[ProbeDecision]:
         """One decision per query, in order (a batch's near-copies of each other count
-        against one budget). The clusters are the tenant's, shared by all its keys;
+        against one budget). The accounts are the tenant's, shared by all its keys;
         ``key_id`` only names the caller. A budget of 0 turns accounting off for that
         detail level."""
         budget = self.budget(detail)
@@ -154,23 +285,31 @@ class ProbeAccountant:
             if budget <= 0 or sketch is None:
                 decisions.append(ProbeDecision(True, 0, 0.0))
                 continue
-            candidates = await self.store.probe_candidates(tenant_id, TENANT_ACCOUNT, sketch.bands)
-            best_id, best = None, 0.0
+            anchors = sketch.anchors
+            candidates = await self.store.probe_candidates(
+                tenant_id, TENANT_ACCOUNT, anchors, CANDIDATES, ANCHOR_HITS
+            )
+            best_id, best, best_raw, move = None, 0.0, b"", True
             for cluster_id, raw in candidates:
-                sim = sketch.similarity(raw)
-                if sim > best:
-                    best_id, best = cluster_id, sim
-            if best_id is None or best < SIMILARITY:
-                cluster_id, move = secrets.token_hex(8), True
+                strength, moves = self._link(sketch, raw)
+                if strength > best:
+                    best_id, best, best_raw, move = cluster_id, strength, raw, moves
+            stored: bytes | None = None
+            if best_id is None or best < LINK:  # a text of its own: a new account
+                cluster_id, stored = secrets.token_hex(8), pack(sketch.values, sketch.values)
             else:
-                cluster_id, move = best_id, best < MOVE_BELOW
+                cluster_id = best_id
+                if move:  # the account's latest variant becomes this query
+                    root = unpack(best_raw)[0]
+                    stored = pack(root, sketch.values)
+                    anchors = sorted(set(anchors) | set(Sketch(root).anchors))  # kept alive
             decisions.append(
                 await self.store.probe_hit(
                     tenant_id,
                     TENANT_ACCOUNT,
                     cluster_id,
-                    sketch.values.tobytes() if move else None,
-                    sketch.bands if move else [],
+                    stored,
+                    anchors if stored is not None else [],
                     self.window_s,
                     budget,
                 )

@@ -329,11 +329,13 @@ class Store(Protocol):
     async def revoke_api_key(self, tenant_id: str, key_id: str, at: float) -> ApiKeyRecord | None:
         """Mark revoked (the first revocation time stays); None if there is no such key."""
 
-    # probe accounting (near-duplicate detect/decode queries per API key)
+    # probe accounting (near-duplicate scoring queries per tenant account)
     async def probe_candidates(
-        self, tenant_id: str, key_id: str, bands: list[str]
+        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
     ) -> list[tuple[str, bytes]]:
-        """(cluster id, sketch) of the live clusters any of these LSH bands points to."""
+        """(cluster id, sketch) of the live clusters at least ``min_hits`` of these
+        anchors ("bands") point to: at most ``limit``, those most pointed to first
+        (ties by cluster id)."""
 
     async def probe_hit(
         self,

@@ -15,8 +15,8 @@ Layout (``p`` = prefix, ``t`` = tenant id)::
     p:keyhash:{sha256}        str   "tenant id key id" of an API key (authentication lookup)
     p:t:apikeys               hash  key id -> ApiKeyRecord JSON
     p:t:apikeys-revoked       hash  key id -> revocation time
-    p:t:probe:{k}:band:{b}    str   cluster id an LSH band of API key k points to (TTL)
-    p:t:probe:{k}:sk:{c}      str   the cluster's MinHash sketch, base64 (TTL)
+    p:t:probe:{k}:band:{b}    str   cluster id an anchor hash b of account k points to (TTL)
+    p:t:probe:{k}:sk:{c}      str   the cluster's bottom-k sketches, base64 (TTL)
     p:t:probe:{k}:hits:{c}    zset  times of the cluster's counted queries (TTL)
     p:audit                   stream provenance audit log (one JSON field per entry)
     p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
@@ -44,6 +44,7 @@ import base64
 import contextlib
 import json
 import secrets
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -607,14 +608,17 @@ class RedisStore:
         return self._t(tenant_id, "probe", key_id, *parts)
 
     async def probe_candidates(
-        self, tenant_id: str, key_id: str, bands: list[str]
+        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
     ) -> list[tuple[str, bytes]]:
-        if not bands:
+        if not bands or limit <= 0:
             return []
-        band_keys = [self._probe(tenant_id, key_id, "band", b) for b in bands]
+        band = self._probe(tenant_id, key_id, "band", "")  # checked once, then joined
+        band_keys = [band + b for b in bands]
         async with self._guard():
             refs = cast("list[str | None]", await self._redis.mget(band_keys))
-            ids = sorted({r for r in refs if r is not None})
+            counts = Counter(r for r in refs if r is not None)
+            hit = [c for c, n in counts.items() if n >= min_hits]
+            ids = sorted(hit, key=lambda c: (-counts[c], c))[:limit]
             if not ids:
                 return []
             sketches = cast(
@@ -640,7 +644,8 @@ class RedisStore:
             self._probe(tenant_id, key_id, "sk", cluster_id),
         ]
         if sketch is not None:
-            keys += [self._probe(tenant_id, key_id, "band", b) for b in bands]
+            band = self._probe(tenant_id, key_id, "band", "")
+            keys += [band + b for b in bands]
         args: list[str | int] = [
             max(1, round(window_s * 1000)),
             int(budget),

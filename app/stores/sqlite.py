@@ -582,22 +582,24 @@ class SQLiteStore:
     # -- probe accounting -----------------------------------------------------
 
     async def probe_candidates(
-        self, tenant_id: str, key_id: str, bands: list[str]
+        self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
     ) -> list[tuple[str, bytes]]:
         check_tenant_id(tenant_id)
-        if not bands:
+        if not bands or limit <= 0:
             return []
         now = self._clock()
         marks = ",".join("?" * len(bands))
 
         def op(c: sqlite3.Connection) -> list[tuple[str, bytes]]:
             rows = c.execute(
-                "SELECT DISTINCT k.cluster_id, k.sketch FROM probe_bands b JOIN probe_clusters k"
+                "SELECT k.cluster_id, k.sketch, COUNT(*) AS n FROM probe_bands b"
+                " JOIN probe_clusters k"
                 " ON k.tenant_id = b.tenant_id AND k.key_id = b.key_id"
                 " AND k.cluster_id = b.cluster_id"
                 f" WHERE b.tenant_id = ? AND b.key_id = ? AND b.band IN ({marks})"
-                " AND b.expires_at > ? AND k.expires_at > ?",
-                (tenant_id, key_id, *bands, now, now),
+                " AND b.expires_at > ? AND k.expires_at > ?"
+                " GROUP BY k.cluster_id HAVING n >= ? ORDER BY n DESC, k.cluster_id LIMIT ?",
+                (tenant_id, key_id, *bands, now, now, min_hits, limit),
             ).fetchall()
             return [(r["cluster_id"], bytes(r["sketch"])) for r in rows]
 
