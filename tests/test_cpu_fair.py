@@ -403,3 +403,50 @@ def test_another_tenants_detect_overtakes_a_bulk_batch(
     after_first = gate.calls[1:]
     assert after_first.count("other ") == 1
     assert after_first.index("other ") <= 1, after_first
+
+
+# the benchmark's side-by-side "before" -----------------------------------------------
+def test_the_benchmarks_fcfs_pool_is_the_old_pool_and_its_report_reads() -> None:
+    from worldcup_cli.service_bench import (
+        _fair_targets,
+        _FirstComeFirstServed,
+        format_fair_shares,
+    )
+
+    async def main() -> list[int]:
+        pool = _FirstComeFirstServed(1, 2)
+        sizes: list[int] = []
+        try:
+            out = await pool.map(lambda c: sizes.append(len(c)) or c, list(range(50)))
+            assert out == list(range(50))
+            return sizes
+        finally:
+            pool.close()
+
+    assert run(main()) == [50]  # a batch is one job, as before fair shares
+    mode = {
+        "other_detect_p50_ms": 1.0,
+        "other_detect_p99_ms": 2.0,
+        "other_detect_max_ms": 3.0,
+        "other_detect_answered": 4,
+        "bulk_batches_ok": 5,
+        "bulk_batches_shed": 0,
+        "detect_rps_16": [100.0, 110.0],
+        "detect_rps_16_mean": 105.0,
+        "detect_p99_ms_16": 9.0,
+    }
+    fs = {
+        "seconds_per_phase": 5.0,
+        "rounds": 2,
+        "bulk": "load",
+        "chunk_chars": 16000,
+        "workers": 4,
+        "fcfs": {**mode, "other_detect_p99_ms": 9000.0},
+        "fair": mode,
+        "detect_rps_ratio_fair_over_fcfs": 0.85,
+    }
+    text = "\n".join(format_fair_shares(fs))
+    assert "9000ms" in text and "0.850" in text
+    targets = _fair_targets(fs)
+    assert targets["other_tenant_detect_p99_ms_under_bulk"]["passed"] is True
+    assert targets["detect_rps_fair_over_fcfs"]["passed"] is False  # 0.85 < 0.9
