@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any, Generic, TypeVar
 
 __all__ = [
@@ -99,7 +100,7 @@ class Overloaded(Exception):
         self.scope = scope  # "pool" (global bound) or "share" (this tenant's bound)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Job(Generic[T]):
     share: str
     fn: Callable[..., T]
@@ -107,7 +108,7 @@ class _Job(Generic[T]):
     future: Future[T] = field(default_factory=Future)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Call:
     """One admitted call; its admission is released when its last job is done."""
 
@@ -141,7 +142,11 @@ class CpuPool:
         self.retry_after_s = retry_after_s
         self.chunk_chars = chunk_chars
         self.fair = fair
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        # One token per job queued (and one per worker at close): a worker blocks
+        # in C on this queue, then takes the next job by the ring under the lock.
+        # A job dropped from its queue leaves a token behind: one empty wake-up.
+        self._wake: SimpleQueue[None] = SimpleQueue()
         self._queues: dict[str, deque[_Job[Any]]] = {}
         self._ring: deque[str] = deque()  # shares with queued jobs, in serving order
         self._pending = 0
@@ -164,12 +169,12 @@ class CpuPool:
 
     def pending_of(self, share: str) -> int:
         """Calls of ``share`` admitted and not finished."""
-        with self._cond:
+        with self._lock:
             return self._pending_by_share.get(share, 0)
 
     def queued(self, share: str | None = None) -> int:
         """Jobs waiting for a worker (of ``share``, or of every share)."""
-        with self._cond:
+        with self._lock:
             if share is not None:
                 return len(self._queues.get(share, ()))
             return sum(len(q) for q in self._queues.values())
@@ -229,7 +234,7 @@ class CpuPool:
     def _admit(self, share: str, jobs: int) -> _Call:
         if not self.fair:
             share = _FIFO_SHARE
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("the CPU pool is closed")
             if self._pending >= self.max_pending:
@@ -247,17 +252,17 @@ class CpuPool:
         # caller stops waiting: a client that disconnects does not free a running
         # worker any sooner.
         job.future.add_done_callback(lambda f: self._done(call, job, f))
-        with self._cond:
+        with self._lock:
             queue = self._queues.get(call.share)
             if queue is None:
                 queue = self._queues[call.share] = deque()
                 self._ring.append(call.share)
             queue.append(job)
-            self._cond.notify()
+        self._wake.put(None)
         return job
 
     def _done(self, call: _Call, job: _Job[Any], future: Future[Any]) -> None:
-        with self._cond:
+        with self._lock:
             if future.cancelled():
                 queue = self._queues.get(job.share)
                 if queue is not None and job in queue:
@@ -290,11 +295,12 @@ class CpuPool:
 
     def _work(self) -> None:
         while True:
-            with self._cond:
-                while not self._ring and not self._closed:
-                    self._cond.wait()
+            self._wake.get()
+            with self._lock:
                 if not self._ring:
-                    return  # closed and nothing queued
+                    if self._closed:
+                        return
+                    continue  # the token of a dropped job
                 job = self._next()
             if not job.future.set_running_or_notify_cancel():
                 continue  # cancelled between leaving the queue and starting
@@ -308,12 +314,13 @@ class CpuPool:
 
     def close(self) -> None:
         """Stop taking calls, drop the queued jobs; running jobs finish in their threads."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             dropped = [job for queue in self._queues.values() for job in queue]
             self._queues.clear()
             self._ring.clear()
-            self._cond.notify_all()
+        for _ in self._threads:
+            self._wake.put(None)
         for job in dropped:
             job.future.cancel()
 
