@@ -26,8 +26,9 @@ the load. Measured:
    batches of 100 000-character texts), and ``/detect`` throughput at 16
    clients, each under the first-come-first-served pool as it was before fair
    shares (``_FirstComeFirstServed``, swapped in on the same server) and under
-   the fair pool, interleaved (FCFS, fair, FCFS, fair) so a load that comes and
-   goes on a shared machine hits both; compare them as ratios.
+   the fair pool, interleaved (latency: FCFS, fair, FCFS, fair; req/s in ABBA
+   pairs) so a load that comes and goes on a shared machine hits both; compare
+   them as ratios.
    ``--fairness-only`` runs just this part.
 
 Rate limits and probe budgets are off here: the benchmark measures capacity,
@@ -88,6 +89,7 @@ FAIR_BULK_CLIENTS = 6  # one tenant's /decode/batch clients
 FAIR_BULK_TEXTS = 20
 FAIR_BULK_CHARS = 100_000
 FAIR_ROUNDS = 2  # FCFS then fair, this many times
+RATE_ROUNDS = 3  # /detect req/s: FCFS, fair, fair, FCFS, ... (ABBA), this many pairs
 TARGET_FAIR_P99_MS = 1000.0  # another tenant's /detect p99 under the bulk load
 TARGET_FAIR_RPS_RATIO = 0.9  # /detect req/s at 16 clients, fair against FCFS
 
@@ -586,15 +588,23 @@ async def _fair_shares(
     fair = runtime.cpu
     fcfs = _FirstComeFirstServed(fair.workers, fair.max_pending, fair.retry_after_s)
     phases: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
+    rates: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
+    pools = {"fcfs": fcfs, "fair": fair}
     try:
+        for k in range(RATE_ROUNDS):
+            for mode in ("fcfs", "fair") if k % 2 == 0 else ("fair", "fcfs"):
+                await _idle(runtime)
+                _use_pool(runtime, pools[mode])
+                progress(f"fair shares, /detect at 16 clients, pair {k + 1}/{RATE_ROUNDS}: {mode}")
+                rates[mode].append(
+                    await asyncio.to_thread(
+                        _detect_rate_in_child, base_url, other_key, texts, seconds / 2
+                    )
+                )
         for k in range(rounds):
             for mode, pool in (("fcfs", fcfs), ("fair", fair)):
                 await _idle(runtime)
                 _use_pool(runtime, pool)
-                progress(f"fair shares, round {k + 1}/{rounds}, {mode}: /detect at 16 clients")
-                rate = await asyncio.to_thread(
-                    _detect_rate_in_child, base_url, other_key, texts, seconds
-                )
                 progress(
                     f"fair shares, round {k + 1}/{rounds}, {mode}: another tenant's /detect "
                     f"under {FAIR_BULK_CLIENTS} /decode/batch clients"
@@ -602,13 +612,13 @@ async def _fair_shares(
                 load = await asyncio.to_thread(
                     _fairness_phase, base_url, bulk_key, other_key, texts, seconds
                 )
-                phases[mode].append({"detect_16_clients": rate, **load})
+                phases[mode].append(load)
     finally:
         await _idle(runtime)
         _use_pool(runtime, fair)
         fcfs.close()
 
-    def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def summary(runs: list[dict[str, Any]], rate: list[dict[str, Any]]) -> dict[str, Any]:
         lat = [r["other_tenant_detect"] for r in runs]
         return {
             "other_detect_p50_ms": round(statistics.median(x["p50_ms"] for x in lat), 1),
@@ -617,14 +627,12 @@ async def _fair_shares(
             "other_detect_answered": sum(x["requests"] for x in lat),
             "bulk_batches_ok": sum(r["bulk"]["batches_ok"] for r in runs),
             "bulk_batches_shed": sum(r["bulk"]["batches_shed"] for r in runs),
-            "detect_rps_16": [r["detect_16_clients"]["requests_per_s"] for r in runs],
-            "detect_rps_16_mean": round(
-                statistics.mean(r["detect_16_clients"]["requests_per_s"] for r in runs), 1
-            ),
-            "detect_p99_ms_16": max(r["detect_16_clients"]["p99_ms"] for r in runs),
+            "detect_rps_16": [r["requests_per_s"] for r in rate],
+            "detect_rps_16_mean": round(statistics.mean(r["requests_per_s"] for r in rate), 1),
+            "detect_p99_ms_16": max(r["p99_ms"] for r in rate),
         }
 
-    before, after = summary(phases["fcfs"]), summary(phases["fair"])
+    before, after = summary(phases["fcfs"], rates["fcfs"]), summary(phases["fair"], rates["fair"])
     ratio = after["detect_rps_16_mean"] / max(before["detect_rps_16_mean"], 1e-9)
     return {
         "seconds_per_phase": seconds,
@@ -637,6 +645,7 @@ async def _fair_shares(
         "fair": after,
         "detect_rps_ratio_fair_over_fcfs": round(ratio, 3),
         "phases": phases,
+        "detect_16_clients": rates,
     }
 
 
@@ -644,7 +653,8 @@ def format_fair_shares(fs: dict[str, Any]) -> list[str]:
     b, a = fs["fcfs"], fs["fair"]
     lines = [
         f"fair shares ({fs['workers']} workers, chunks of {fs['chunk_chars']} chars; "
-        f"{fs['rounds']} rounds of FCFS then fair, {fs['seconds_per_phase']:.0f} s per phase)",
+        f"{fs['rounds']} rounds of FCFS then fair, {fs['seconds_per_phase']:.0f} s each; "
+        f"/detect req/s in {RATE_ROUNDS} ABBA pairs of {fs['seconds_per_phase'] / 2:.0f} s)",
         f"  load: {fs['bulk']}; another tenant: 1 closed-loop /detect client",
         f"  {'pool':<6} {'other p50':>10} {'other p99':>10} {'other max':>10} {'answered':>9} "
         f"{'bulk ok':>8} {'shed':>5} {'/detect req/s @16 (per round)':>30}",
