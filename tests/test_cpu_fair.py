@@ -449,4 +449,5 @@ def test_the_benchmarks_fcfs_pool_is_the_old_pool_and_its_report_reads() -> None
     assert "9000ms" in text and "0.850" in text
     targets = _fair_targets(fs)
     assert targets["other_tenant_detect_p99_ms_under_bulk"]["passed"] is True
+    assert targets["other_tenant_p99_fair_over_fcfs"]["measured"] == round(2 / 9000, 3)
     assert targets["detect_rps_fair_over_fcfs"]["passed"] is False  # 0.85 < 0.9
