@@ -405,6 +405,39 @@ def test_another_tenants_detect_overtakes_a_bulk_batch(
     assert after_first.index("other ") <= 1, after_first
 
 
+def test_one_tenant_at_its_bound_gets_503_while_another_is_admitted(
+    client: TestClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-tenant shedding through the app: A's first request holds the one worker,
+    A's second is refused at once (503 overloaded, Retry-After, the tenant's bound
+    named), B's is admitted and answered once the worker frees."""
+    from test_service_api import assert_error
+
+    gate = OrderedGate(detection_module.encode_texts)
+    monkeypatch.setattr(detection_module, "encode_texts", gate)
+    monkeypatch.setattr(app.state.runtime.cpu, "max_pending_per_share", 1)
+    _, auth_a = new_tenant(client)
+    _, auth_b = new_tenant(client)
+    with ThreadPoolExecutor(2) as ex:
+        try:
+            first = ex.submit(client.post, "/detect", json={"text": TEXT}, headers=auth_a)
+            assert gate.entered.wait(WAIT_S)
+            r = client.post("/detect", json={"text": TEXT}, headers=auth_a)
+            err = assert_error(r, 503, "overloaded")
+            assert "tenant" in err["message"]
+            assert r.headers["Retry-After"] == "1"
+            other = ex.submit(client.post, "/detect", json={"text": TEXT}, headers=auth_b)
+            pool = app.state.runtime.cpu
+            while pool.queued() < 1:  # B's job is admitted and waiting for the worker
+                assert not other.done(), other.result().text
+                threading.Event().wait(0.001)
+        finally:
+            gate.release.set()
+        assert first.result(WAIT_S).status_code == 200
+        assert other.result(WAIT_S).status_code == 200
+    assert client.post("/detect", json={"text": TEXT}, headers=auth_a).status_code == 200
+
+
 # the benchmark's side-by-side "before" -----------------------------------------------
 def test_the_benchmarks_fcfs_pool_is_the_old_pool_and_its_report_reads() -> None:
     from worldcup_cli.service_bench import (
