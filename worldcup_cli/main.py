@@ -632,6 +632,14 @@ def bench_service(
             "bulk load, and /detect req/s, first-come-first-served pool against fair.",
         ),
     ] = False,
+    rate_pairs: Annotated[
+        int,
+        typer.Option(
+            "--rate-pairs",
+            help="Fair shares: ABBA pairs of /detect req/s phases (FCFS pool, fair pool).",
+            min=1,
+        ),
+    ] = 3,
     as_json: JsonOpt = False,
 ) -> None:
     """The HTTP service end to end: cold start, generation and detection throughput."""
@@ -674,7 +682,11 @@ def bench_service(
         typer.echo(msg, err=True)
 
     result = run_service_bench(
-        device=device, detect_seconds=detect_seconds, fairness_only=fairness_only, progress=progress
+        device=device,
+        detect_seconds=detect_seconds,
+        fairness_only=fairness_only,
+        rate_pairs=rate_pairs,
+        progress=progress,
     )
     _emit(as_json, result, format_service_bench(result))
 

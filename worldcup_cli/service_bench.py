@@ -273,6 +273,7 @@ async def _drive_fair(
     tokenizer: Any,
     detect_seconds: float,
     progress: Progress,
+    rate_pairs: int = RATE_ROUNDS,
 ) -> dict[str, Any]:
     """``--fairness-only``: part 5 alone."""
     import httpx
@@ -285,7 +286,7 @@ async def _drive_fair(
         texts = _detect_texts(tokenizer, news_articles(64), 64)
         fs = await _fair_shares(
             client, app.state.runtime, base_url, admin_token, api_key, texts,
-            detect_seconds, FAIR_ROUNDS, progress,
+            detect_seconds, FAIR_ROUNDS, progress, rate_pairs,
         )  # fmt: skip
     return {
         "model": version.get("model_id"),
@@ -304,6 +305,7 @@ async def _drive(
     tokenizer: Any,
     detect_seconds: float,
     progress: Progress,
+    rate_pairs: int = RATE_ROUNDS,
 ) -> dict[str, Any]:
     import httpx
 
@@ -357,7 +359,7 @@ async def _drive(
         )
         fs = await _fair_shares(
             client, app.state.runtime, base_url, admin_token, api_key, texts,
-            detect_seconds, FAIR_ROUNDS, progress,
+            detect_seconds, FAIR_ROUNDS, progress, rate_pairs,
         )  # fmt: skip
         metrics = (await client.get("/metrics")).text
 
@@ -579,6 +581,7 @@ async def _fair_shares(
     seconds: float,
     rounds: int,
     progress: Progress,
+    rate_pairs: int = RATE_ROUNDS,
 ) -> dict[str, Any]:
     """FCFS and fair pools interleaved on one server: the other tenant's /detect
     latency under one tenant's bulk load, and /detect req/s at 16 clients."""
@@ -592,11 +595,11 @@ async def _fair_shares(
     rates: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
     pools = {"fcfs": fcfs, "fair": fair}
     try:
-        for k in range(RATE_ROUNDS):
+        for k in range(rate_pairs):
             for mode in ("fcfs", "fair") if k % 2 == 0 else ("fair", "fcfs"):
                 await _idle(runtime)
                 _use_pool(runtime, pools[mode])
-                progress(f"fair shares, /detect at 16 clients, pair {k + 1}/{RATE_ROUNDS}: {mode}")
+                progress(f"fair shares, /detect at 16 clients, pair {k + 1}/{rate_pairs}: {mode}")
                 rates[mode].append(
                     await asyncio.to_thread(
                         _detect_rate_in_child, base_url, other_key, texts, seconds / 2
@@ -635,6 +638,10 @@ async def _fair_shares(
 
     before, after = summary(phases["fcfs"], rates["fcfs"]), summary(phases["fair"], rates["fair"])
     ratio = after["detect_rps_16_mean"] / max(before["detect_rps_16_mean"], 1e-9)
+    pair_ratios = [
+        a["requests_per_s"] / max(b["requests_per_s"], 1e-9)
+        for a, b in zip(rates["fair"], rates["fcfs"], strict=True)
+    ]
     return {
         "seconds_per_phase": seconds,
         "rounds": rounds,
@@ -645,6 +652,9 @@ async def _fair_shares(
         "fcfs": before,
         "fair": after,
         "detect_rps_ratio_fair_over_fcfs": round(ratio, 3),
+        "detect_rps_pair_ratios": [round(r, 3) for r in pair_ratios],
+        "detect_rps_pair_ratio_median": round(statistics.median(pair_ratios), 3),
+        "rate_pairs": rate_pairs,
         "phases": phases,
         "detect_16_clients": rates,
     }
@@ -655,7 +665,8 @@ def format_fair_shares(fs: dict[str, Any]) -> list[str]:
     lines = [
         f"fair shares ({fs['workers']} workers, chunks of {fs['chunk_chars']} chars; "
         f"{fs['rounds']} rounds of FCFS then fair, {fs['seconds_per_phase']:.0f} s each; "
-        f"/detect req/s in {RATE_ROUNDS} ABBA pairs of {fs['seconds_per_phase'] / 2:.0f} s)",
+        f"/detect req/s in {fs.get('rate_pairs', RATE_ROUNDS)} ABBA pairs of "
+        f"{fs['seconds_per_phase'] / 2:.0f} s)",
         f"  load: {fs['bulk']}; another tenant: 1 closed-loop /detect client",
         f"  {'pool':<6} {'other p50':>10} {'other p99':>10} {'other max':>10} {'answered':>9} "
         f"{'bulk ok':>8} {'shed':>5} {'/detect req/s @16 (per round)':>30}",
@@ -672,6 +683,9 @@ def format_fair_shares(fs: dict[str, Any]) -> list[str]:
         f"  /detect req/s at 16 clients, fair / FCFS: {fs['detect_rps_ratio_fair_over_fcfs']:.3f} "
         "(same server, phases interleaved: compare ratios on a shared machine)"
     )
+    if "detect_rps_pair_ratio_median" in fs:
+        pairs = ", ".join(f"{r:.2f}" for r in fs["detect_rps_pair_ratios"])
+        lines.append(f"  per ABBA pair: {pairs}; median {fs['detect_rps_pair_ratio_median']:.3f}")
     return lines
 
 
@@ -710,6 +724,7 @@ def run_service_bench(
     device: str = "cpu",
     detect_seconds: float = DETECT_SECONDS,
     fairness_only: bool = False,
+    rate_pairs: int = RATE_ROUNDS,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Start the service in-process, load it over loopback HTTP, stop it; a dict of figures."""
@@ -768,6 +783,7 @@ def run_service_bench(
                     tokenizer,
                     detect_seconds,
                     say,
+                    rate_pairs,
                 )
             )
         finally:
