@@ -474,6 +474,35 @@ class _FirstComeFirstServed:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+async def _pool_round_trips(workers: int, rounds: int = 10, n: int = 2000) -> dict[str, float]:
+    """The pools' own cost, apart from HTTP and the machine's load: the median round
+    trip of an empty job through a fresh FCFS pool and a fresh fair pool, alternated
+    ``rounds`` times, ``n`` jobs each (medians of the per-round medians, in µs)."""
+    from app.services.cpu import CpuPool
+
+    def nothing() -> None:
+        return None
+
+    async def median_us(pool: Any) -> float:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await pool.run(nothing)
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+    fair, fcfs = CpuPool(workers, 64), _FirstComeFirstServed(workers, 64)
+    out: dict[str, list[float]] = {"fcfs": [], "fair": []}
+    try:
+        for _ in range(rounds):
+            out["fcfs"].append(await median_us(fcfs))
+            out["fair"].append(await median_us(fair))
+    finally:
+        fair.close()
+        fcfs.close()
+    return {k: round(statistics.median(v), 1) for k, v in out.items()}
+
+
 def _use_pool(runtime: Any, pool: Any) -> None:
     """Make ``pool`` the app's CPU pool (between phases, with nothing in flight)."""
     runtime.cpu = pool
@@ -594,6 +623,8 @@ async def _fair_shares(
     phases: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
     rates: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
     pools = {"fcfs": fcfs, "fair": fair}
+    progress("fair shares: the pools' own round trip, in this process")
+    round_trip = await _pool_round_trips(fair.workers)
     try:
         for k in range(rate_pairs):
             for mode in ("fcfs", "fair") if k % 2 == 0 else ("fair", "fcfs"):
@@ -655,6 +686,7 @@ async def _fair_shares(
         "detect_rps_pair_ratios": [round(r, 3) for r in pair_ratios],
         "detect_rps_pair_ratio_median": round(statistics.median(pair_ratios), 3),
         "rate_pairs": rate_pairs,
+        "empty_job_round_trip_us": round_trip,
         "phases": phases,
         "detect_16_clients": rates,
     }
@@ -683,6 +715,12 @@ def format_fair_shares(fs: dict[str, Any]) -> list[str]:
         f"  /detect req/s at 16 clients, fair / FCFS: {fs['detect_rps_ratio_fair_over_fcfs']:.3f} "
         "(same server, phases interleaved: compare ratios on a shared machine)"
     )
+    if "empty_job_round_trip_us" in fs:
+        rt = fs["empty_job_round_trip_us"]
+        lines.append(
+            f"  the pools' own cost: an empty job's round trip {rt['fcfs']:.1f} us FCFS, "
+            f"{rt['fair']:.1f} us fair (median, in-process, no HTTP)"
+        )
     if "detect_rps_pair_ratio_median" in fs:
         pairs = ", ".join(f"{r:.2f}" for r in fs["detect_rps_pair_ratios"])
         lines.append(f"  per ABBA pair: {pairs}; median {fs['detect_rps_pair_ratio_median']:.3f}")
