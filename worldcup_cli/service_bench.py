@@ -678,6 +678,9 @@ async def _fair_shares(
         "rounds": rounds,
         "bulk": f"{FAIR_BULK_CLIENTS} clients x /decode/batch of {FAIR_BULK_TEXTS} texts x "
         f"{FAIR_BULK_CHARS} chars (one tenant)",
+        # the fallback (no news data: WORLDCUP_DATA_DIR) repeats a few prompts, and a
+        # repetitive text decodes far faster than human text of the same length
+        "texts": "news" if news_articles(1) else "fallback prompts (repetitive)",
         "chunk_chars": getattr(fair, "chunk_chars", None),
         "workers": fair.workers,
         "fcfs": before,
@@ -699,7 +702,8 @@ def format_fair_shares(fs: dict[str, Any]) -> list[str]:
         f"{fs['rounds']} rounds of FCFS then fair, {fs['seconds_per_phase']:.0f} s each; "
         f"/detect req/s in {fs.get('rate_pairs', RATE_ROUNDS)} ABBA pairs of "
         f"{fs['seconds_per_phase'] / 2:.0f} s)",
-        f"  load: {fs['bulk']}; another tenant: 1 closed-loop /detect client",
+        f"  load: {fs['bulk']}; another tenant: 1 closed-loop /detect client; "
+        f"texts: {fs.get('texts', '?')}",
         f"  {'pool':<6} {'other p50':>10} {'other p99':>10} {'other max':>10} {'answered':>9} "
         f"{'bulk ok':>8} {'shed':>5} {'/detect req/s @16 (per round)':>30}",
     ]
