@@ -640,6 +640,14 @@ def bench_service(
             min=1,
         ),
     ] = 3,
+    bulk_chars: Annotated[
+        int,
+        typer.Option(
+            "--bulk-chars",
+            help="Fair shares: characters per text of the bulk tenant's /decode/batch.",
+            min=1,
+        ),
+    ] = 100_000,
     as_json: JsonOpt = False,
 ) -> None:
     """The HTTP service end to end: cold start, generation and detection throughput."""
@@ -686,6 +694,7 @@ def bench_service(
         detect_seconds=detect_seconds,
         fairness_only=fairness_only,
         rate_pairs=rate_pairs,
+        bulk_chars=bulk_chars,
         progress=progress,
     )
     _emit(as_json, result, format_service_bench(result))

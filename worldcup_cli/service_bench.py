@@ -274,6 +274,7 @@ async def _drive_fair(
     detect_seconds: float,
     progress: Progress,
     rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
 ) -> dict[str, Any]:
     """``--fairness-only``: part 5 alone."""
     import httpx
@@ -286,7 +287,7 @@ async def _drive_fair(
         texts = _detect_texts(tokenizer, news_articles(64), 64)
         fs = await _fair_shares(
             client, app.state.runtime, base_url, admin_token, api_key, texts,
-            detect_seconds, FAIR_ROUNDS, progress, rate_pairs,
+            detect_seconds, FAIR_ROUNDS, progress, rate_pairs, bulk_chars,
         )  # fmt: skip
     return {
         "model": version.get("model_id"),
@@ -306,6 +307,7 @@ async def _drive(
     detect_seconds: float,
     progress: Progress,
     rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
 ) -> dict[str, Any]:
     import httpx
 
@@ -359,7 +361,7 @@ async def _drive(
         )
         fs = await _fair_shares(
             client, app.state.runtime, base_url, admin_token, api_key, texts,
-            detect_seconds, FAIR_ROUNDS, progress, rate_pairs,
+            detect_seconds, FAIR_ROUNDS, progress, rate_pairs, bulk_chars,
         )  # fmt: skip
         metrics = (await client.get("/metrics")).text
 
@@ -532,14 +534,14 @@ def _detect_rate_client(
 
 
 def _fair_bulk_client(
-    base_url: str, api_key: str, texts: list[str], seconds: float
+    base_url: str, api_key: str, texts: list[str], seconds: float, chars: int = FAIR_BULK_CHARS
 ) -> dict[str, Any]:
     """Child process: FAIR_BULK_CLIENTS clients keep /decode/batch of big texts busy."""
     import httpx
 
     auth = {"Authorization": f"Bearer {api_key}"}
     joined = " ".join(texts)
-    big = (joined * (FAIR_BULK_CHARS // max(1, len(joined)) + 1))[:FAIR_BULK_CHARS]
+    big = (joined * (chars // max(1, len(joined)) + 1))[:chars]
     counts = {"ok": 0, "shed": 0, "other": 0}
 
     async def main() -> None:
@@ -547,7 +549,7 @@ def _fair_bulk_client(
 
         async def worker(k: int) -> None:
             # distinct texts per client: nothing is cached, every batch is fresh work
-            batch = [f"{k}-{i} {big}"[:FAIR_BULK_CHARS] for i in range(FAIR_BULK_TEXTS)]
+            batch = [f"{k}-{i} {big}"[:chars] for i in range(FAIR_BULK_TEXTS)]
             async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
                 while time.perf_counter() < stop_at:
                     r = await client.post("/decode/batch", json={"texts": batch}, headers=auth)
@@ -583,11 +585,16 @@ def _other_tenant_client(
 
 
 def _fairness_phase(
-    base_url: str, bulk_key: str, other_key: str, texts: list[str], seconds: float
+    base_url: str,
+    bulk_key: str,
+    other_key: str,
+    texts: list[str],
+    seconds: float,
+    chars: int = FAIR_BULK_CHARS,
 ) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-        bulk = pool.submit(_fair_bulk_client, base_url, bulk_key, texts, seconds + 2.0)
+        bulk = pool.submit(_fair_bulk_client, base_url, bulk_key, texts, seconds + 2.0, chars)
         other = pool.submit(_other_tenant_client, base_url, other_key, texts, seconds, 2.0)
         return {"other_tenant_detect": other.result(), "bulk": bulk.result()}
 
@@ -611,6 +618,7 @@ async def _fair_shares(
     rounds: int,
     progress: Progress,
     rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
 ) -> dict[str, Any]:
     """FCFS and fair pools interleaved on one server: the other tenant's /detect
     latency under one tenant's bulk load, and /detect req/s at 16 clients."""
@@ -645,7 +653,7 @@ async def _fair_shares(
                     f"under {FAIR_BULK_CLIENTS} /decode/batch clients"
                 )
                 load = await asyncio.to_thread(
-                    _fairness_phase, base_url, bulk_key, other_key, texts, seconds
+                    _fairness_phase, base_url, bulk_key, other_key, texts, seconds, bulk_chars
                 )
                 phases[mode].append(load)
     finally:
@@ -677,7 +685,7 @@ async def _fair_shares(
         "seconds_per_phase": seconds,
         "rounds": rounds,
         "bulk": f"{FAIR_BULK_CLIENTS} clients x /decode/batch of {FAIR_BULK_TEXTS} texts x "
-        f"{FAIR_BULK_CHARS} chars (one tenant)",
+        f"{bulk_chars} chars (one tenant)",
         # the fallback (no news data: WORLDCUP_DATA_DIR) repeats a few prompts, and a
         # repetitive text decodes far faster than human text of the same length
         "texts": "news" if news_articles(1) else "fallback prompts (repetitive)",
@@ -767,6 +775,7 @@ def run_service_bench(
     detect_seconds: float = DETECT_SECONDS,
     fairness_only: bool = False,
     rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Start the service in-process, load it over loopback HTTP, stop it; a dict of figures."""
@@ -826,6 +835,7 @@ def run_service_bench(
                     detect_seconds,
                     say,
                     rate_pairs,
+                    bulk_chars,
                 )
             )
         finally:
