@@ -74,7 +74,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             alpha=settings.alpha,
             version=settings.scheme,
         )
-        cpu = CpuPool(settings.cpu_workers, settings.cpu_max_pending)
+        cpu = CpuPool(
+            settings.cpu_workers,
+            settings.cpu_max_pending,
+            max_pending_per_share=settings.cpu_max_pending_per_tenant,
+            chunk_chars=settings.cpu_chunk_chars,
+            fair=settings.cpu_fair,
+        )
         tenants = TenantService(
             store,
             KeyWrapper(settings.master_key_bytes, settings.previous_master_keys),

@@ -626,6 +626,30 @@ def bench_service(
             "--repeats", help="With --engine vllm: interleaved waves per arm and level.", min=1
         ),
     ] = 3,
+    fairness_only: Annotated[
+        bool,
+        typer.Option(
+            "--fairness-only",
+            help="Only the fair-shares part: another tenant's /detect under one tenant's "
+            "bulk load, and /detect req/s, first-come-first-served pool against fair.",
+        ),
+    ] = False,
+    rate_pairs: Annotated[
+        int,
+        typer.Option(
+            "--rate-pairs",
+            help="Fair shares: ABBA pairs of /detect req/s phases (FCFS pool, fair pool).",
+            min=1,
+        ),
+    ] = 3,
+    bulk_chars: Annotated[
+        int,
+        typer.Option(
+            "--bulk-chars",
+            help="Fair shares: characters per text of the bulk tenant's /decode/batch.",
+            min=1,
+        ),
+    ] = 100_000,
     as_json: JsonOpt = False,
 ) -> None:
     """The HTTP service end to end: cold start, generation and detection throughput."""
@@ -667,7 +691,14 @@ def bench_service(
     def progress(msg: str) -> None:
         typer.echo(msg, err=True)
 
-    result = run_service_bench(device=device, detect_seconds=detect_seconds, progress=progress)
+    result = run_service_bench(
+        device=device,
+        detect_seconds=detect_seconds,
+        fairness_only=fairness_only,
+        rate_pairs=rate_pairs,
+        bulk_chars=bulk_chars,
+        progress=progress,
+    )
     _emit(as_json, result, format_service_bench(result))
 
 

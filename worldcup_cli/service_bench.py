@@ -21,6 +21,16 @@ the load. Measured:
    full rate (three clients with 100 texts of ~256 tokens per batch, one with
    30 texts of 100 000 characters), and how many bulk requests were shed.
 
+5. fair shares: another tenant's ``/detect`` latency (one closed-loop client,
+   ~256-token texts) while one tenant saturates ``/decode/batch`` (six clients,
+   batches of 100 000-character texts), and ``/detect`` throughput at 16
+   clients, each under the first-come-first-served pool as it was before fair
+   shares (``_FirstComeFirstServed``, swapped in on the same server) and under
+   the fair pool, interleaved (latency: FCFS, fair, FCFS, fair; req/s in ABBA
+   pairs) so a load that comes and goes on a shared machine hits both; compare
+   them as ratios.
+   ``--fairness-only`` runs just this part.
+
 Rate limits and probe budgets are off here: the benchmark measures capacity,
 and it sends the same texts again and again.
 
@@ -75,6 +85,14 @@ DETECT_SECONDS = 10.0
 TARGET_SPEEDUP = 3.0  # N concurrent against N sequential, N = 8
 TARGET_DETECT_P50_MS = 10.0
 TARGET_DETECT_RPS = 300.0
+FAIR_BULK_CLIENTS = 6  # one tenant's /decode/batch clients
+FAIR_BULK_TEXTS = 20
+FAIR_BULK_CHARS = 100_000
+FAIR_ROUNDS = 2  # FCFS then fair, this many times
+RATE_ROUNDS = 3  # /detect req/s: FCFS, fair, fair, FCFS, ... (ABBA), this many pairs
+TARGET_FAIR_P99_MS = 1000.0  # another tenant's /detect p99 under the bulk load
+TARGET_FAIR_P99_RATIO = 0.2  # the same, fair against FCFS (holds on a shared machine)
+TARGET_FAIR_RPS_RATIO = 0.9  # /detect req/s at 16 clients, fair against FCFS
 
 
 def _detect_texts(tokenizer: Any, articles: Sequence[str], n: int) -> list[str]:
@@ -246,14 +264,50 @@ def _probes_under_bulk_load(
         return {"probes": probes.result(), "bulk": bulk.result()}
 
 
-async def _drive(
+async def _drive_fair(
     server: Server,
+    app: Any,
     base_url: str,
     admin_token: str,
     t_start: float,
     tokenizer: Any,
     detect_seconds: float,
     progress: Progress,
+    rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
+) -> dict[str, Any]:
+    """``--fairness-only``: part 5 alone."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        cold_start, api_key = await ready_with_tenant(
+            client, server, admin_token, t_start, 600, progress
+        )
+        version = (await client.get("/version")).json()
+        texts = _detect_texts(tokenizer, news_articles(64), 64)
+        fs = await _fair_shares(
+            client, app.state.runtime, base_url, admin_token, api_key, texts,
+            detect_seconds, FAIR_ROUNDS, progress, rate_pairs, bulk_chars,
+        )  # fmt: skip
+    return {
+        "model": version.get("model_id"),
+        "cold_start_seconds": round(cold_start, 3),
+        "fair_shares": fs,
+        "targets": _fair_targets(fs),
+    }
+
+
+async def _drive(
+    server: Server,
+    app: Any,
+    base_url: str,
+    admin_token: str,
+    t_start: float,
+    tokenizer: Any,
+    detect_seconds: float,
+    progress: Progress,
+    rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
 ) -> dict[str, Any]:
     import httpx
 
@@ -305,6 +359,10 @@ async def _drive(
         bulk = await asyncio.to_thread(
             _probes_under_bulk_load, base_url, api_key, texts, detect_seconds
         )
+        fs = await _fair_shares(
+            client, app.state.runtime, base_url, admin_token, api_key, texts,
+            detect_seconds, FAIR_ROUNDS, progress, rate_pairs, bulk_chars,
+        )  # fmt: skip
         metrics = (await client.get("/metrics")).text
 
     n = len(load.generated)
@@ -337,6 +395,7 @@ async def _drive(
         },
         "detection": loaded,
         "probes_under_bulk_load": bulk,
+        "fair_shares": fs,
         "server_generated_tokens_total": _metric(metrics, "worldcup_generated_tokens_total"),
         "targets": {
             "speedup_8_concurrent": {
@@ -364,6 +423,346 @@ async def _drive(
                 "target": f"{n}/{n}",
                 "passed": exact == n,
             },
+            **_fair_targets(fs),
+        },
+    }
+
+
+class _FirstComeFirstServed:
+    """The CPU pool as it was before fair shares, for the side-by-side "before": one
+    ``ThreadPoolExecutor`` queue in arrival order, a batch as one job, the global
+    bound only. Swapped into the running app between phases."""
+
+    def __init__(self, workers: int, max_pending: int, retry_after_s: int = 1) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.workers = workers
+        self.max_pending = max_pending
+        self.retry_after_s = retry_after_s
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="bench-fcfs")
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def run(self, fn: Any, *args: object, share: str | None = None) -> Any:
+        from app.services.cpu import Overloaded
+
+        with self._lock:
+            if self._pending >= self.max_pending:
+                raise Overloaded(self.retry_after_s)
+            self._pending += 1
+        try:
+            future = self._executor.submit(fn, *args)
+        except BaseException:
+            self._release()
+            raise
+        future.add_done_callback(lambda _: self._release())
+        return await asyncio.wrap_future(future)
+
+    async def map(
+        self, fn: Any, items: Sequence[Any], weight: Any = None, share: Any = None
+    ) -> Any:
+        return await self.run(fn, list(items))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _pool_round_trips(workers: int, rounds: int = 10, n: int = 2000) -> dict[str, float]:
+    """The pools' own cost, apart from HTTP and the machine's load: the median round
+    trip of an empty job through a fresh FCFS pool and a fresh fair pool, alternated
+    ``rounds`` times, ``n`` jobs each (medians of the per-round medians, in µs)."""
+    from app.services.cpu import CpuPool
+
+    def nothing() -> None:
+        return None
+
+    async def median_us(pool: Any) -> float:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await pool.run(nothing)
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+    fair, fcfs = CpuPool(workers, 64), _FirstComeFirstServed(workers, 64)
+    out: dict[str, list[float]] = {"fcfs": [], "fair": []}
+    try:
+        for _ in range(rounds):
+            out["fcfs"].append(await median_us(fcfs))
+            out["fair"].append(await median_us(fair))
+    finally:
+        fair.close()
+        fcfs.close()
+    return {k: round(statistics.median(v), 1) for k, v in out.items()}
+
+
+def _use_pool(runtime: Any, pool: Any) -> None:
+    """Make ``pool`` the app's CPU pool (between phases, with nothing in flight)."""
+    runtime.cpu = pool
+    runtime.watermark.cpu = pool
+
+
+async def _idle(runtime: Any) -> None:
+    """Wait until the app's pool has nothing admitted (a phase's last bulk requests)."""
+    while runtime.cpu.pending:
+        await asyncio.sleep(0.05)
+
+
+def _detect_rate_client(
+    base_url: str, api_key: str, texts: list[str], seconds: float
+) -> dict[str, Any]:
+    """Child process: /detect with DETECT_CLIENTS closed-loop clients."""
+    import httpx
+
+    async def main() -> dict[str, Any]:
+        n = DETECT_CLIENTS + 4
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+            await _bench_detect(client, api_key, texts, 2, 0.5)  # connections warm
+            return await _bench_detect(client, api_key, texts, DETECT_CLIENTS, seconds)
+
+    return asyncio.run(main())
+
+
+def _fair_bulk_client(
+    base_url: str, api_key: str, texts: list[str], seconds: float, chars: int = FAIR_BULK_CHARS
+) -> dict[str, Any]:
+    """Child process: FAIR_BULK_CLIENTS clients keep /decode/batch of big texts busy."""
+    import httpx
+
+    auth = {"Authorization": f"Bearer {api_key}"}
+    joined = " ".join(texts)
+    big = (joined * (chars // max(1, len(joined)) + 1))[:chars]
+    counts = {"ok": 0, "shed": 0, "other": 0}
+
+    async def main() -> None:
+        stop_at = time.perf_counter() + seconds
+
+        async def worker(k: int) -> None:
+            # distinct texts per client: nothing is cached, every batch is fresh work
+            batch = [f"{k}-{i} {big}"[:chars] for i in range(FAIR_BULK_TEXTS)]
+            async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+                while time.perf_counter() < stop_at:
+                    r = await client.post("/decode/batch", json={"texts": batch}, headers=auth)
+                    key = (
+                        "ok"
+                        if r.status_code == 200
+                        else "shed"
+                        if r.status_code == 503
+                        else "other"
+                    )
+                    counts[key] += 1
+                    if key == "shed":
+                        await asyncio.sleep(float(r.headers.get("Retry-After", "1")) / 10)
+
+        await asyncio.gather(*(worker(k) for k in range(FAIR_BULK_CLIENTS)))
+
+    asyncio.run(main())
+    return {"batches_ok": counts["ok"], "batches_shed": counts["shed"], "failed": counts["other"]}
+
+
+def _other_tenant_client(
+    base_url: str, api_key: str, texts: list[str], seconds: float, delay_s: float
+) -> dict[str, Any]:
+    """Child process: one closed-loop /detect client of another tenant."""
+    import httpx
+
+    async def main() -> dict[str, Any]:
+        await asyncio.sleep(delay_s)  # the bulk load is under way
+        async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+            return await _bench_detect(client, api_key, texts, 1, seconds)
+
+    return asyncio.run(main())
+
+
+def _fairness_phase(
+    base_url: str,
+    bulk_key: str,
+    other_key: str,
+    texts: list[str],
+    seconds: float,
+    chars: int = FAIR_BULK_CHARS,
+) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        bulk = pool.submit(_fair_bulk_client, base_url, bulk_key, texts, seconds + 2.0, chars)
+        other = pool.submit(_other_tenant_client, base_url, other_key, texts, seconds, 2.0)
+        return {"other_tenant_detect": other.result(), "bulk": bulk.result()}
+
+
+def _detect_rate_in_child(
+    base_url: str, api_key: str, texts: list[str], seconds: float
+) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(_detect_rate_client, base_url, api_key, texts, seconds).result()
+
+
+async def _fair_shares(
+    client: Any,
+    runtime: Any,
+    base_url: str,
+    admin_token: str,
+    bulk_key: str,
+    texts: list[str],
+    seconds: float,
+    rounds: int,
+    progress: Progress,
+    rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
+) -> dict[str, Any]:
+    """FCFS and fair pools interleaved on one server: the other tenant's /detect
+    latency under one tenant's bulk load, and /detect req/s at 16 clients."""
+    admin = {"Authorization": f"Bearer {admin_token}"}
+    r = await client.post("/admin/tenants", json={"name": "bench-other"}, headers=admin)
+    r.raise_for_status()
+    other_key = str(r.json()["api_key"])
+    fair = runtime.cpu
+    fcfs = _FirstComeFirstServed(fair.workers, fair.max_pending, fair.retry_after_s)
+    phases: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
+    rates: dict[str, list[dict[str, Any]]] = {"fcfs": [], "fair": []}
+    pools = {"fcfs": fcfs, "fair": fair}
+    # warm up first (the decoder's compiled loops, caches): else the first FCFS
+    # phase pays it and the comparison flatters the fair pool
+    auth = {"Authorization": f"Bearer {bulk_key}"}
+    warm = await client.post("/decode/batch", json={"texts": texts[:4]}, headers=auth)
+    warm.raise_for_status()
+    progress("fair shares: the pools' own round trip, in this process")
+    round_trip = await _pool_round_trips(fair.workers)
+    try:
+        for k in range(rate_pairs):
+            for mode in ("fcfs", "fair") if k % 2 == 0 else ("fair", "fcfs"):
+                await _idle(runtime)
+                _use_pool(runtime, pools[mode])
+                progress(f"fair shares, /detect at 16 clients, pair {k + 1}/{rate_pairs}: {mode}")
+                rates[mode].append(
+                    await asyncio.to_thread(
+                        _detect_rate_in_child, base_url, other_key, texts, seconds / 2
+                    )
+                )
+        for k in range(rounds):
+            for mode, pool in (("fcfs", fcfs), ("fair", fair)):
+                await _idle(runtime)
+                _use_pool(runtime, pool)
+                progress(
+                    f"fair shares, round {k + 1}/{rounds}, {mode}: another tenant's /detect "
+                    f"under {FAIR_BULK_CLIENTS} /decode/batch clients"
+                )
+                load = await asyncio.to_thread(
+                    _fairness_phase, base_url, bulk_key, other_key, texts, seconds, bulk_chars
+                )
+                phases[mode].append(load)
+    finally:
+        await _idle(runtime)
+        _use_pool(runtime, fair)
+        fcfs.close()
+
+    def summary(runs: list[dict[str, Any]], rate: list[dict[str, Any]]) -> dict[str, Any]:
+        lat = [r["other_tenant_detect"] for r in runs]
+        return {
+            "other_detect_p50_ms": round(statistics.median(x["p50_ms"] for x in lat), 1),
+            "other_detect_p99_ms": round(max(x["p99_ms"] for x in lat), 1),
+            "other_detect_max_ms": round(max(x["max_ms"] for x in lat), 1),
+            "other_detect_answered": sum(x["requests"] for x in lat),
+            "bulk_batches_ok": sum(r["bulk"]["batches_ok"] for r in runs),
+            "bulk_batches_shed": sum(r["bulk"]["batches_shed"] for r in runs),
+            "detect_rps_16": [r["requests_per_s"] for r in rate],
+            "detect_rps_16_mean": round(statistics.mean(r["requests_per_s"] for r in rate), 1),
+            "detect_p99_ms_16": max(r["p99_ms"] for r in rate),
+        }
+
+    before, after = summary(phases["fcfs"], rates["fcfs"]), summary(phases["fair"], rates["fair"])
+    ratio = after["detect_rps_16_mean"] / max(before["detect_rps_16_mean"], 1e-9)
+    pair_ratios = [
+        a["requests_per_s"] / max(b["requests_per_s"], 1e-9)
+        for a, b in zip(rates["fair"], rates["fcfs"], strict=True)
+    ]
+    return {
+        "seconds_per_phase": seconds,
+        "rounds": rounds,
+        "bulk": f"{FAIR_BULK_CLIENTS} clients x /decode/batch of {FAIR_BULK_TEXTS} texts x "
+        f"{bulk_chars} chars (one tenant)",
+        # the fallback (no news data: WORLDCUP_DATA_DIR) repeats a few prompts, and a
+        # repetitive text decodes far faster than human text of the same length
+        "texts": "news" if news_articles(1) else "fallback prompts (repetitive)",
+        "chunk_chars": getattr(fair, "chunk_chars", None),
+        "workers": fair.workers,
+        "fcfs": before,
+        "fair": after,
+        "detect_rps_ratio_fair_over_fcfs": round(ratio, 3),
+        "detect_rps_pair_ratios": [round(r, 3) for r in pair_ratios],
+        "detect_rps_pair_ratio_median": round(statistics.median(pair_ratios), 3),
+        "rate_pairs": rate_pairs,
+        "empty_job_round_trip_us": round_trip,
+        "phases": phases,
+        "detect_16_clients": rates,
+    }
+
+
+def format_fair_shares(fs: dict[str, Any]) -> list[str]:
+    b, a = fs["fcfs"], fs["fair"]
+    lines = [
+        f"fair shares ({fs['workers']} workers, chunks of {fs['chunk_chars']} chars; "
+        f"{fs['rounds']} rounds of FCFS then fair, {fs['seconds_per_phase']:.0f} s each; "
+        f"/detect req/s in {fs.get('rate_pairs', RATE_ROUNDS)} ABBA pairs of "
+        f"{fs['seconds_per_phase'] / 2:.0f} s)",
+        f"  load: {fs['bulk']}; another tenant: 1 closed-loop /detect client; "
+        f"texts: {fs.get('texts', '?')}",
+        f"  {'pool':<6} {'other p50':>10} {'other p99':>10} {'other max':>10} {'answered':>9} "
+        f"{'bulk ok':>8} {'shed':>5} {'/detect req/s @16 (per round)':>30}",
+    ]
+    for name, m in (("FCFS", b), ("fair", a)):
+        rates = ", ".join(f"{x:.0f}" for x in m["detect_rps_16"])
+        lines.append(
+            f"  {name:<6} {m['other_detect_p50_ms']:>8.0f}ms {m['other_detect_p99_ms']:>8.0f}ms "
+            f"{m['other_detect_max_ms']:>8.0f}ms {m['other_detect_answered']:>9} "
+            f"{m['bulk_batches_ok']:>8} {m['bulk_batches_shed']:>5} "
+            f"{m['detect_rps_16_mean']:>10.1f} ({rates})"
+        )
+    lines.append(
+        f"  /detect req/s at 16 clients, fair / FCFS: {fs['detect_rps_ratio_fair_over_fcfs']:.3f} "
+        "(same server, phases interleaved: compare ratios on a shared machine)"
+    )
+    if "empty_job_round_trip_us" in fs:
+        rt = fs["empty_job_round_trip_us"]
+        lines.append(
+            f"  the pools' own cost: an empty job's round trip {rt['fcfs']:.1f} us FCFS, "
+            f"{rt['fair']:.1f} us fair (median, in-process, no HTTP)"
+        )
+    if "detect_rps_pair_ratio_median" in fs:
+        pairs = ", ".join(f"{r:.2f}" for r in fs["detect_rps_pair_ratios"])
+        lines.append(f"  per ABBA pair: {pairs}; median {fs['detect_rps_pair_ratio_median']:.3f}")
+    return lines
+
+
+def _fair_targets(fs: dict[str, Any]) -> dict[str, Any]:
+    p99 = fs["fair"]["other_detect_p99_ms"]
+    p99_ratio = round(p99 / max(fs["fcfs"]["other_detect_p99_ms"], 1e-9), 3)
+    ratio = fs["detect_rps_ratio_fair_over_fcfs"]
+    return {
+        "other_tenant_p99_fair_over_fcfs": {
+            "measured": p99_ratio,
+            "target": f"<= {TARGET_FAIR_P99_RATIO}",
+            "passed": p99_ratio <= TARGET_FAIR_P99_RATIO,
+        },
+        "other_tenant_detect_p99_ms_under_bulk": {
+            "measured": p99,
+            "target": f"<= {TARGET_FAIR_P99_MS:g}",
+            "passed": p99 <= TARGET_FAIR_P99_MS,
+        },
+        "detect_rps_fair_over_fcfs": {
+            "measured": ratio,
+            "target": f">= {TARGET_FAIR_RPS_RATIO}",
+            "passed": ratio >= TARGET_FAIR_RPS_RATIO,
         },
     }
 
@@ -379,6 +778,9 @@ def run_service_bench(
     *,
     device: str = "cpu",
     detect_seconds: float = DETECT_SECONDS,
+    fairness_only: bool = False,
+    rate_pairs: int = RATE_ROUNDS,
+    bulk_chars: int = FAIR_BULK_CHARS,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Start the service in-process, load it over loopback HTTP, stop it; a dict of figures."""
@@ -404,7 +806,7 @@ def run_service_bench(
         settings = Settings(
             _env_file=None,  # type: ignore[call-arg]
             env=Environment.PROD,
-            role=Role.GENERATOR,
+            role=Role.DETECTOR if fairness_only else Role.GENERATOR,  # no model needed
             model_path=None,
             device=device,
             host="127.0.0.1",
@@ -422,18 +824,23 @@ def run_service_bench(
         )
         say(f"starting the service on 127.0.0.1:{port} ({device})")
         t_start = time.perf_counter()
-        server = Server(create_app(settings), sock)
+        app = create_app(settings)
+        server = Server(app, sock)
         server.start()
+        drive = _drive_fair if fairness_only else _drive
         try:
             result = asyncio.run(
-                _drive(
+                drive(
                     server,
+                    app,
                     f"http://127.0.0.1:{port}",
                     admin_token,
                     t_start,
                     tokenizer,
                     detect_seconds,
                     say,
+                    rate_pairs,
+                    bulk_chars,
                 )
             )
         finally:
@@ -454,6 +861,20 @@ def run_service_bench(
 
 def format_service_bench(result: dict[str, Any]) -> str:
     """A plain-text report of :func:`run_service_bench`'s dict."""
+    if "generation" not in result:  # --fairness-only
+        env = result["environment"]
+        lines = [
+            f"model   {result['model']} on {env['device']}; {env['cpu_count']} CPUs, "
+            f"python {env['python']}",
+            "",
+            *format_fair_shares(result["fair_shares"]),
+            "",
+            "targets",
+        ]
+        for name, t in result["targets"].items():
+            verdict = "PASS" if t["passed"] else "FAIL"
+            lines.append(f"  {name:<24} {t['measured']!s:>9} (target {t['target']})  {verdict}")
+        return "\n".join(lines)
     env, gen, det = result["environment"], result["generation"], result["detection"]
     many, bulk = det["many_clients"], result["probes_under_bulk_load"]
     svc = gen["sequential_vs_concurrent"]
@@ -512,6 +933,8 @@ def format_service_bench(result: dict[str, Any]) -> str:
             f"({bulk['probes'][path]['samples']} samples)"
             for path in ("/health", "/ready")
         ),
+        "",
+        *format_fair_shares(result["fair_shares"]),
         "",
         "targets",
     ]

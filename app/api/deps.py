@@ -12,6 +12,7 @@ from app.core.config import Role
 from app.core.errors import APIError
 from app.core.security import tokens_equal
 from app.engines.base import Engine
+from app.services.cpu import ADMIN_SHARE, set_share
 from app.services.provenance import Investigator
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal
@@ -42,6 +43,7 @@ async def get_principal(runtime: RuntimeDep, credentials: Credentials) -> Princi
     principal = await runtime.tenants.authenticate(credentials.credentials)
     if principal is None:
         raise _unauthorized("invalid or revoked API key")
+    set_share(principal.tenant.tenant_id)  # this request's share of the CPU pool
     return principal
 
 
@@ -79,9 +81,12 @@ CurrentTenantDep = Annotated[TenantRecord, Depends(get_current_tenant)]
 def _is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
     token = runtime.settings.admin_token
     assert token is not None
-    return credentials is not None and tokens_equal(
+    admin = credentials is not None and tokens_equal(
         credentials.credentials, token.get_secret_value()
     )
+    if admin:
+        set_share(ADMIN_SHARE)  # admin work has its own share of the CPU pool
+    return admin
 
 
 def is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:

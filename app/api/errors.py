@@ -123,8 +123,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
         # Shed at once: a job admitted now would wait behind max_pending others.
         request.app.state.metrics.rejections.labels("overloaded").inc()
+        message = (
+            "this tenant has as many requests in progress as it may; retry shortly"
+            if exc.scope == "share"
+            else "the server is at capacity; retry shortly"
+        )
         return error_response(
-            503, "the server is at capacity; retry shortly", "overloaded",
+            503, message, "overloaded",
             {"Retry-After": str(exc.retry_after_s)}, path=request.url.path,
         )  # fmt: skip
 

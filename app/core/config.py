@@ -113,9 +113,15 @@ class Settings(BaseSettings):
     cache_ttl_s: Annotated[float, Field(ge=0)] = 5.0  # tenant and key-version lookups
 
     # CPU work (tokenising, scoring, decoding) runs in a bounded thread pool, off
-    # the event loop; beyond cpu_max_pending admitted jobs a request gets 503 at once
+    # the event loop; beyond cpu_max_pending admitted requests (or one tenant's
+    # cpu_max_pending_per_tenant) a request gets 503 at once. Tenants get fair
+    # (round-robin) shares of the workers, batches run in chunks of about
+    # cpu_chunk_chars characters; cpu_fair=false is the old first-come-first-served pool
     cpu_workers: Annotated[int, Field(ge=1, le=64)] = 4
     cpu_max_pending: Annotated[int, Field(ge=1)] = 64
+    cpu_max_pending_per_tenant: Annotated[int, Field(ge=1)] = 32
+    cpu_chunk_chars: Annotated[int, Field(ge=1)] = 16_000
+    cpu_fair: bool = True
 
     # probe budgets: scoring queries about one text (by containment, SECURITY.md) per
     # tenant, all its keys together, within the window (verdict keys, full keys); beyond

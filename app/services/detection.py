@@ -32,6 +32,7 @@ from app.schemas.watermark import (
     RegistryMatchOut,
     check_metadata,
 )
+from app.services.cpu import TOKEN_CHARS
 from app.services.probes import Sketch
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
@@ -261,12 +262,24 @@ async def _tokenise_all(
     chosen = [texts[i] for i in good]
     sketcher = _sketcher(runtime, principal)
 
-    def work() -> tuple[list[list[int]], list[Sketch | None] | None]:
-        ids = encode_texts(runtime.tokenizer, chosen)
-        return ids, (sketcher(ids) if sketcher else None)
-
-    ids, sketches = await runtime.offload(work)
+    ids, sketches = await _fingerprint_all(runtime, sketcher, chosen)
     return good, ids, sketches, errors
+
+
+async def _fingerprint_all(
+    runtime: Runtime,
+    sketcher: Callable[[list[list[int]]], list[Sketch | None]] | None,
+    texts: list[str],
+) -> tuple[list[list[int]], list[Sketch | None] | None]:
+    """Token ids and fingerprints of a batch's texts, in chunks of bounded size (one
+    worker job each, so one bulk request does not hold the CPU pool for long)."""
+
+    def work(chunk: list[str]) -> list[tuple[list[int], Sketch | None]]:
+        ids = encode_texts(runtime.tokenizer, chunk)
+        return list(zip(ids, sketcher(ids) if sketcher else [None] * len(ids), strict=True))
+
+    pairs = await runtime.offload_map(work, texts)
+    return [i for i, _ in pairs], ([s for _, s in pairs] if sketcher else None)
 
 
 _Item = TypeVar("_Item")
@@ -456,18 +469,15 @@ async def detect_batch(
     chosen = [body.texts[i] for i in good]
     scorer = await runtime.watermark.detector(tenant.tenant_id, runtime.settings.significance)
     sketcher = _sketcher(runtime, principal)
-
-    def fingerprint() -> tuple[list[list[int]], list[Sketch | None] | None]:
-        ids = encode_texts(runtime.tokenizer, chosen)
-        return ids, (sketcher(ids) if sketcher else None)
-
-    ids, sketches = await runtime.offload(fingerprint)
+    ids, sketches = await _fingerprint_all(runtime, sketcher, chosen)
     decisions = await _account_sketches(runtime, principal, "detect/batch", sketches)
     if sketches is None:
         decisions = [ProbeDecision(True, 0, 0.0)] * len(ids)
     # only the items the budget allows are scored: a refused item costs no scoring
     good, allowed = _keep_allowed(runtime, principal, good, ids, decisions, errors)
-    outcomes = await runtime.offload(lambda: [scorer(t) for t in allowed]) if allowed else []
+    outcomes = await runtime.offload_map(
+        lambda chunk: [scorer(t) for t in chunk], allowed, lambda t: TOKEN_CHARS * len(t)
+    )
     answers = [_detect_response(runtime, o) for o in outcomes]
     items, watermarked = _batch_results(
         principal, len(body.texts), good, answers, errors, _detect_verdict

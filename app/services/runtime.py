@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -13,13 +13,15 @@ from app.core.config import Settings
 from app.core.errors import APIError
 from app.core.metrics import Metrics
 from app.engines.base import Engine
-from app.services.cpu import CpuPool, offload
+from app.services.cpu import CpuPool, offload, offload_map
 from app.services.probes import ProbeAccountant
 from app.services.tenants import TenantService
 from app.services.watermark import WatermarkService
 from app.stores.base import Store, TenantRecord
 
 T = TypeVar("T")
+X = TypeVar("X")
+Y = TypeVar("Y")
 
 
 @dataclass
@@ -43,6 +45,16 @@ class Runtime:
     async def offload(self, fn: Callable[[], T]) -> T:
         """Run a request's CPU work (tokenising, scoring) off the event loop."""
         return await offload(self.cpu, fn)
+
+    async def offload_map(
+        self,
+        fn: Callable[[list[X]], list[Y]],
+        items: Sequence[X],
+        weight: Callable[[X], int] = len,  # type: ignore[assignment]
+    ) -> list[Y]:
+        """A batch's CPU work in chunks of bounded size, each its own job, so one bulk
+        request cannot hold the workers for long (see :meth:`CpuPool.map`)."""
+        return await offload_map(self.cpu, fn, items, weight)
 
 
 async def charge(runtime: Runtime, tenant: TenantRecord, cost: int = 1) -> None:

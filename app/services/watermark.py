@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from app.schemas.watermark import EvidenceOut
-from app.services.cpu import CpuPool, offload
+from app.services.cpu import TOKEN_CHARS, CpuPool, offload, offload_map
 from app.services.evidence import evidence_block
 from app.services.tenants import TenantService
 from app.stores.base import RegistryEntry, Store, TenantRecord
@@ -124,14 +125,28 @@ class WatermarkService:
             for v in versions
         }
 
-        def work() -> list[tuple[DecodeOutcome, int | None, str | None]]:
-            candidates = {
-                v.version: [MessageIdCodec(v.scheme.key, num_bits).payload(i).bits for i in ids]
-                for v in versions
-                if (ids := registry[v.version])
-            }
+        made: list[dict[int, list[str]]] = []
+        making = threading.Lock()
+
+        def registry_bits() -> dict[int, list[str]]:
+            """The registry's payloads, made once per call by the first chunk's job."""
+            with making:
+                if not made:
+                    made.append(
+                        {
+                            v.version: [
+                                MessageIdCodec(v.scheme.key, num_bits).payload(i).bits for i in ids
+                            ]
+                            for v in versions
+                            if (ids := registry[v.version])
+                        }
+                    )
+                return made[0]
+
+        def work(chunk: list[list[int]]) -> list[tuple[DecodeOutcome, int | None, str | None]]:
+            candidates = registry_bits()
             out = []
-            for token_ids in texts:
+            for token_ids in chunk:
                 best: DecodeOutcome | None = None
                 for v in versions:
                     result = v.scheme.decode(token_ids, num_bits)
@@ -150,7 +165,8 @@ class WatermarkService:
                 )
             return out
 
-        decoded = await self.offload(work)
+        # one job per chunk of texts: a big batch does not hold the workers for long
+        decoded = await offload_map(self.cpu, work, texts, lambda ids: TOKEN_CHARS * len(ids))
         outcomes = []
         for outcome, message_id, bits in decoded:
             entry = None
