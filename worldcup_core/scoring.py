@@ -224,6 +224,21 @@ def _two_sided_parts(ones: I64, trials: I64) -> tuple[F64, F64]:
     return np.asarray(strict, dtype=np.float64), np.asarray(equal, dtype=np.float64)
 
 
+def _two_sided_row(trials: int, size: int) -> tuple[F64, F64]:
+    """:func:`_two_sided_parts` for ``lo = 0 .. size - 1`` at one ``trials``: the lower
+    tail ``log P(X <= lo - 1)`` as a running log-sum of the pmf, exact up to rounding
+    (no underflow: every term is a finite log)."""
+    lo = np.arange(size, dtype=np.int64)
+    n = np.full(size, trials, dtype=np.int64)
+    log_pmf = log_binom_half_pmf(lo, n)
+    below = np.concatenate([[-np.inf], np.logaddexp.accumulate(log_pmf)[:-1]])
+    centre = 2 * lo == trials
+    with np.errstate(divide="ignore"):
+        strict = np.where(centre, np.log1p(-np.exp(log_pmf)), _LOG2 + below)
+    equal = np.where(centre, 0.0, _LOG2) + log_pmf
+    return np.asarray(strict, dtype=np.float64), np.asarray(equal, dtype=np.float64)
+
+
 def two_sided_log_pvalues(ones: I64, trials: I64) -> F64:
     """Exact (conservative) two-sided binomial log p-values of each cell."""
     strict, equal = _two_sided_parts(ones, trials)
@@ -268,10 +283,10 @@ class BinomialTable:
     A cell of ``c`` scored tokens has ``c * tau`` trials (``tau`` = m, or 2m for the
     random-second ablation). Looking its tails up instead of calling the
     incomplete beta function per cell is what lets a provenance search score
-    thousands of keys per text. Entries come from :func:`_two_sided_parts`, the
-    same function the direct path uses, so both give identical p-values. The
-    table grows on demand up to ``max_count`` tokens per cell (about 8 MB at
-    tau=30); larger cells are computed directly.
+    thousands of keys per text. Entries are :func:`_two_sided_parts`'s values, the
+    lower tail summed row by row (:func:`_two_sided_row`), equal to the direct path up
+    to rounding (tested). The table grows on demand up to ``max_count`` tokens per
+    cell (about 8 MB at tau=30); larger cells are computed directly.
     """
 
     def __init__(self, tau: int, max_count: int = 512) -> None:
@@ -282,15 +297,22 @@ class BinomialTable:
         self._equal = np.zeros(0, dtype=np.float64)
 
     def _grow(self, count: int) -> None:
+        """Tabulate counts up to ``count`` (at least doubling): one row of trials
+        ``n = c * tau`` at a time, its lower tail a running log-sum of the pmf. That is
+        O(table size) in time and one row in working memory; the deep-tail series of
+        :func:`log_binom_half_cdf` per entry would cost 512 terms each, gigabytes and a
+        minute for a long text's first decode."""
         target = min(self.max_count, max(count, 2 * self._count, 64))
         counts = np.arange(self._count + 1, target + 1, dtype=np.int64)
         sizes = counts * self.tau // 2 + 1  # lo = min(ones, trials - ones) <= trials / 2
-        lo = np.concatenate([np.arange(z, dtype=np.int64) for z in sizes])
-        trials = np.repeat(counts * self.tau, sizes)
-        strict, equal = _two_sided_parts(lo, trials)
+        strict_rows, equal_rows = [], []
+        for c, size in zip(counts.tolist(), sizes.tolist(), strict=True):
+            strict, equal = _two_sided_row(c * self.tau, size)
+            strict_rows.append(strict)
+            equal_rows.append(equal)
         self._offsets = np.concatenate([self._offsets, self._offsets[-1] + np.cumsum(sizes)])
-        self._strict = np.concatenate([self._strict, strict])
-        self._equal = np.concatenate([self._equal, equal])
+        self._strict = np.concatenate([self._strict, *strict_rows])
+        self._equal = np.concatenate([self._equal, *equal_rows])
         self._count = target
 
     def parts(self, ones: I64, counts: I64) -> tuple[F64, F64]:
