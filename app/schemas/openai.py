@@ -517,11 +517,12 @@ class ChatCompletionRequest(_Sampling):
         assert info.field_name is not None
         return _unsupported(info.field_name, value, CHAT_UNSUPPORTED[info.field_name])
 
-    @model_validator(mode="after")
-    def _logprobs(self) -> Self:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # logprobs is declared before
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
 
     @property
     def new_tokens(self) -> int | None:
