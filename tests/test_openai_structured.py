@@ -309,7 +309,8 @@ def test_auto_tool_grammar_takes_over_after_the_trigger(reference: Any) -> None:
     assert enum is not None and not enum[hello] and int(enum.sum()) < 50  # celsius|fahrenheit
 
     pending = Pending("chat", None, [], [], tool_mode="auto")  # type: ignore[arg-type]
-    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}</tool_call>'
+    call_json = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    text = f"Sure. <tool_call>{call_json}</tool_call>"
     content, calls = tool_calls(pending, text, 0)
     assert content == "Sure."
     (call,) = calls
@@ -361,9 +362,10 @@ def test_top_k_1_is_greedy_with_every_penalty_applied(
     where the fields change the greedy text, so that ignoring them would fail."""
     prompts = ["The tide came in and", "tide tide tide tide", "A storm, a storm, a storm"]
     prompts += [f"{w} {w} {w}" for w in ("sea", "wave", "the", "and", "of", "a")]
-    chosen = [
-        (p, g) for p in prompts if (g := _greedy(reference, p, 24, **fields)) != _greedy(reference, p, 24)
-    ] if fields else [(prompts[0], _greedy(reference, prompts[0], 24))]  # fmt: skip
+    plain = {p: _greedy(reference, p, 24) for p in prompts}
+    chosen = [(p, g) for p in prompts if (g := _greedy(reference, p, 24, **fields)) != plain[p]]
+    if not fields:
+        chosen = [(prompts[0], plain[prompts[0]])]
     assert chosen, "no prompt where the fields change greedy decoding"
     prompt, expected = chosen[0]
     texts = set()
