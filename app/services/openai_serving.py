@@ -252,8 +252,7 @@ def structure(
     elif rf is not None and rf.type == "json_schema":
         assert rf.json_schema is not None
         schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
-        strict = bool(rf.json_schema.strict)
-        specs.append(grammar.GrammarSpec("json_schema", schema, "response_format", strict))
+        specs.append(grammar.GrammarSpec("json_schema", schema, "response_format"))
     so = body.structured_outputs
     if so is not None:
         if so.json_ is not None:
@@ -299,14 +298,11 @@ def structure(
             if name not in names:
                 raise _bad("tool_choice", f"tool_choice names '{name}', which is not in tools")
             tool = tools[names.index(name)]
-            strict = bool(tool.get("strict"))
-            specs.append(
-                grammar.GrammarSpec("json_schema", grammar.parameters(tool), "tools", strict)
-            )
+            specs.append(grammar.GrammarSpec("json_schema", grammar.parameters(tool), "tools"))
             mode = "named"
         elif choice == "required":
             specs.append(
-                grammar.GrammarSpec("json_schema", grammar.tool_call_schema(tools), "tools", False)
+                grammar.GrammarSpec("json_schema", grammar.tool_call_schema(tools), "tools")
             )
             mode = "required"
         elif choice == "auto":
@@ -332,7 +328,7 @@ def _json_spec(value: Any, param: str) -> grammar.GrammarSpec:
     schema = _json_value(value, param)
     if not isinstance(schema, dict | bool):
         raise _bad(param, f"{param} must be a JSON Schema object")
-    return grammar.GrammarSpec("json_schema", schema, param, False)
+    return grammar.GrammarSpec("json_schema", schema, param)
 
 
 def chat_messages(body: ChatCompletionRequest, tool_mode: ToolMode | None) -> list[dict[str, str]]:
