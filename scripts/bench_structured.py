@@ -35,13 +35,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "review": {
         "type": "object",
         "properties": {
-            "title": {"type": "string", "maxLength": 80},
+            "title": {"type": "string", "maxLength": 60},
             "rating": {"type": "integer", "minimum": 1, "maximum": 5},
-            "pros": {"type": "array", "items": {"type": "string", "maxLength": 80},
-                     "minItems": 1, "maxItems": 3},
-            "cons": {"type": "array", "items": {"type": "string", "maxLength": 80},
-                     "minItems": 1, "maxItems": 3},
-            "summary": {"type": "string", "maxLength": 300},
+            "pros": {"type": "array", "items": {"type": "string", "maxLength": 60},
+                     "minItems": 1, "maxItems": 2},
+            "cons": {"type": "array", "items": {"type": "string", "maxLength": 60},
+                     "minItems": 1, "maxItems": 2},
+            "summary": {"type": "string", "maxLength": 160},
         },
         "required": ["title", "rating", "pros", "cons", "summary"],
         "additionalProperties": False,
@@ -51,8 +51,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "category": {"enum": ["billing", "bug", "account", "feature"]},
             "priority": {"enum": ["low", "medium", "high"]},
-            "subject": {"type": "string", "maxLength": 100},
-            "description": {"type": "string", "maxLength": 400},
+            "subject": {"type": "string", "maxLength": 80},
+            "description": {"type": "string", "maxLength": 300},
         },
         "required": ["category", "priority", "subject", "description"],
         "additionalProperties": False,
@@ -60,7 +60,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "event": {
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 80},
+            "name": {"type": "string", "maxLength": 60},
             "city": {"type": "string", "maxLength": 40},
             "attendees": {
                 "type": "array",
@@ -74,9 +74,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                     "additionalProperties": False,
                 },
                 "minItems": 1,
-                "maxItems": 4,
+                "maxItems": 3,
             },
-            "notes": {"type": "string", "maxLength": 300},
+            "notes": {"type": "string", "maxLength": 160},
         },
         "required": ["name", "city", "attendees", "notes"],
         "additionalProperties": False,
