@@ -780,6 +780,15 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _without_nulls(value: Any) -> Any:
+    """A delta as OpenAI sends it: no null keys, at any depth (tool-call deltas)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
 class Chunks:
     """OpenAI's chunk shapes for one streamed request."""
 
@@ -811,7 +820,7 @@ class Chunks:
             if choice.get("watermark") is None:
                 del choice["watermark"]  # only the choice's last chunk carries it
             if "delta" in choice:
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                choice["delta"] = _without_nulls(choice["delta"])
         return _sse(data)
 
     def choice(
