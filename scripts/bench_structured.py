@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -116,8 +117,10 @@ def main() -> None:
             ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
             key = WatermarkKey(rng.randbytes(32))
             payload = Payload.from_int(rng.getrandbits(args.num_bits), args.num_bits)
-            rows.append({"schema": name, "prompt": ids, "key": key, "payload": payload,
-                         "spec": spec, "compiled": compiled, "seed": rng.getrandbits(31)})  # fmt: skip
+            rows.append(
+                {"schema": name, "prompt": ids, "key": key, "payload": payload,
+                 "spec": spec, "compiled": compiled, "seed": rng.getrandbits(31)}
+            )  # fmt: skip
 
     def run(structured: bool) -> list[Any]:
         requests = []
@@ -128,9 +131,7 @@ def main() -> None:
                 min_new_tokens=0 if structured else length,
                 no_repeat_ngram_size=0 if structured else 4, seed=r["seed"],
             )  # fmt: skip
-            constraint = (
-                grammar.GrammarConstraint(r["spec"], r["compiled"]) if structured else None
-            )
+            constraint = grammar.GrammarConstraint(r["spec"], r["compiled"]) if structured else None
             scheme = WorldCup(r["key"], WatermarkConfig())
             requests.append(
                 GenerationRequest(r["prompt"], sampling, scheme, r["payload"], constraint)  # type: ignore[arg-type]
@@ -191,7 +192,7 @@ def main() -> None:
     out["seconds"] = round(time.perf_counter() - started, 1)
     out["example_json"] = rows[0]["json_text"][:400]
     text = json.dumps(out, indent=2)
-    print(text)
+    sys.stdout.write(text + "\n")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
