@@ -389,3 +389,102 @@ def test_responses_ttl(tiny_model_dir: Path, tmp_path: Path) -> None:
             sdk.responses.create(
                 model=MODEL, input="Again", previous_response_id=first.id, max_output_tokens=2
             )
+
+
+# --------------------------------------------------------------------------- LangChain
+def chat_model(server: LiveServer, tenant: dict[str, str], **kw: Any) -> Any:
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        model=MODEL, base_url=f"{server.url}/v1", api_key=tenant["key"],  # type: ignore[arg-type]
+        max_retries=0, include_response_headers=True, **kw,
+    )  # fmt: skip
+
+
+def lc_receipt(metadata: dict[str, Any]) -> dict[str, str | None]:
+    headers = {k.lower(): v for k, v in metadata["headers"].items()}
+    return {name: headers.get(name) for name in RECEIPT}
+
+
+def test_langchain_chat_headers_in_response_metadata(
+    server: LiveServer, http: httpx.Client, tenant: dict[str, str]
+) -> None:
+    """LangChain drops choices[i].watermark, but keeps the headers: the receipt."""
+    llm = chat_model(server, tenant, max_tokens=64, seed=4)
+    reply = llm.invoke([("system", "You write short notes."), ("human", "Write about tides.")])
+    assert isinstance(reply.content, str) and reply.content
+    assert "watermark" not in reply.response_metadata  # why the headers are needed
+    got = lc_receipt(reply.response_metadata)
+    message_id = got["x-watermark-message-id"]
+    assert message_id is not None and got["x-watermark-scheme"] == "worldcup-v2"
+    dec = decode(http, tenant, reply.content, 16)
+    assert dec["registry_match"]["message_id"] == int(message_id)
+    assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] == 64
+
+    chunks = list(llm.stream("Write about tides."))
+    text = "".join(str(c.content) for c in chunks)
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged = merged + chunk
+    streamed = lc_receipt(merged.response_metadata)
+    assert streamed["x-watermark-message-id"] is not None
+    dec = decode(http, tenant, text, 16)
+    assert dec["registry_match"]["message_id"] == int(streamed["x-watermark-message-id"])
+
+
+def test_langchain_responses_api(
+    server: LiveServer, http: httpx.Client, tenant: dict[str, str]
+) -> None:
+    llm = chat_model(server, tenant, max_tokens=64, use_responses_api=True)
+    reply = llm.invoke([("system", "You write short notes."), ("human", "Write about tides.")])
+    assert reply.response_metadata["id"].startswith("resp_")
+    assert reply.text and reply.usage_metadata is not None
+    got = lc_receipt(reply.response_metadata)
+    assert got["x-watermark-message-id"] is not None
+    dec = decode(http, tenant, reply.text, 16)
+    assert dec["registry_match"]["message_id"] == int(got["x-watermark-message-id"])
+    # a second turn through LangChain's history (the assistant turn sent back as input)
+    follow = llm.invoke([("human", "Write about tides."), reply, ("human", "And rivers?")])
+    assert follow.text and follow.response_metadata["id"] != reply.response_metadata["id"]
+    # and through previous_response_id
+    chained = chat_model(server, tenant, max_tokens=8, use_responses_api=True,
+                         use_previous_response_id=True)  # fmt: skip
+    turn = chained.invoke([("human", "Write about tides."), reply, ("human", "And rivers?")])
+    assert turn.text
+    stored = http.get(
+        f"/v1/responses/{turn.response_metadata['id']}", headers=auth(tenant)
+    ).json()
+    assert stored["previous_response_id"] == reply.response_metadata["id"]
+
+    chunks = list(llm.stream("Write about tides."))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged = merged + chunk
+    assert merged.text and merged.response_metadata["id"].startswith("resp_")
+    dec = decode(http, tenant, merged.text, 16)
+    assert dec["is_watermarked"] is True
+
+
+# --------------------------------------------------------------------------- LiteLLM
+def test_litellm_openai_provider(
+    server: LiveServer, http: httpx.Client, tenant: dict[str, str]
+) -> None:
+    import litellm
+
+    common: Any = {
+        "model": f"openai/{MODEL}", "api_base": f"{server.url}/v1", "api_key": tenant["key"],
+        "max_retries": 0,
+    }  # fmt: skip
+    out = litellm.completion(messages=MESSAGES, max_tokens=64, seed=2, **common)
+    text = out.choices[0].message.content
+    assert text
+    hidden = out._hidden_params["additional_headers"]
+    message_id = hidden["llm_provider-x-watermark-message-id"]
+    assert hidden["llm_provider-x-watermark-scheme"] == "worldcup-v2"
+    dec = decode(http, tenant, text, 16)
+    assert dec["registry_match"]["message_id"] == int(message_id)
+    assert out.usage.completion_tokens == 64
+
+    stream = litellm.completion(messages=MESSAGES, max_tokens=16, stream=True, **common)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert streamed
