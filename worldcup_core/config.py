@@ -33,6 +33,9 @@ MAX_PAYLOAD_BITS = 64
 
 
 MIN_TEMPERATURE = 0.01
+# "sampled": the distribution each token was drawn from (after penalties, grammar,
+# filters and the watermark); "model": the model's own log-softmax, before all of them
+LOGPROBS_MODES = ("sampled", "model")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,15 @@ class SamplingConfig:
     min_new_tokens: int = 0
     no_repeat_ngram_size: int = 0
     seed: int | None = None
+    # OpenAI/vLLM sampling fields, applied before the watermark (see ``pipeline``)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # per-token log-probabilities: None off; else how many alternatives (0..20)
+    logprobs: int | None = None
+    logprobs_mode: str = "sampled"  # "sampled" (q, what was drawn from) or "model"
 
     def __post_init__(self) -> None:
         # Below 0.01 the float32 division by the temperature overflows and the
@@ -107,3 +119,26 @@ class SamplingConfig:
             )
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any repetition, presence or frequency penalty applies."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

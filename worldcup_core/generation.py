@@ -20,10 +20,11 @@ candidates) come back to the CPU.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -39,6 +40,29 @@ TokenCallback = Callable[[int, int], None]
 FinishReason = Literal["eos", "length", "cancelled"]
 
 
+class TokenConstraint(Protocol):
+    """A structured-output constraint (a grammar matcher), one per row.
+
+    The engine asks it for the allowed ids before each step (a bool tensor of
+    the tokenizer's vocabulary, or None for no restriction) and tells it the
+    token that was sampled. Implementations live outside this package (the
+    service's :mod:`app.services.grammar` wraps xgrammar).
+    """
+
+    def allowed(self) -> torch.Tensor | None: ...
+
+    def accept(self, token: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the ``top`` alternatives (id, logprob),
+    under the distribution ``SamplingConfig.logprobs_mode`` names."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationRequest:
     """One row: prompt token ids, sampling, and optionally a scheme + payload."""
@@ -47,6 +71,7 @@ class GenerationRequest:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     scheme: WatermarkScheme | None = None
     payload: Payload | None = None
+    constraint: TokenConstraint | None = None  # structured output (grammar), stateful
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -70,6 +95,7 @@ class StepEvent:
     row_id: int
     token: int
     finish: FinishReason | None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -202,24 +228,23 @@ class ContinuousBatch:
         self._mask, self._logits = mask, logits
         self._rows = [self._rows[i] for i in index]
 
-    def _sample(self, logits: torch.Tensor) -> list[int]:
-        """The sampling pipeline (:mod:`worldcup_core.pipeline`) and one draw per row."""
+    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampling pipeline (:mod:`worldcup_core.pipeline`) and one draw per row,
+        with each row's log-probabilities when it asked for them."""
         rows = self._rows
         states = [
-            RowState(
-                banned=row_bans(
-                    r.blocker, len(r.tokens), r.request.sampling.min_new_tokens, self.eos
-                ),
-                temperature=r.request.sampling.temperature,
-                top_k=r.request.sampling.top_k,
-                top_p=r.request.sampling.top_p,
-                watermark=r.watermark,
-                slot=r.slot,
-            )
-            for r in rows
+            row_state(r.request, r.tokens, r.blocker, self.eos, r.watermark, r.slot) for r in rows
         ]
         cand, q = watermarked_distribution(logits, states, self._batched)
-        return sample_rows(cand, q, [r.rng.random() for r in rows])
+        tokens = sample_rows(cand, q, [r.rng.random() for r in rows])
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        for i, (r, tok) in enumerate(zip(rows, tokens, strict=True)):
+            s = r.request.sampling
+            if s.logprobs is not None:
+                logprobs[i] = token_logprobs(
+                    logits[i], cand[i], q[i], tok, s.logprobs, s.logprobs_mode
+                )
+        return tokens, logprobs
 
     def result(self, row_id: int, finish: FinishReason) -> GenerationResult:
         row = next(r for r in self._rows if r.row_id == row_id)
@@ -233,7 +258,7 @@ class ContinuousBatch:
         """
         if not self._rows or self._logits is None or self._mask is None:
             return [], []
-        tokens = self._sample(self._logits)
+        tokens, logprobs = self._sample(self._logits)
         events: list[StepEvent] = []
         finished: list[GenerationResult] = []
         keep: list[int] = []
@@ -245,6 +270,8 @@ class ContinuousBatch:
         for i, (row, tok) in enumerate(zip(self._rows, tokens, strict=True)):
             row.tokens.append(tok)
             row.blocker.push(tok)
+            if row.request.constraint is not None:
+                row.request.constraint.accept(tok)
             if row.watermark is not None:
                 row.watermark.observe(tok)
             finish: FinishReason | None = None
@@ -252,7 +279,7 @@ class ContinuousBatch:
                 finish = "eos"
             elif len(row.tokens) >= row.request.sampling.max_new_tokens:
                 finish = "length"
-            events.append(StepEvent(row.row_id, tok, finish))
+            events.append(StepEvent(row.row_id, tok, finish, logprobs[i]))
             if finish is None:
                 keep.append(i)
             else:
@@ -274,6 +301,58 @@ class ContinuousBatch:
             for r in self._rows:
                 r.next_position += 1
         return events, finished
+
+
+def row_state(
+    request: GenerationRequest,
+    output: Sequence[int],
+    blocker: NGramBlocker,
+    eos: Sequence[int],
+    watermark: SequenceWatermark | None,
+    slot: int | None,
+) -> RowState:
+    """A row's :class:`~worldcup_core.pipeline.RowState` for this step."""
+    s = request.sampling
+    return RowState(
+        banned=row_bans(blocker, len(output), s.min_new_tokens, eos),
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        watermark=watermark,
+        slot=slot,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=s.logit_bias,
+        prompt=request.prompt_ids if s.repetition_penalty != 1.0 else (),
+        output=output,
+        allowed=None if request.constraint is None else request.constraint.allowed(),
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor, cand: torch.Tensor, q: torch.Tensor, token: int, top: int, mode: str
+) -> TokenLogprobs:
+    """``token``'s log-probability and the ``top`` most likely ids, under ``mode``:
+    ``"sampled"``, the watermarked q it was drawn from (``cand``/``q``, 0 elsewhere,
+    so ``-inf``); ``"model"``, the log-softmax of the model's raw ``logits``."""
+    if mode == "model":
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        values, ids = torch.topk(logp, top) if top else (logp[:0], cand[:0])
+        return TokenLogprobs(
+            float(logp[token]),
+            tuple((int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)),
+        )
+    support = q > 0
+    ids_c, q_c = cand[support], q[support].double()
+    hit = (ids_c == token).nonzero()
+    value = float(q_c[int(hit[0])].log()) if len(hit) else -math.inf
+    order = torch.argsort(q_c, descending=True)[:top]
+    return TokenLogprobs(
+        value,
+        tuple((int(ids_c[j]), float(q_c[j].log())) for j in order.tolist()),
+    )
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

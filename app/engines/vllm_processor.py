@@ -5,9 +5,14 @@ processors, and anything that reshapes the distribution after the watermark
 weakens or breaks it. So this processor runs the same sampling pipeline as the
 ``hf`` engine (:func:`worldcup_core.pipeline.watermarked_distribution`):
 
-1. bans: n-grams that would repeat (``no_repeat_ngram_size``) and, before
-   ``min_new_tokens``, the EOS ids; then any scheme's full-vocabulary logit bias;
-2. the request's temperature, top-k and top-p
+0. (vLLM) a structured-output request's grammar bitmask: vLLM's own backend
+   (xgrammar) applies it to the logits before any logits processor runs, so the
+   watermark below only ever chooses among the grammar's tokens;
+1. the request's repetition/presence/frequency penalties and ``logit_bias``;
+   bans: n-grams that would repeat (``no_repeat_ngram_size``) and, before
+   ``min_new_tokens``, the EOS ids (lifted for a step where they would leave the
+   grammar nothing); then any scheme's full-vocabulary logit bias;
+2. the request's temperature, min-p, top-k and top-p
    (:func:`worldcup_core.sampling.filter_logits_torch`);
 3. the watermark: scheme ``worldcup-v2`` rows share one batched step on the
    device (:class:`worldcup_core.batched.BatchedWorldCup`, slots = vLLM's
@@ -16,7 +21,8 @@ weakens or breaks it. So this processor runs the same sampling pipeline as the
 
 and returns ``log q`` on the candidates, ``-inf`` elsewhere. The engine sends
 these requests to vLLM with temperature 1, top-k and top-p off, min_p 0 and
-no penalties, so vLLM's softmax and draw sample exactly q.
+no penalties or logit bias (vLLM applies its own penalties *after* the logits
+processors, which would reshape q), so vLLM's softmax and draw sample exactly q.
 
 Rows whose ``SamplingParams.extra_args`` carry no WorldCup handle are left
 untouched. The handle is opaque; the key material comes over a private
@@ -75,6 +81,7 @@ class _Row:
     seen: int = 0  # tokens of ``output`` already recorded
     pending: list[int] = field(default_factory=list)
     stale: bool = False  # a placeholder reached a step: watermark dropped, reported
+    prompt: list[int] = field(default_factory=list)  # for the repetition penalty
 
 
 class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
@@ -150,7 +157,9 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                 wm = spec.scheme.sequence(spec.payload)
         # a re-added (preempted) request replays the tokens it already has
         blocker = NGramBlocker(sampling_size, prompt)
-        self._rows[index] = _Row(handle, spec, output, blocker, wm, batched, eos=eos)
+        self._rows[index] = _Row(
+            handle, spec, output, blocker, wm, batched, eos=eos, prompt=list(prompt)
+        )
 
     def _sync(self) -> None:
         """Record the tokens sampled since the last step (vLLM appends to ``output``)."""
@@ -216,6 +225,8 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                 continue
             s = spec.sampling
             banned = row_bans(row.blocker, len(row.output), s.min_new_tokens, spec.eos_token_ids)
+            # the grammar's bitmask (vLLM's structured-output backend) is already in
+            # ``logits`` as -inf: vLLM applies it before any logits processor
             states.append(
                 RowState(
                     banned=banned,
@@ -224,6 +235,13 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                     top_p=s.top_p,
                     watermark=row.watermark,
                     slot=slots[i] if row.batched else None,
+                    min_p=s.min_p,
+                    repetition_penalty=s.repetition_penalty,
+                    presence_penalty=s.presence_penalty,
+                    frequency_penalty=s.frequency_penalty,
+                    logit_bias=s.logit_bias,
+                    prompt=row.prompt if s.repetition_penalty != 1.0 else (),
+                    output=row.output[: row.seen],
                 )
             )
         cand, q = watermarked_distribution(logits, states, self._batched)

@@ -35,32 +35,57 @@ from app.schemas.watermark import (
 MAX_CHOICES = 16  # n, times the number of prompts of a completion request
 MAX_STOP = 4
 
-# field -> the values that mean "not used", accepted silently
+# field -> the values that mean "not used", accepted silently. vLLM's extensions we
+# do not implement are here too: a client moving from vLLM gets a 400, not silence.
+VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "vllm_xargs": (None,),
+    "priority": (None, 0),
+    "logits_processors": (None,),
+}
 CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    **VLLM_UNSUPPORTED,
 }
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
+    **VLLM_UNSUPPORTED,
 }
+# the sampling fields applied (before the watermark, in this order on every engine)
+SAMPLING_FIELDS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+    "min_p", "temperature", "top_k", "top_p",
+)  # fmt: skip
+MAX_LOGIT_BIAS = 300
+MAX_TOOLS = 64
+MAX_TOP_LOGPROBS = 20
 
 
 class OpenAIRequestModel(IntegralFloats):
@@ -208,26 +233,130 @@ class TextPart(OpenAIRequestModel):
     text: Annotated[str, Field(max_length=100_000)]
 
 
+class ToolCallFunction(OpenAIRequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: Annotated[str, Field(max_length=100_000)] = Field(
+        description="The arguments, a JSON string."
+    )
+
+
+class ToolCallIn(OpenAIRequestModel):
+    """A tool call of an earlier assistant turn (sent back in a multi-turn chat)."""
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessageIn(OpenAIRequestModel):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="'developer' is read as 'system'; tool and function roles are unsupported."
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="'developer' is read as 'system'; 'tool' answers an earlier tool call "
+        "(the 'function' role is unsupported)."
     )
     content: (
         Annotated[str, Field(max_length=100_000)]
         | Annotated[list[TextPart], Field(min_length=1, max_length=64)]
-    ) = Field(description="A string, or text parts (other part types are unsupported).")
+        | None
+    ) = Field(
+        None,
+        description="A string, or text parts (other part types are unsupported); "
+        "null only for an assistant turn with tool_calls.",
+    )
     name: Annotated[str | None, Field(max_length=256)] = None
-    tool_calls: Any = _unsupported_field()
+    tool_calls: Annotated[list[ToolCallIn] | None, Field(max_length=MAX_TOOLS)] = None
+    tool_call_id: Annotated[str | None, Field(max_length=256)] = None
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tools(cls, value: Any) -> Any:
-        return _unsupported("tool_calls", value, (None, []))
+    @model_validator(mode="after")
+    def _roles(self) -> Self:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only beside assistant tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+# ------------------------------------------------------------------ structured outputs
+JsonSchema = dict[str, Any]
+
+
+class JSONSchemaSpec(OpenAIRequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str | None, Field(max_length=10_000)] = None
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = Field(
+        None, description="true: no properties or items beyond the schema's (default false)."
+    )
+
+
+class ResponseFormat(OpenAIRequestModel):
+    """``text``; ``json_object`` (any JSON object); ``json_schema`` (the schema, compiled
+    by xgrammar and enforced token by token, before the watermark)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> Self:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and only with it")
+        return self
+
+
+class StructuredOutputs(OpenAIRequestModel):
+    """vLLM's ``structured_outputs``: exactly one constraint. Keys of vLLM's we do not
+    implement (``disable_any_whitespace``, ``whitespace_pattern``, ...) are a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: JsonSchema | Annotated[str, Field(max_length=65_536)] | None = Field(None, alias="json")
+    regex: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
+    choice: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=4096)]] | None,
+        Field(min_length=1, max_length=256),
+    ] = None
+    grammar: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | Annotated[str, Field(max_length=65_536)] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        given = [k for k, v in self if v not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
+                             "grammar, json_object, structural_tag")  # fmt: skip
+        return self
+
+
+class FunctionDef(OpenAIRequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str | None, Field(max_length=10_000)] = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class ToolDef(OpenAIRequestModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(OpenAIRequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(OpenAIRequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
@@ -259,6 +388,68 @@ class _Sampling(OpenAIRequestModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     watermark: WatermarkRequest | None = None
+    # sampling fields, applied before the watermark (worldcup_core.pipeline)
+    top_k: Annotated[int | None, Field(ge=-1, le=100_000)] = Field(
+        None, description="vLLM's extension: top-k before watermarking (-1 or 0 disables; "
+        "default 50, or watermark.top_k)."
+    )  # fmt: skip
+    min_p: Annotated[float | None, Field(ge=0, le=1)] = Field(
+        None, description="vLLM's extension: drop tokens below min_p times the top probability."
+    )
+    repetition_penalty: Annotated[float | None, Field(gt=0, le=2)] = Field(
+        None, description="vLLM's extension: >1 discourages prompt and output tokens."
+    )
+    presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
+    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
+    logit_bias: Annotated[
+        dict[
+            Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]
+        ]
+        | None,
+        Field(max_length=MAX_LOGIT_BIAS),
+    ] = Field(None, description="Token id (a string) -> bias added to its logit.")
+    # structured outputs (a grammar, applied before the watermark)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extension (one of json, regex, choice, grammar, ...)."
+    )
+    guided_json: JsonSchema | Annotated[str, Field(max_length=65_536)] | None = Field(
+        None, description="vLLM's older spelling of structured_outputs.json."
+    )
+    guided_regex: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
+    guided_choice: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=4096)]] | None,
+        Field(min_length=1, max_length=256),
+    ] = None
+    guided_grammar: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
+    use_beam_search: Any = _unsupported_field()
+    length_penalty: Any = _unsupported_field()
+    ignore_eos: Any = _unsupported_field()
+    stop_token_ids: Any = _unsupported_field()
+    bad_words: Any = _unsupported_field()
+    allowed_token_ids: Any = _unsupported_field()
+    prompt_logprobs: Any = _unsupported_field()
+    truncate_prompt_tokens: Any = _unsupported_field()
+    include_stop_str_in_output: Any = _unsupported_field()
+    skip_special_tokens: Any = _unsupported_field()
+    spaces_between_special_tokens: Any = _unsupported_field()
+    guided_decoding_backend: Any = _unsupported_field()
+    guided_whitespace_pattern: Any = _unsupported_field()
+    return_tokens_as_token_ids: Any = _unsupported_field()
+    vllm_xargs: Any = _unsupported_field()
+    priority: Any = _unsupported_field()
+    logits_processors: Any = _unsupported_field()
+    logprobs_mode: Literal["sampled", "model"] | None = Field(
+        None,
+        description="Our extension: which distribution logprobs report: 'sampled' (default), "
+        "the watermarked distribution each token was drawn from; 'model', the model's own.",
+    )
+
+    @field_validator(*VLLM_UNSUPPORTED)
+    @classmethod
+    def _vllm_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return _unsupported(info.field_name, value, VLLM_UNSUPPORTED[info.field_name])
 
     @field_validator("stream_options")
     @classmethod
@@ -296,26 +487,41 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = Field(
         None, description="Preferred over max_tokens when both are given."
     )
-    tools: Any = _unsupported_field()
-    tool_choice: Any = _unsupported_field()
+    tools: Annotated[list[ToolDef] | None, Field(max_length=MAX_TOOLS)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default 'auto' with tools, 'none' without."
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="Accepted; a turn makes at most one tool call."
+    )
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     functions: Any = _unsupported_field()
     function_call: Any = _unsupported_field()
-    logprobs: Any = _unsupported_field()
-    top_logprobs: Any = _unsupported_field()
-    response_format: Any = _unsupported_field()
-    logit_bias: Any = _unsupported_field()
-    presence_penalty: Any = _unsupported_field()
-    frequency_penalty: Any = _unsupported_field()
     audio: Any = _unsupported_field()
     modalities: Any = _unsupported_field()
     prediction: Any = _unsupported_field()
     web_search_options: Any = _unsupported_field()
+    reasoning_effort: Any = _unsupported_field()
+    echo: Any = _unsupported_field()
+    add_generation_prompt: Any = _unsupported_field()
+    continue_final_message: Any = _unsupported_field()
+    chat_template: Any = _unsupported_field()
+    chat_template_kwargs: Any = _unsupported_field()
+    documents: Any = _unsupported_field()
+    mm_processor_kwargs: Any = _unsupported_field()
 
-    @field_validator(*CHAT_UNSUPPORTED)
+    @field_validator(*(k for k in CHAT_UNSUPPORTED if k not in VLLM_UNSUPPORTED))
     @classmethod
     def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
         return _unsupported(info.field_name, value, CHAT_UNSUPPORTED[info.field_name])
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> Self:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def new_tokens(self) -> int | None:
@@ -341,15 +547,14 @@ class CompletionRequest(_Sampling):
             Field(min_length=1, max_length=MAX_CHOICES),
         ]
     ) = Field(description="A string or a list of strings (token-id prompts are unsupported).")
-    logprobs: Any = _unsupported_field()
-    echo: Any = _unsupported_field()
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = Field(
+        None, description="Log-probabilities of the sampled tokens and this many alternatives."
+    )
+    echo: bool | None = Field(None, description="Return the prompt before the completion.")
     suffix: Any = _unsupported_field()
     best_of: Any = _unsupported_field()
-    logit_bias: Any = _unsupported_field()
-    presence_penalty: Any = _unsupported_field()
-    frequency_penalty: Any = _unsupported_field()
 
-    @field_validator(*COMPLETION_UNSUPPORTED)
+    @field_validator("suffix", "best_of")
     @classmethod
     def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
@@ -370,18 +575,58 @@ class UsageInfo(OpenAIModel):
     total_tokens: int
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(OpenAIModel):
+    """Chat: one entry per generated token, under the distribution ``logprobs_mode``
+    names (default ``sampled``: the watermarked one each token was drawn from)."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    """Completions' legacy shape; with ``echo`` the prompt's tokens come first (the
+    first with a null logprob, the rest from the model's own distribution)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string.")
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
     watermark: WatermarkInfo
 
@@ -399,7 +644,7 @@ class ChatCompletion(OpenAIModel):
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
     watermark: WatermarkInfo
 
@@ -414,15 +659,28 @@ class Completion(OpenAIModel):
     usage: UsageInfo
 
 
+class FunctionCallDelta(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(OpenAIModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
 
@@ -442,7 +700,7 @@ class ChatCompletionChunk(OpenAIModel):
 class CompletionChunkChoice(OpenAIModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
 

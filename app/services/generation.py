@@ -25,7 +25,12 @@ from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from worldcup_core import Payload, SamplingConfig
-from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
+from worldcup_core.generation import (
+    GenerationRequest,
+    GenerationResult,
+    StepEvent,
+    TokenConstraint,
+)
 
 
 def parse_payload(
@@ -204,9 +209,10 @@ def submit(
     sampling: SamplingConfig,
     payload: Payload,
     message_id: int | None,
+    constraint: TokenConstraint | None = None,
 ) -> Sample:
     try:
-        job = engine.submit(GenerationRequest(ids, sampling, key.scheme, payload))
+        job = engine.submit(GenerationRequest(ids, sampling, key.scheme, payload, constraint))
     except QueueFull:
         raise queue_full(runtime) from None
     except EngineStopped:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,31 +36,42 @@ from app.schemas.openai import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
     ModelCard,
     ModelList,
+    NamedToolChoice,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
     UsageInfo,
     WatermarkInfo,
 )
 from app.schemas.watermark import DEFAULT_NO_REPEAT_NGRAM
 from app.services import generation as gen
-from app.services import receipt
+from app.services import grammar, receipt
 from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
-from worldcup_core.generation import GenerationResult
+from worldcup_core.generation import GenerationResult, TokenLogprobs
 from worldcup_core.models import EMBEDDED_MODEL_ID
 
 DEFAULT_MAX_TOKENS = 256  # capped by WORLDCUP_MAX_NEW_TOKENS_LIMIT
 DEFAULT_TOP_K = 50  # as /generate; watermark.top_k overrides (0 disables)
 MIN_TEMPERATURE = 0.01  # temperature 0 means "as greedy as we sample"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+ToolMode = Literal["named", "required", "auto"]
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token off the support reports this (as vLLM)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -107,6 +119,11 @@ class Pending:
     body: ChatCompletionRequest | CompletionRequest
     prompts: list[list[int]]
     sampling: list[SamplingConfig]  # one per choice
+    spec: grammar.GrammarSpec | None = None
+    compiled: Any = None  # the grammar, compiled for the served tokenizer
+    tool_mode: ToolMode | None = None
+    tool_name: str | None = None  # tool_mode "named"
+    echo: list[str] = field(default_factory=list)  # completions with echo: the prompts
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -135,12 +152,10 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
     new_tokens = min(max_tokens or DEFAULT_MAX_TOKENS, limit)
     # min_tokens above the maximum is capped at it, as /generate caps min_new_tokens:
     # a cross-field rule JSON Schema cannot state is not a refusal
+    spec, tool_mode, tool_name = structure(body)
     if isinstance(body, ChatCompletionRequest):
         kind: Literal["chat", "completion"] = "chat"
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages
-        ]
+        messages = chat_messages(body, tool_mode)
         prompts = [await _tokenise(runtime, None, messages, "messages")]
     else:
         kind = "completion"
@@ -151,24 +166,205 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
             400, f"n times the number of prompts may be at most {MAX_CHOICES}",
             "too_many_choices", param="n",
         )  # fmt: skip
+    compiled = None
+    if spec is not None:
+        compiled = await runtime.offload(lambda: grammar.compile_spec(runtime.tokenizer, spec))
+    sampling = sampling_configs(runtime, body, new_tokens, len(prompts) * n, spec is not None)
+    echo = body.prompts() if isinstance(body, CompletionRequest) and body.echo else []
+    return Pending(kind, body, prompts, sampling, spec, compiled, tool_mode, tool_name, echo)
+
+
+def _bad(param: str, message: str, code: str = "invalid_request") -> APIError:
+    return APIError(400, message, code, param=param)
+
+
+def sampling_configs(
+    runtime: Runtime,
+    body: ChatCompletionRequest | CompletionRequest,
+    new_tokens: int,
+    choices: int,
+    constrained: bool,
+) -> list[SamplingConfig]:
+    """One :class:`SamplingConfig` per choice: every sampling field applied, or a 400."""
     wm = body.watermark
     temperature = 1.0 if body.temperature is None else max(body.temperature, MIN_TEMPERATURE)
-    sampling = [
+    top_k = DEFAULT_TOP_K if wm is None or wm.top_k is None else wm.top_k
+    if body.top_k is not None:
+        if wm is not None and wm.top_k is not None and max(body.top_k, 0) != wm.top_k:
+            raise _bad("top_k", "top_k and watermark.top_k disagree; give one of them")
+        top_k = max(body.top_k, 0)  # vLLM's -1 disables, as 0
+    vocab = len(runtime.tokenizer)
+    bias: list[tuple[int, float]] = []
+    for token, value in (body.logit_bias or {}).items():
+        if int(token) >= vocab:
+            raise _bad("logit_bias", f"logit_bias: token id {token} is not in the vocabulary")
+        bias.append((int(token), float(value)))
+    top: int | None = None
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs:
+            top = body.top_logprobs or 0
+    elif body.logprobs is not None:
+        top = body.logprobs
+    mode = body.logprobs_mode or "sampled"
+    engine = runtime.engine
+    if top is not None and mode == "model" and getattr(engine, "name", "") == "vllm":
+        raise _bad(
+            "logprobs_mode",
+            "logprobs_mode 'model' is only offered by the hf engine; vLLM reports 'sampled'",
+        )
+    if isinstance(body, CompletionRequest) and body.echo and top is not None:
+        raise _bad("echo", "echo with logprobs is not supported (prompt log-probabilities)")
+    # n-gram bans fight a grammar (JSON repeats its keys and separators): off by default
+    default_ngram = 0 if constrained else DEFAULT_NO_REPEAT_NGRAM
+    ngram = (
+        default_ngram if wm is None or wm.no_repeat_ngram_size is None else wm.no_repeat_ngram_size
+    )
+    return [
         SamplingConfig(
             temperature=temperature,
-            top_k=DEFAULT_TOP_K if wm is None or wm.top_k is None else wm.top_k,
+            top_k=top_k,
             top_p=1.0 if body.top_p is None else body.top_p,
             max_new_tokens=new_tokens,
             min_new_tokens=min(body.min_tokens or 0, new_tokens),
-            no_repeat_ngram_size=DEFAULT_NO_REPEAT_NGRAM
-            if wm is None or wm.no_repeat_ngram_size is None
-            else wm.no_repeat_ngram_size,
+            no_repeat_ngram_size=ngram,
             # each choice its own sample: a seed makes the whole request repeatable
             seed=None if body.seed is None else (body.seed + i) % 2**63,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=tuple(bias),
+            logprobs=top,
+            logprobs_mode=mode,
         )
-        for i in range(len(prompts) * n)
+        for i in range(choices)
     ]
-    return Pending(kind, body, prompts, sampling)
+
+
+def structure(
+    body: ChatCompletionRequest | CompletionRequest,
+) -> tuple[grammar.GrammarSpec | None, ToolMode | None, str | None]:
+    """The request's one output constraint, from whichever field gave it (a 400 for two)."""
+    specs: list[grammar.GrammarSpec] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        specs.append(grammar.GrammarSpec("json_object", None, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        assert rf.json_schema is not None
+        schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        strict = bool(rf.json_schema.strict)
+        specs.append(grammar.GrammarSpec("json_schema", schema, "response_format", strict))
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            specs.append(_json_spec(so.json_, "structured_outputs.json"))
+        elif so.regex is not None:
+            specs.append(grammar.GrammarSpec("regex", so.regex, "structured_outputs.regex"))
+        elif so.choice is not None:
+            specs.append(grammar.GrammarSpec("choice", so.choice, "structured_outputs.choice"))
+        elif so.grammar is not None:
+            specs.append(grammar.GrammarSpec("grammar", so.grammar, "structured_outputs.grammar"))
+        elif so.json_object:
+            specs.append(grammar.GrammarSpec("json_object", None, "structured_outputs.json_object"))
+        elif so.structural_tag is not None:
+            tag = so.structural_tag
+            specs.append(
+                grammar.GrammarSpec(
+                    "structural_tag", _json_value(tag, "structured_outputs.structural_tag"),
+                    "structured_outputs.structural_tag",
+                )
+            )  # fmt: skip
+    if body.guided_json is not None:
+        specs.append(_json_spec(body.guided_json, "guided_json"))
+    if body.guided_regex is not None:
+        specs.append(grammar.GrammarSpec("regex", body.guided_regex, "guided_regex"))
+    if body.guided_choice is not None:
+        specs.append(grammar.GrammarSpec("choice", body.guided_choice, "guided_choice"))
+    if body.guided_grammar is not None:
+        specs.append(grammar.GrammarSpec("grammar", body.guided_grammar, "guided_grammar"))
+    mode: ToolMode | None = None
+    name: str | None = None
+    if isinstance(body, ChatCompletionRequest):
+        tools = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
+        choice = body.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if choice != "none" and not tools:
+            raise _bad("tool_choice", "tool_choice needs tools")
+        names = [t["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise _bad("tools", "tool names must be unique")
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in names:
+                raise _bad("tool_choice", f"tool_choice names '{name}', which is not in tools")
+            tool = tools[names.index(name)]
+            strict = bool(tool.get("strict"))
+            specs.append(
+                grammar.GrammarSpec("json_schema", grammar.parameters(tool), "tools", strict)
+            )
+            mode = "named"
+        elif choice == "required":
+            specs.append(
+                grammar.GrammarSpec("json_schema", grammar.tool_call_schema(tools), "tools", False)
+            )
+            mode = "required"
+        elif choice == "auto":
+            specs.append(
+                grammar.GrammarSpec("structural_tag", grammar.auto_tool_tag(tools), "tools")
+            )
+            mode = "auto"
+    if len(specs) > 1:
+        raise _bad(specs[1].param, f"give one output constraint; {specs[0].param} is already one")
+    return (specs[0] if specs else None), mode, name
+
+
+def _json_value(value: Any, param: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise _bad(param, f"{param} is not valid JSON") from None
+    return value
+
+
+def _json_spec(value: Any, param: str) -> grammar.GrammarSpec:
+    schema = _json_value(value, param)
+    if not isinstance(schema, dict | bool):
+        raise _bad(param, f"{param} must be a JSON Schema object")
+    return grammar.GrammarSpec("json_schema", schema, param, False)
+
+
+def chat_messages(body: ChatCompletionRequest, tool_mode: ToolMode | None) -> list[dict[str, str]]:
+    """The messages for the chat template: developer as system, tool calls and tool
+    results as text (the embedded model's template has no tool syntax), and, when
+    tools may be called, a system text that shows them."""
+    messages: list[dict[str, str]] = []
+    for m in body.messages:
+        text = m.text()
+        if m.role == "assistant" and m.tool_calls:
+            calls = "".join(
+                f'{grammar.TOOL_OPEN}{{"name": {json.dumps(c.function.name)}, '
+                f'"arguments": {c.function.arguments}}}{grammar.TOOL_CLOSE}'
+                for c in m.tool_calls
+            )
+            messages.append({"role": "assistant", "content": text + calls})
+        elif m.role == "tool":
+            messages.append(
+                {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+            )
+        else:
+            messages.append(
+                {"role": "system" if m.role == "developer" else m.role, "content": text}
+            )
+    if tool_mode is not None and body.tools:
+        tools = [t.function.model_dump(exclude_none=True) for t in body.tools]
+        note = grammar.tool_prompt(tools, "auto" if tool_mode == "auto" else "forced")
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + note}
+        else:
+            messages.insert(0, {"role": "system", "content": note})
+    return messages
 
 
 async def _tokenise(
@@ -194,6 +390,7 @@ class Piece:
     text: str
     finish: FinishReason | None = None
     tokens: int = 0
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)  # this piece's
 
 
 @dataclass
@@ -227,9 +424,15 @@ async def start(runtime: Runtime, engine: Engine, tenant_id: str, pending: Pendi
                 payload, message_id = await gen.allocate(
                     runtime, tenant_id, key, metadata, None if wm is None else wm.num_bits
                 )
+            constraint = None
+            if pending.spec is not None:  # each choice its own matcher state
+                constraint = grammar.GrammarConstraint(pending.spec, pending.compiled)
             samples.append(
-                gen.submit(runtime, engine, tenant_id, key, prompt, sampling, payload, message_id)
-            )
+                gen.submit(
+                    runtime, engine, tenant_id, key, prompt, sampling, payload, message_id,
+                    constraint,
+                )
+            )  # fmt: skip
     except BaseException:
         for sample in samples:
             engine.cancel(sample.job)
@@ -254,35 +457,58 @@ def _held(text: str, stops: list[str]) -> int:
 
 
 async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncIterator[Piece]:
-    """One choice as text pieces that add up to its final text, cut at a stop string."""
-    deltas = gen.TextDeltas(sample.runtime.tokenizer)
+    """One choice as text pieces that add up to its final text, cut at a stop string;
+    each piece carries the log-probabilities of the tokens it completes, if asked for."""
+    tokenizer = sample.runtime.tokenizer
+    deltas = gen.TextDeltas(tokenizer)
     shown = 0  # characters of deltas.sent already yielded
+    logprobs: list[tuple[int, TokenLogprobs]] = []  # not yet handed out
+    every: list[tuple[int, TokenLogprobs]] = []
     try:
         while True:
             item = await gen.next_event(sample)
             if isinstance(item, GenerationResult):
-                text = sample.runtime.tokenizer.decode(item.token_ids, skip_special_tokens=True)
+                text = tokenizer.decode(item.token_ids, skip_special_tokens=True)
                 cut = _stop_at(text, stops)
                 finish: FinishReason = "stop" if item.finish_reason == "eos" else "length"
                 if cut is not None:
                     text, finish = text[:cut], "stop"
-                yield Piece(text[shown:], finish, len(item.token_ids))
+                    logprobs = _within(tokenizer, every, cut, len(every) - len(logprobs))
+                yield Piece(text[shown:], finish, len(item.token_ids), logprobs)
                 return
             if item.finish == "eos":
                 continue  # the closing EOS is not part of the text
             deltas.push(item.token)
+            if item.logprobs is not None:
+                logprobs.append((item.token, item.logprobs))
+                every.append((item.token, item.logprobs))
             text = deltas.sent
             cut = _stop_at(text, stops)
             if cut is not None:
                 engine.cancel(sample.job)  # the client has what it asked for
-                yield Piece(text[shown:cut], "stop", len(deltas.tokens))
+                kept = _within(tokenizer, every, cut, len(every) - len(logprobs))
+                yield Piece(text[shown:cut], "stop", len(deltas.tokens), kept)
                 return
             safe = len(text) - _held(text, stops)
             if safe > shown:
-                yield Piece(text[shown:safe])
+                yield Piece(text[shown:safe], logprobs=logprobs)
+                logprobs = []
                 shown = safe
     except TimeoutError:
         raise gen.timed_out(sample, engine) from None
+
+
+def _within(
+    tokenizer: Any, every: list[tuple[int, TokenLogprobs]], cut: int, start: int
+) -> list[tuple[int, TokenLogprobs]]:
+    """The entries of ``every[start:]`` whose token starts before character ``cut``."""
+    kept = []
+    for j in range(start, len(every)):
+        before = tokenizer.decode([t for t, _ in every[:j]], skip_special_tokens=True)
+        if len(before) >= cut:
+            break
+        kept.append(every[j])
+    return kept
 
 
 def watermark_info(sample: gen.Sample) -> WatermarkInfo:
@@ -301,6 +527,148 @@ class Outcome:
     text: str
     finish: FinishReason
     tokens: int
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return str(tokenizer.decode([token], skip_special_tokens=False))
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(tokenizer: Any, entries: list[tuple[int, TokenLogprobs]]) -> ChoiceLogprobs:
+    content = []
+    for token, lp in entries:
+        text = _token_text(tokenizer, token)
+        top = [
+            TopLogprob(
+                token=(t := _token_text(tokenizer, i)), logprob=_lp(v), bytes=list(t.encode())
+            )
+            for i, v in lp.top
+        ]
+        content.append(
+            TokenLogprob(
+                token=text, logprob=_lp(lp.logprob), bytes=list(text.encode()), top_logprobs=top
+            )
+        )
+    return ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(
+    tokenizer: Any, entries: list[tuple[int, TokenLogprobs]], offset: int = 0
+) -> CompletionLogprobs:
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    position = offset
+    for token, lp in entries:
+        text = _token_text(tokenizer, token)
+        tokens.append(text)
+        values.append(_lp(lp.logprob))
+        top: dict[str, float] = {}
+        for i, v in lp.top:
+            top.setdefault(_token_text(tokenizer, i), _lp(v))
+        tops.append(top)
+        offsets.append(position)
+        position += len(text)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+    )
+
+
+def call_id(pending: Pending, index: int, k: int = 0) -> str:
+    """A tool call's id: the same in a stream and in the response it adds up to."""
+    return f"call_{pending.id[:20]}{index:02d}{k:02d}"
+
+
+def tool_calls(pending: Pending, text: str, index: int) -> tuple[str | None, list[ToolCall]]:
+    """The content and the tool calls of a chat choice's text, by its tool mode;
+    text that does not parse as a call stays content."""
+    mode = pending.tool_mode
+    if mode is None:
+        return text, []
+    made: list[ToolCall] = []
+
+    def call(name: str, arguments: Any) -> ToolCall:
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        made.append(
+            ToolCall(
+                id=call_id(pending, index, len(made)),
+                function=FunctionCall(name=name, arguments=args),
+            )
+        )
+        return made[-1]
+
+    if mode == "named":
+        assert pending.tool_name is not None
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [call(pending.tool_name, text)]
+    if mode == "required":
+        try:
+            obj = json.loads(text)
+            return None, [call(str(obj["name"]), obj["arguments"])]
+        except (ValueError, KeyError, TypeError):
+            return text, []
+    calls: list[ToolCall] = []
+    rest: list[str] = []
+    position = 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(match.group(1))
+            found = call(str(obj["name"]), obj["arguments"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        rest.append(text[position : match.start()])
+        position = match.end()
+        calls.append(found)
+    rest.append(text[position:])
+    content = "".join(rest).strip()
+    return (content or None) if calls else text, calls
+
+
+_TOOL_CALL = re.compile(
+    re.escape(grammar.TOOL_OPEN) + r"(.*?)" + re.escape(grammar.TOOL_CLOSE), re.DOTALL
+)
+
+
+def chat_choice(run: Run, index: int, outcome: Outcome) -> ChatChoice:
+    tokenizer = run.samples[index].runtime.tokenizer
+    content, calls = tool_calls(run.pending, outcome.text, index)
+    finish = outcome.finish
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    logprobs = None
+    if run.pending.sampling[index].logprobs is not None:
+        logprobs = chat_logprobs(tokenizer, outcome.logprobs)
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(content=content, tool_calls=calls or None),
+        logprobs=logprobs,
+        finish_reason=finish,
+        watermark=watermark_info(run.samples[index]),
+    )
+
+
+def completion_choice(run: Run, index: int, outcome: Outcome) -> CompletionChoice:
+    tokenizer = run.samples[index].runtime.tokenizer
+    pending = run.pending
+    prefix = pending.echo[index // pending.n] if pending.echo else ""
+    logprobs = None
+    if pending.sampling[index].logprobs is not None:
+        logprobs = completion_logprobs(tokenizer, outcome.logprobs, len(prefix))
+    return CompletionChoice(
+        index=index,
+        text=prefix + outcome.text,
+        logprobs=logprobs,
+        finish_reason=outcome.finish,
+        watermark=watermark_info(run.samples[index]),
+    )
 
 
 def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
@@ -316,15 +684,7 @@ def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
             created=pending.created,
             model=run.model,
             system_fingerprint=run.fingerprint,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content=o.text),
-                    finish_reason=o.finish,
-                    watermark=watermark_info(s),
-                )
-                for i, (o, s) in enumerate(zip(outcomes, run.samples, strict=True))
-            ],
+            choices=[chat_choice(run, i, o) for i, o in enumerate(outcomes)],
             usage=usage,
         )
     return Completion(
@@ -332,22 +692,19 @@ def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
         created=pending.created,
         model=run.model,
         system_fingerprint=run.fingerprint,
-        choices=[
-            CompletionChoice(
-                index=i, text=o.text, finish_reason=o.finish, watermark=watermark_info(s)
-            )
-            for i, (o, s) in enumerate(zip(outcomes, run.samples, strict=True))
-        ],
+        choices=[completion_choice(run, i, o) for i, o in enumerate(outcomes)],
         usage=usage,
     )
 
 
 async def _outcome(pieces: AsyncIterator[Piece]) -> Outcome:
     text: list[str] = []
+    logprobs: list[tuple[int, TokenLogprobs]] = []
     async for piece in pieces:
         text.append(piece.text)
+        logprobs += piece.logprobs
         if piece.finish is not None:
-            return Outcome("".join(text), piece.finish, piece.tokens)
+            return Outcome("".join(text), piece.finish, piece.tokens, logprobs)
     raise AssertionError("a choice ended without a finish reason")
 
 
@@ -452,16 +809,26 @@ class Chunks:
         role: bool = False,
         finish: FinishReason | None = None,
         watermark: WatermarkInfo | None = None,
+        logprobs: list[tuple[int, TokenLogprobs]] | None = None,
+        offset: int = 0,
+        tool_calls: list[ToolCallDelta] | None = None,
     ) -> bytes:
+        tokenizer = self.run.samples[index].runtime.tokenizer
         if self.chat:
-            delta = DeltaMessage(role="assistant" if role else None, content=text)
-            chat = ChatChunkChoice(
-                index=index, delta=delta, finish_reason=finish, watermark=watermark
+            delta = DeltaMessage(
+                role="assistant" if role else None, content=text, tool_calls=tool_calls
             )
+            chat_lp = None if logprobs is None else chat_logprobs(tokenizer, logprobs)
+            chat = ChatChunkChoice(
+                index=index, delta=delta, logprobs=chat_lp, finish_reason=finish,
+                watermark=watermark,
+            )  # fmt: skip
             return self._chunk([chat], None)
+        plain_lp = None if logprobs is None else completion_logprobs(tokenizer, logprobs, offset)
         plain = CompletionChunkChoice(
-            index=index, text=text or "", finish_reason=finish, watermark=watermark
-        )
+            index=index, text=text or "", logprobs=plain_lp, finish_reason=finish,
+            watermark=watermark,
+        )  # fmt: skip
         return self._chunk([plain], None)
 
     def start(self, index: int) -> bytes | None:
@@ -475,29 +842,81 @@ def stream(
     run: Run, request: Request, engine: Engine, claim: gen.IdempotencyClaim | None
 ) -> StreamingResponse:
     """SSE: the role chunk, content deltas, each choice's finish chunk (with the
-    watermark), the usage chunk when asked for, then ``data: [DONE]``."""
-    body = run.pending.body
+    watermark), the usage chunk when asked for, then ``data: [DONE]``.
+
+    Tool calls stream as OpenAI's ``delta.tool_calls``: a named tool_choice sends the
+    call's id and name first, then its arguments as they are generated; ``required``
+    and ``auto`` send the parsed call (and any text beside it) when the choice ends.
+    With ``logprobs`` each delta carries its tokens' entries; with ``echo`` a
+    completion's first chunk starts with its prompt."""
+    pending = run.pending
+    body = pending.body
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunks = Chunks(run, include_usage)
     stops = body.stops()
+    mode = pending.tool_mode
+    wants_logprobs = [s.logprobs is not None for s in pending.sampling]
+
+    def opening(i: int) -> list[bytes]:
+        out = []
+        if (first := chunks.start(i)) is not None:
+            out.append(first)
+        if mode == "named":
+            head = ToolCallDelta(
+                index=0, id=call_id(pending, i), type="function",
+                function=FunctionCallDelta(name=pending.tool_name, arguments=""),
+            )  # fmt: skip
+            out.append(chunks.choice(i, None, tool_calls=[head]))
+        if pending.echo:
+            out.append(chunks.choice(i, pending.echo[i // pending.n]))
+        return out
 
     async def events() -> AsyncIterator[bytes]:
         texts = [""] * len(run.samples)
+        entries: list[list[tuple[int, TokenLogprobs]]] = [[] for _ in run.samples]
         outcomes: list[Outcome | None] = [None] * len(run.samples)
+        offsets = [
+            len(pending.echo[i // pending.n]) if pending.echo else 0
+            for i in range(len(run.samples))
+        ]
         try:
             for i in range(len(run.samples)):
-                if (first := chunks.start(i)) is not None:
-                    yield first
+                for chunk in opening(i):
+                    yield chunk
             async for i, piece in _merge([follow(s, engine, stops) for s in run.samples]):
                 if await request.is_disconnected():
                     return
                 texts[i] += piece.text
-                if piece.text:
-                    yield chunks.choice(i, piece.text)
-                if piece.finish is not None:
-                    outcomes[i] = Outcome(texts[i], piece.finish, piece.tokens)
-                    info = watermark_info(run.samples[i])
-                    yield chunks.choice(i, None, finish=piece.finish, watermark=info)
+                entries[i] += piece.logprobs
+                lp = piece.logprobs if wants_logprobs[i] else None
+                if mode == "named" and piece.text:
+                    args = ToolCallDelta(index=0, function=FunctionCallDelta(arguments=piece.text))
+                    yield chunks.choice(i, None, tool_calls=[args], logprobs=lp)
+                elif mode is None and (piece.text or lp):
+                    yield chunks.choice(i, piece.text, logprobs=lp, offset=offsets[i])
+                    offsets[i] += len(piece.text)
+                if piece.finish is None:
+                    continue
+                outcome = Outcome(texts[i], piece.finish, piece.tokens, entries[i])
+                outcomes[i] = outcome
+                final = chat_choice(run, i, outcome) if pending.kind == "chat" else None
+                if mode in ("required", "auto") and final is not None:
+                    calls = [
+                        ToolCallDelta(
+                            index=k, id=c.id, type="function",
+                            function=FunctionCallDelta(
+                                name=c.function.name, arguments=c.function.arguments
+                            ),
+                        )
+                        for k, c in enumerate(final.message.tool_calls or [])
+                    ]  # fmt: skip
+                    yield chunks.choice(
+                        i, final.message.content, tool_calls=calls or None,
+                        logprobs=entries[i] if wants_logprobs[i] else None,
+                    )  # fmt: skip
+                finish = final.finish_reason if final is not None else piece.finish
+                info = watermark_info(run.samples[i])
+                yield chunks.choice(i, None, finish=finish, watermark=info)
             done = [o for o in outcomes if o is not None]
             response = assemble(run, done)
             if claim is not None:
@@ -540,11 +959,17 @@ def replay(
     async def events() -> AsyncIterator[bytes]:
         for choice in response["choices"]:
             if chat:
-                delta = {"role": "assistant", "content": choice["message"]["content"]}
+                message = choice["message"]
+                delta = {"role": "assistant", "content": message["content"]}
+                if message.get("tool_calls"):
+                    delta["tool_calls"] = [
+                        {"index": k, **c} for k, c in enumerate(message["tool_calls"])
+                    ]
                 out = {"index": choice["index"], "delta": delta}
             else:
                 out = {"index": choice["index"], "text": choice["text"]}
-            last = {**out, "logprobs": None, "finish_reason": choice["finish_reason"]}
+            last = {**out, "logprobs": choice.get("logprobs")}
+            last["finish_reason"] = choice["finish_reason"]
             last["watermark"] = choice["watermark"]
             yield _sse({**head, "object": kind, "choices": [last]})
         if include_usage:
