@@ -14,11 +14,12 @@ import os
 # LiteLLM fetches its model price list at import unless told to use its bundled copy
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -451,9 +452,7 @@ def test_langchain_responses_api(
                          use_previous_response_id=True)  # fmt: skip
     turn = chained.invoke([("human", "Write about tides."), reply, ("human", "And rivers?")])
     assert turn.text
-    stored = http.get(
-        f"/v1/responses/{turn.response_metadata['id']}", headers=auth(tenant)
-    ).json()
+    stored = http.get(f"/v1/responses/{turn.response_metadata['id']}", headers=auth(tenant)).json()
     assert stored["previous_response_id"] == reply.response_metadata["id"]
 
     chunks = list(llm.stream("Write about tides."))
@@ -488,3 +487,184 @@ def test_litellm_openai_provider(
     stream = litellm.completion(messages=MESSAGES, max_tokens=16, stream=True, **common)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream)
     assert streamed
+
+
+# --------------------------------------------------------------------------- structure, tools
+SMALL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["tide", "storm", "wave"]}},
+    "required": ["ok", "kind"],
+    "additionalProperties": False,
+}
+NOTES_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "notes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "title": {"type": "string", "minLength": 4, "maxLength": 16},
+                    "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+                    "kind": {"enum": ["tide", "storm", "wave"]},
+                },
+                "required": ["title", "priority", "kind"],
+                "additionalProperties": False,
+            },
+            "minItems": 4,
+            "maxItems": 4,
+        }
+    },
+    "required": ["notes"],
+    "additionalProperties": False,
+}
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+CLOCK: dict[str, Any] = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+
+
+def weather_args(arguments: str) -> dict[str, Any]:
+    import jsonschema
+
+    value: dict[str, Any] = json.loads(arguments)
+    jsonschema.validate(value, WEATHER["parameters"])
+    return value
+
+
+def test_responses_json_schema_validates_and_decodes(
+    client: openai.OpenAI, http: httpx.Client, tenant: dict[str, str]
+) -> None:
+    import jsonschema
+
+    resp = client.responses.create(
+        model=MODEL, input="Four notes about the sea, as JSON.", max_output_tokens=400,
+        text={"format": {"type": "json_schema", "name": "notes", "schema": NOTES_SCHEMA,
+                         "strict": True}},
+        extra_body={"seed": 11, "watermark": {"metadata": {"app": "responses-json"}}},
+    )  # fmt: skip
+    assert resp.status == "completed", resp.incomplete_details
+    assert resp.text is not None and resp.text.format is not None
+    assert resp.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(resp.output_text), NOTES_SCHEMA)
+    info = (resp.model_extra or {})["watermark"]
+    dec = decode(http, tenant, resp.output_text, 16)
+    assert dec["registry_match"]["message_id"] == info["message_id"], (dec, info)
+    assert registry(http, tenant, info["message_id"])["metadata"] == {"app": "responses-json"}
+    small = client.responses.create(
+        model=MODEL, input="Is the sea calm?", max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "calm", "schema": SMALL_SCHEMA}},
+        stream=True,
+    )  # fmt: skip
+    events = list(small)
+    assert events[-1].type == "response.completed"
+    jsonschema.validate(json.loads(events[-1].response.output_text), SMALL_SCHEMA)
+
+
+def test_responses_forced_function_call_stream_and_not(client: openai.OpenAI) -> None:
+    kw: Any = {
+        "model": MODEL, "input": "What is the weather in Paris?", "max_output_tokens": 60,
+        "tools": [WEATHER, CLOCK], "tool_choice": {"type": "function", "name": "get_weather"},
+    }  # fmt: skip
+    resp = client.responses.create(**kw)
+    assert resp.status == "completed"
+    (call,) = resp.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    weather_args(call.arguments)
+    assert call.call_id and resp.tools[0].type == "function"
+
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == done.arguments and done.name == "get_weather"
+    weather_args(done.arguments)
+    final = events[-1].response.output[0]
+    assert final.type == "function_call" and final.arguments == done.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    required = client.responses.create(**{**kw, "tool_choice": "required"})
+    (call,) = required.output
+    assert call.type == "function_call" and call.name in ("get_weather", "get_time")
+    json.loads(call.arguments)
+
+    # the call's output sent back: the next turn is a message (tool_choice none)
+    answer = client.responses.create(
+        model=MODEL, max_output_tokens=8, tools=[WEATHER], tool_choice="none",
+        previous_response_id=resp.id,
+        input=[{"type": "function_call_output", "call_id": resp.output[0].call_id,
+                "output": '{"sky": "clear"}'}],
+    )  # fmt: skip
+    assert answer.output[0].type == "message" and answer.output_text
+
+
+def test_langchain_structured_output_and_tools(server: LiveServer, tenant: dict[str, str]) -> None:
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Calm(BaseModel):
+        """Whether the sea is calm."""
+
+        # additionalProperties false: the tiny model would fill free keys to the limit
+        model_config = ConfigDict(extra="forbid")
+        ok: bool
+        kind: str = Field(json_schema_extra={"enum": ["tide", "storm", "wave"]})
+
+    def get_weather(city: Literal["Paris", "Rome"], unit: Literal["celsius", "kelvin"]) -> str:
+        """The weather in a city."""  # enums: the tiny model fills a free string to the limit
+        return "clear"
+
+    for responses_api in (False, True):
+        llm = chat_model(server, tenant, max_tokens=200, use_responses_api=responses_api)
+        for method in ("json_schema", "function_calling"):
+            structured = llm.with_structured_output(Calm, method=method, include_raw=True)
+            out = structured.invoke("Is the sea calm?")
+            calm = out["parsed"]
+            assert isinstance(calm, Calm), (responses_api, method, out)
+            assert calm.kind in ("tide", "storm", "wave")
+        # strict: additionalProperties false (the tiny model fills free keys to the limit)
+        bound = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True)
+        reply = bound.invoke("What is the weather in Paris?")
+        assert len(reply.tool_calls) == 1, (responses_api, reply)
+        (call,) = reply.tool_calls
+        assert call["name"] == "get_weather" and set(call["args"]) >= {"city", "unit"}
+        assert call["id"]
+
+
+def test_litellm_tools(server: LiveServer, tenant: dict[str, str]) -> None:
+    import litellm
+
+    tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    out = litellm.completion(
+        model=f"openai/{MODEL}", api_base=f"{server.url}/v1", api_key=tenant["key"],
+        max_retries=0, max_tokens=60,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    weather_args(call.function.arguments)
+    assert out.choices[0].finish_reason == "tool_calls"
