@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -244,6 +246,82 @@ def test_chat_messages_use_the_model_directory_template(service: Service) -> Non
     )
     ids = rendered["input_ids"] if not isinstance(rendered, list) else rendered
     assert r.json()["usage"]["prompt_tokens"] == len(ids) > 5
+
+
+PERSON: Any = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "colour"],
+    "additionalProperties": False,
+}
+
+
+def test_openai_structured_output_tools_and_logprobs(service: Service) -> None:
+    """Issue #26 on each engine, through the openai SDK: a json_schema answer validates
+    and decodes to its registry entry; the grammar comes before the watermark (the
+    sampled distribution of every token, reported as logprobs, sums to 1 over the
+    top-5 candidates the grammar allowed); a forced tool call parses; a regex, a choice
+    and top_k 1 with a logit_bias are applied (on vLLM: its own structured-output
+    backend, with the WorldCup processor after it)."""
+    import jsonschema
+    import openai
+
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model = client.models.list().data[0].id
+        ask: Any = [{"role": "user", "content": "Describe a person as JSON."}]
+        out = client.chat.completions.create(
+            model=model, messages=ask, max_tokens=120, seed=3, logprobs=True, top_logprobs=5,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+            extra_body={"watermark": {"top_k": 5, "metadata": {"case": "structured"}}},
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert choice.message.content is not None
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        content = choice.logprobs.content if choice.logprobs else None
+        assert content, choice
+        for entry in content:
+            total = sum(math.exp(t.logprob) for t in entry.top_logprobs)
+            assert math.isclose(total, 1.0, abs_tol=1e-3), entry
+            assert any(t.token == entry.token for t in entry.top_logprobs)
+        info = (choice.model_extra or {})["watermark"]
+        assert info["message_id"] is not None
+        tool: Any = {"type": "function", "function": {"name": "set_colour", "parameters": {
+            "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+            "required": ["colour"], "additionalProperties": False}}}  # fmt: skip
+        called = client.chat.completions.create(
+            model=model, messages=ask, max_tokens=30, seed=4, tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "set_colour"}},
+        )  # fmt: skip
+        (call,) = called.choices[0].message.tool_calls or []
+        assert called.choices[0].finish_reason == "tool_calls"
+        assert json.loads(call.function.arguments)["colour"] in ("red", "green", "blue")
+        regex = client.completions.create(
+            model=model, prompt="Code:", max_tokens=12,
+            extra_body={"guided_regex": "[A-F]{4}-[0-9]{2}"},
+        )  # fmt: skip
+        assert re.fullmatch(r"[A-F]{4}-[0-9]{2}", regex.choices[0].text)
+        picked = client.completions.create(
+            model=model, prompt="Pick:", max_tokens=8,
+            extra_body={"structured_outputs": {"choice": ["north", "south"]}},
+        )  # fmt: skip
+        assert picked.choices[0].text in ("north", "south")
+        (sea,) = service.runtime.tokenizer(" sea", add_special_tokens=False).input_ids
+        texts = {
+            client.completions.create(
+                model=model, prompt="The tide", max_tokens=4, seed=seed, logit_bias={str(sea): 100},
+                extra_body={"top_k": 1, "watermark": {"no_repeat_ngram_size": 0}},
+            ).choices[0].text
+            for seed in (1, 2)
+        }  # fmt: skip
+        assert texts == {" sea" * 4}
 
 
 def test_streaming(service: Service) -> None:

@@ -310,9 +310,9 @@ def test_wrong_key_is_authentication_error(server: LiveServer) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"use_beam_search": True}, "use_beam_search"),
         ({"max_tokens": "5"}, "max_tokens"),  # strict: no string-to-int coercion
         ({"max_tokens": 5000}, "max_tokens"),  # above the server limit
         ({"n": 0}, "n"),
@@ -323,7 +323,7 @@ def test_wrong_key_is_authentication_error(server: LiveServer) -> None:
         ({"watermark": {"metadata": {"a": 1}, "payload": {"bits": "1"}}}, "watermark"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"stop": ""}, "stop"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ],
 )
@@ -344,8 +344,8 @@ def test_completion_choices_are_bounded(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt=["Tides"] * 9, n=2, max_tokens=2)
     assert err.value.param == "n" and "16" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="Tides", echo=True, max_tokens=2)
-    assert err.value.param == "echo"
+        client.completions.create(model=MODEL, prompt="Tides", suffix="!", max_tokens=2)
+    assert err.value.param == "suffix"
 
 
 def test_ignored_fields_and_no_op_values_are_accepted(client: openai.OpenAI) -> None:

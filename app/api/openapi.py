@@ -16,7 +16,7 @@ from pydantic.json_schema import models_json_schema
 
 from app.core.config import Settings
 from app.schemas.common import IntegralFloats
-from app.schemas.openai import ChatCompletionChunk, CompletionChunk
+from app.schemas.openai import OPENAI_UNSTATED_RULES, ChatCompletionChunk, CompletionChunk
 from app.schemas.watermark import UNSTATED_RULES, prompt_chars_limit
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -88,6 +88,9 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
         if (prop := _property(schema, model, field)) is not None:
             prop["maximum"] = settings.max_new_tokens_limit
     rules = "\n".join(f"* `{code}`: {text}" for code, text in UNSTATED_RULES.items())
+    rules += "\n\nOn `/v1` (a 400 with the `code` named):\n\n" + "\n".join(
+        f"* `{code}`: {text}" for code, text in OPENAI_UNSTATED_RULES.items()
+    )
     info = schema.setdefault("info", {})
     info["description"] = (
         info.get("description", "")

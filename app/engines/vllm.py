@@ -44,7 +44,13 @@ from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.engines.base import EngineStopped, GenerationJob, QueueFull
 from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, SOCKET_ENV, KeyServer, RowSpec
-from worldcup_core.generation import FinishReason, GenerationRequest, GenerationResult, StepEvent
+from worldcup_core.generation import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    StepEvent,
+    TokenLogprobs,
+)
 from worldcup_core.models import EMBEDDED_MODEL_ID, resolve_model_dir
 
 logger = logging.getLogger("worldcup.engine.vllm")
@@ -69,6 +75,12 @@ def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> d
         "disable_log_stats": True,
         # the processor must read real token ids every step (see the module docstring)
         "async_scheduling": False,
+        # logprobs are those of the distribution sampled: after the WorldCup processor
+        # (which returns log q) and vLLM's temperature 1, i.e. log q itself
+        "logprobs_mode": "processed_logprobs",
+        # structured outputs: vLLM's xgrammar backend, compact JSON as on the hf engine
+        # (its bitmask is applied before any logits processor, so before the watermark)
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
     }
     if settings.vllm_max_model_len is not None:
         args["max_model_len"] = settings.vllm_max_model_len
@@ -115,10 +127,14 @@ class VLLMEngine:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         keys = KeyServer()
         os.environ[SOCKET_ENV] = keys.path  # the spawned engine core inherits it
+        args = engine_args(settings, directory, watermark)
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(
+            **args["structured_outputs_config"]
+        )
         try:
-            llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**engine_args(settings, directory, watermark))
-            )
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         except BaseException:
             keys.close()
             raise
@@ -194,7 +210,13 @@ class VLLMEngine:
                 **common,
             )
         self._keys.register(handle, RowSpec(s, tuple(self.eos), request.scheme, request.payload))
-        # the processor has applied temperature/top-k/top-p: vLLM must sample q as is
+        # the processor has applied penalties, logit_bias, temperature, min-p, top-k and
+        # top-p: vLLM must sample q as is (its own penalties would come after the processor)
+        structured = structured_outputs(request)
+        if structured is not None:
+            common["structured_outputs"] = structured
+        if s.logprobs is not None:
+            common["logprobs"] = s.logprobs
         return SamplingParams(
             temperature=1.0,
             top_k=0,
@@ -226,9 +248,11 @@ class VLLMEngine:
                 elif job.last_token_at is not None and new:
                     self._metrics.inter_token.observe((now - job.last_token_at) / len(new))
                 job.last_token_at = now
+                logprobs = completion.logprobs or []
                 for k, tok in enumerate(new):
                     last = out.finished and k == len(new) - 1
-                    job._push(StepEvent(0, int(tok), finish if last else None))
+                    lp = _logprobs(logprobs[k], int(tok)) if k < len(logprobs) else None
+                    job._push(StepEvent(0, int(tok), finish if last else None, lp))
                 tokens += new
                 self._metrics.generated_tokens.inc(len(new))
             if finish is None:
@@ -276,6 +300,41 @@ class VLLMEngine:
             self._llm.shutdown()
         finally:
             self._keys.close()
+
+
+def structured_outputs(request: GenerationRequest) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for a request's grammar (the service's
+    :class:`~app.services.grammar.GrammarSpec`, carried by its constraint), or None."""
+    spec = getattr(request.constraint, "spec", None)
+    if spec is None:
+        return None
+    import json
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if spec.kind in ("json_schema", "json_object"):
+        from app.services.grammar import json_schema_of
+
+        return StructuredOutputsParams(json=json_schema_of(spec))
+    if spec.kind == "regex":
+        return StructuredOutputsParams(regex=spec.value)
+    if spec.kind == "choice":
+        return StructuredOutputsParams(choice=list(spec.value))
+    if spec.kind == "grammar":
+        return StructuredOutputsParams(grammar=spec.value)
+    return StructuredOutputsParams(structural_tag=json.dumps(spec.value))
+
+
+def _logprobs(entry: Any, token: int) -> TokenLogprobs:
+    """vLLM's {id: Logprob} of one position (the sampled id and the top ranks)."""
+    top = sorted(
+        ((int(i), float(lp.logprob), lp.rank) for i, lp in entry.items()),
+        key=lambda x: x[2] if x[2] is not None else 1 << 30,
+    )
+    sampled = entry.get(token)
+    value = float(sampled.logprob) if sampled is not None else float("-inf")
+    ranked = [(i, v) for i, v, rank in top if rank is not None and rank >= 1]
+    return TokenLogprobs(value, tuple(ranked))
 
 
 class UnwatermarkedError(RuntimeError):

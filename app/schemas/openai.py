@@ -84,6 +84,23 @@ SAMPLING_FIELDS = (
     "min_p", "temperature", "top_k", "top_p",
 )  # fmt: skip
 MAX_LOGIT_BIAS = 300
+# The /v1 rules the schema cannot state (a 400 with this code): each needs the served
+# tokenizer, the grammar engine, or a comparison between two fields' values.
+OPENAI_UNSTATED_RULES = {
+    "invalid_structured_output": "the grammar engine (xgrammar) cannot compile the schema, "
+    "regex, grammar or structural tag",
+    "grammar_too_large": "a schema, regex or grammar serialises to more than 64 KiB",
+    "invalid_json": "guided_json / structured_outputs.json / structural_tag is a string "
+    "that is not a JSON object",
+    "conflicting_fields": "more than one output constraint (response_format json_*, "
+    "structured_outputs, guided_*, tools with tool_choice other than none); top_k and "
+    "watermark.top_k both given and different; echo together with logprobs",
+    "tool_choice_needs_tools": "tool_choice other than none without tools",
+    "unknown_tool": "a named tool_choice that is not in tools",
+    "duplicate_tool_names": "two tools with one name",
+    "token_not_in_vocabulary": "a logit_bias token id beyond the served vocabulary",
+    "logprobs_mode_unavailable": "logprobs_mode 'model' on the vllm engine",
+}
 MAX_TOOLS = 64
 MAX_TOP_LOGPROBS = 20
 
@@ -117,7 +134,9 @@ def _unsupported_field() -> Any:
     return Field(None, description="Not supported: 400 unless absent, null or its no-op value.")
 
 
-def _schema_rules(table: dict[str, tuple[Any, ...]], examples: list[Any]) -> Any:
+def _schema_rules(
+    table: dict[str, tuple[Any, ...]], examples: list[Any], rules: tuple[Any, ...] = ()
+) -> Any:
     """``json_schema_extra`` stating what the validators enforce: an unsupported field
     takes only null or its no-op values, and stream_options needs stream: true."""
 
@@ -136,7 +155,8 @@ def _schema_rules(table: dict[str, tuple[Any, ...]], examples: list[Any]) -> Any
                     "properties": {"stream_options": {"not": {"type": "null"}}},
                 },
                 "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
-            }
+            },
+            *rules,
         ]
         schema["examples"] = examples
 
@@ -249,6 +269,19 @@ class ToolCallIn(OpenAIRequestModel):
 
 
 class ChatMessageIn(OpenAIRequestModel):
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "if": {"required": ["role"], "properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {
+                "properties": {
+                    "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+                }
+            },
+        },
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="'developer' is read as 'system'; 'tool' answers an earlier tool call "
         "(the 'function' role is unsupported)."
@@ -260,7 +293,7 @@ class ChatMessageIn(OpenAIRequestModel):
     ) = Field(
         None,
         description="A string, or text parts (other part types are unsupported); "
-        "null only for an assistant turn with tool_calls.",
+        "null (read as empty) beside an assistant turn's tool_calls.",
     )
     name: Annotated[str | None, Field(max_length=256)] = None
     tool_calls: Annotated[list[ToolCallIn] | None, Field(max_length=MAX_TOOLS)] = None
@@ -270,10 +303,6 @@ class ChatMessageIn(OpenAIRequestModel):
     def _roles(self) -> Self:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (null only beside assistant tool_calls)")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id")
         return self
 
     def text(self) -> str:
@@ -301,7 +330,27 @@ class ResponseFormat(OpenAIRequestModel):
     """``text``; ``json_object`` (any JSON object); ``json_schema`` (the schema, compiled
     by xgrammar and enforced token by token, before the watermark)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "properties": {
+                        "type": {"enum": ["text", "json_object"]},
+                        "json_schema": {"type": "null"},
+                    }
+                },
+                {
+                    "required": ["json_schema"],
+                    "properties": {
+                        "type": {"const": "json_schema"},
+                        "json_schema": {"not": {"type": "null"}},
+                    },
+                },
+            ]
+        },
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaSpec | None = None
@@ -313,11 +362,29 @@ class ResponseFormat(OpenAIRequestModel):
         return self
 
 
+_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class StructuredOutputs(OpenAIRequestModel):
     """vLLM's ``structured_outputs``: exactly one constraint. Keys of vLLM's we do not
     implement (``disable_any_whitespace``, ``whitespace_pattern``, ...) are a 400."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": [f],
+                    "properties": {
+                        f: {"not": {"type": "null"}},
+                        **{o: {"type": "null"} for o in _STRUCTURED if o != f},
+                    },
+                }
+                for f in _STRUCTURED
+            ]
+        },
+    )
 
     json_: JsonSchema | Annotated[str, Field(max_length=65_536)] | None = Field(None, alias="json")
     regex: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
@@ -326,12 +393,12 @@ class StructuredOutputs(OpenAIRequestModel):
         Field(min_length=1, max_length=256),
     ] = None
     grammar: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
-    json_object: bool | None = None
+    json_object: Literal[True] | None = None
     structural_tag: dict[str, Any] | Annotated[str, Field(max_length=65_536)] | None = None
 
     @model_validator(mode="after")
     def _one(self) -> Self:
-        given = [k for k, v in self if v not in (None, False)]
+        given = [k for k, v in self if v is not None]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, "
                              "grammar, json_object, structural_tag")  # fmt: skip
@@ -480,6 +547,15 @@ class ChatCompletionRequest(_Sampling):
                     "watermark": {"metadata": {"user_id": "u-17"}},
                 }
             ],
+            (
+                {
+                    "if": {
+                        "required": ["top_logprobs"],
+                        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                    },
+                    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+                },
+            ),
         ),
     )
 
@@ -517,11 +593,12 @@ class ChatCompletionRequest(_Sampling):
         assert info.field_name is not None
         return _unsupported(info.field_name, value, CHAT_UNSUPPORTED[info.field_name])
 
-    @model_validator(mode="after")
-    def _logprobs(self) -> Self:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # logprobs is declared before
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
 
     @property
     def new_tokens(self) -> int | None:

@@ -19,8 +19,8 @@ Either way the watermark chooses among the tokens the grammar allows, never
 one it forbids. Nothing here matches JSON Schema by hand: xgrammar compiles
 the schema into a grammar over the tokenizer's vocabulary.
 
-JSON is generated without free whitespace (``any_whitespace=False``: the
-separators are ``", "`` and ``": "``): a small model left free to emit
+JSON is generated without free whitespace (``any_whitespace=False``, compact
+separators; vLLM: ``disable_any_whitespace``): a small model left free to emit
 whitespace inside JSON can fill its token budget with it.
 """
 
@@ -42,6 +42,10 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or grammar, serialised
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
+SEPARATORS = (",", ":")  # as vLLM's xgrammar backend with disable_any_whitespace
+ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What the output must match; ``param`` names the request field it came from."""
@@ -49,10 +53,18 @@ class GrammarSpec:
     kind: GrammarKind
     value: Any  # schema dict | None (json_object) | regex | [choices] | EBNF | structural tag
     param: str
-    strict: bool = True  # json_schema: no properties or items beyond the schema's
 
     def canonical(self) -> str:
-        return json.dumps([self.kind, self.value, self.strict], sort_keys=True)
+        return json.dumps([self.kind, self.value], sort_keys=True)
+
+
+def json_schema_of(spec: GrammarSpec) -> Any:
+    """The JSON Schema a json_schema/json_object spec compiles (the same on both engines).
+
+    Compiled in xgrammar's strict mode, as vLLM compiles every schema: properties and
+    items the schema does not declare are not generated (``"strict": false`` in a
+    ``response_format`` changes nothing); ``json_object`` is any object."""
+    return ANY_OBJECT if spec.kind == "json_object" else spec.value
 
 
 _compilers: dict[int, tuple[Any, xgr.GrammarCompiler]] = {}
@@ -85,13 +97,9 @@ def compile_spec(tokenizer: Any, spec: GrammarSpec) -> xgr.CompiledGrammar:
         )  # fmt: skip
     compiler = _compiler(tokenizer)
     try:
-        if spec.kind == "json_schema":
+        if spec.kind in ("json_schema", "json_object"):
             return compiler.compile_json_schema(
-                json.dumps(spec.value), any_whitespace=False, strict_mode=spec.strict
-            )
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False
+                json.dumps(json_schema_of(spec)), any_whitespace=False, separators=SEPARATORS
             )
         if spec.kind == "regex":
             return compiler.compile_regex(spec.value)

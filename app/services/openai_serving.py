@@ -191,13 +191,20 @@ def sampling_configs(
     top_k = DEFAULT_TOP_K if wm is None or wm.top_k is None else wm.top_k
     if body.top_k is not None:
         if wm is not None and wm.top_k is not None and max(body.top_k, 0) != wm.top_k:
-            raise _bad("top_k", "top_k and watermark.top_k disagree; give one of them")
+            raise _bad(
+                "top_k",
+                "top_k and watermark.top_k disagree; give one of them",
+                "conflicting_fields",
+            )
         top_k = max(body.top_k, 0)  # vLLM's -1 disables, as 0
     vocab = len(runtime.tokenizer)
     bias: list[tuple[int, float]] = []
     for token, value in (body.logit_bias or {}).items():
         if int(token) >= vocab:
-            raise _bad("logit_bias", f"logit_bias: token id {token} is not in the vocabulary")
+            raise _bad(
+                "logit_bias", f"logit_bias: token id {token} is not in the vocabulary",
+                "token_not_in_vocabulary",
+            )  # fmt: skip
         bias.append((int(token), float(value)))
     top: int | None = None
     if isinstance(body, ChatCompletionRequest):
@@ -211,9 +218,13 @@ def sampling_configs(
         raise _bad(
             "logprobs_mode",
             "logprobs_mode 'model' is only offered by the hf engine; vLLM reports 'sampled'",
+            "logprobs_mode_unavailable",
         )
     if isinstance(body, CompletionRequest) and body.echo and top is not None:
-        raise _bad("echo", "echo with logprobs is not supported (prompt log-probabilities)")
+        raise _bad(
+            "echo", "echo with logprobs is not supported (prompt log-probabilities)",
+            "conflicting_fields",
+        )  # fmt: skip
     # n-gram bans fight a grammar (JSON repeats its keys and separators): off by default
     default_ngram = 0 if constrained else DEFAULT_NO_REPEAT_NGRAM
     ngram = (
@@ -252,8 +263,7 @@ def structure(
     elif rf is not None and rf.type == "json_schema":
         assert rf.json_schema is not None
         schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
-        strict = bool(rf.json_schema.strict)
-        specs.append(grammar.GrammarSpec("json_schema", schema, "response_format", strict))
+        specs.append(grammar.GrammarSpec("json_schema", schema, "response_format"))
     so = body.structured_outputs
     if so is not None:
         if so.json_ is not None:
@@ -290,23 +300,23 @@ def structure(
         if choice is None:
             choice = "auto" if tools else "none"
         if choice != "none" and not tools:
-            raise _bad("tool_choice", "tool_choice needs tools")
+            raise _bad("tool_choice", "tool_choice needs tools", "tool_choice_needs_tools")
         names = [t["name"] for t in tools]
         if len(set(names)) != len(names):
-            raise _bad("tools", "tool names must be unique")
+            raise _bad("tools", "tool names must be unique", "duplicate_tool_names")
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
             if name not in names:
-                raise _bad("tool_choice", f"tool_choice names '{name}', which is not in tools")
+                raise _bad(
+                    "tool_choice", f"tool_choice names '{name}', which is not in tools",
+                    "unknown_tool",
+                )  # fmt: skip
             tool = tools[names.index(name)]
-            strict = bool(tool.get("strict"))
-            specs.append(
-                grammar.GrammarSpec("json_schema", grammar.parameters(tool), "tools", strict)
-            )
+            specs.append(grammar.GrammarSpec("json_schema", grammar.parameters(tool), "tools"))
             mode = "named"
         elif choice == "required":
             specs.append(
-                grammar.GrammarSpec("json_schema", grammar.tool_call_schema(tools), "tools", False)
+                grammar.GrammarSpec("json_schema", grammar.tool_call_schema(tools), "tools")
             )
             mode = "required"
         elif choice == "auto":
@@ -315,7 +325,10 @@ def structure(
             )
             mode = "auto"
     if len(specs) > 1:
-        raise _bad(specs[1].param, f"give one output constraint; {specs[0].param} is already one")
+        raise _bad(
+            specs[1].param, f"give one output constraint; {specs[0].param} is already one",
+            "conflicting_fields",
+        )  # fmt: skip
     return (specs[0] if specs else None), mode, name
 
 
@@ -324,15 +337,15 @@ def _json_value(value: Any, param: str) -> Any:
         try:
             return json.loads(value)
         except ValueError:
-            raise _bad(param, f"{param} is not valid JSON") from None
+            raise _bad(param, f"{param} is not valid JSON", "invalid_json") from None
     return value
 
 
 def _json_spec(value: Any, param: str) -> grammar.GrammarSpec:
     schema = _json_value(value, param)
     if not isinstance(schema, dict | bool):
-        raise _bad(param, f"{param} must be a JSON Schema object")
-    return grammar.GrammarSpec("json_schema", schema, param, False)
+        raise _bad(param, f"{param} must be a JSON Schema object", "invalid_json")
+    return grammar.GrammarSpec("json_schema", schema, param)
 
 
 def chat_messages(body: ChatCompletionRequest, tool_mode: ToolMode | None) -> list[dict[str, str]]:
