@@ -26,7 +26,13 @@ from pydantic import (
     field_validator,
 )
 
-from app.schemas.openai import OpenAIModel, OpenAIRequestModel, WatermarkInfo, WatermarkRequest
+from app.schemas.openai import (
+    OpenAIModel,
+    OpenAIRequestModel,
+    WatermarkInfo,
+    WatermarkRequest,
+    _schema_rules,
+)
 
 # field -> the values that mean "not used", accepted silently
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -41,7 +47,12 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "context_management": (None,),
 }
-MAX_ITEMS = 64
+MAX_ITEMS = 63  # with the instructions, the chat route's 64 messages
+# the rules of this route the OpenAPI schema cannot state (error.code -> why)
+RESPONSES_UNSTATED_RULES = {
+    "conversation_too_long": "the stored conversation of previous_response_id and this "
+    "input make more than 64 messages",
+}
 Text = Annotated[str, Field(max_length=100_000)]
 
 
@@ -77,7 +88,7 @@ class FunctionCallItem(OpenAIRequestModel):
 
     type: Literal["function_call"]
     call_id: Annotated[str, Field(min_length=1, max_length=256)]
-    name: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
     arguments: Text
 
 
@@ -136,6 +147,14 @@ class FormatJSONSchema(OpenAIRequestModel):
 
 
 class TextConfig(OpenAIRequestModel):
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra=lambda schema, _: schema["properties"].update(
+            verbosity={"type": "null", "description": "Not supported: absent or null."}
+        ),
+    )
+
     format: (
         Annotated[FormatText | FormatJSONObject | FormatJSONSchema, Field(discriminator="type")]
         | None
@@ -165,8 +184,9 @@ class ResponsesRequest(OpenAIRequestModel):
     model_config = ConfigDict(
         extra="ignore",
         strict=True,
-        json_schema_extra={
-            "examples": [
+        json_schema_extra=_schema_rules(
+            RESPONSES_UNSUPPORTED,
+            [
                 {
                     "model": "SmolLM2-135M-Instruct",
                     "instructions": "Be brief.",
@@ -174,8 +194,8 @@ class ResponsesRequest(OpenAIRequestModel):
                     "max_output_tokens": 64,
                     "watermark": {"metadata": {"user_id": "u-17"}},
                 }
-            ]
-        },
+            ],
+        ),
     )
 
     model: Annotated[str, Field(min_length=1, max_length=256)] = Field(

@@ -60,6 +60,7 @@ from app.services import openai_serving as serving
 from app.services import receipt
 from app.services.runtime import Runtime
 
+MAX_MESSAGES = 64  # the chat route's limit
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # a chat field's name -> the Responses field it came from (for the 400's param)
@@ -74,8 +75,15 @@ _PARAMS = {
 
 
 # --------------------------------------------------------------------------- translation
-def _message(role: str, content: str) -> dict[str, Any]:
+def _message(role: str, content: str | list[dict[str, str]]) -> dict[str, Any]:
     return {"role": role, "content": content}
+
+
+def _content(item: MessageItem) -> str | list[dict[str, str]]:
+    """As the chat route takes it: a string, or text parts (each within its limit)."""
+    if isinstance(item.content, str):
+        return item.content
+    return [{"type": "text", "text": part.text} for part in item.content]
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -86,7 +94,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in body.input:
         if isinstance(item, MessageItem):
-            messages.append(_message(item.role, item.text()))
+            messages.append(_message(item.role, _content(item)))
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
@@ -181,8 +189,14 @@ def renamed(exc: APIError) -> APIError:
 def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """Validated by the chat route's own model: what it refuses is refused here, with
     ``param`` naming the Responses field."""
+    chat = chat_body(body, history)
+    if len(chat["messages"]) > MAX_MESSAGES:
+        raise APIError(
+            400, f"the conversation would have more than {MAX_MESSAGES} messages",
+            "conversation_too_long", param="previous_response_id" if history else "input",
+        )  # fmt: skip
     try:
-        return ChatCompletionRequest.model_validate(chat_body(body, history))
+        return ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
         err = exc.errors()[0]
         fields = [str(p) for p in err.get("loc", ()) if not any(c in str(p) for c in "[]()-")]
