@@ -77,11 +77,6 @@ class MessageItem(OpenAIRequestModel):
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | Annotated[list[InputTextPart], Field(min_length=1, max_length=64)]
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
 
 class FunctionCallItem(OpenAIRequestModel):
     """A function call the model made earlier (sent back with its output)."""
