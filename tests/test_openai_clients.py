@@ -241,8 +241,9 @@ def test_responses_create_decodes_to_its_registry_entry(
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
     assert chat.usage is not None and resp.usage.input_tokens == chat.usage.prompt_tokens
     # the stored response comes back from GET
-    again = client.responses.retrieve(resp.id)
-    assert again.id == resp.id and again.output_text == resp.output_text
+    again = client.responses.with_raw_response.retrieve(resp.id)
+    assert again.parse().id == resp.id and again.parse().output_text == resp.output_text
+    assert receipt_of(again.headers) == receipt_of(raw.headers)
 
 
 def test_responses_previous_response_id_per_tenant(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
+from fastapi.responses import JSONResponse
 
 from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
 from app.schemas.openai import OPENAI_ERROR_RESPONSES
@@ -60,7 +61,10 @@ async def create_response(
 @router.get(
     "/responses/{response_id}",
     response_model=ResponseObject,
-    responses=_ERRORS,
+    responses={
+        **_ERRORS,
+        200: {"description": "The stored Response", "headers": receipt.OPENAPI_HEADERS},
+    },
     summary="A stored response of this tenant",
 )
 async def retrieve_response(
@@ -68,4 +72,5 @@ async def retrieve_response(
     runtime: RuntimeDep,
     tenant: CurrentTenant,
 ) -> Any:
-    return await serving.retrieve(runtime, tenant.tenant_id, response_id)
+    stored = await serving.retrieve(runtime, tenant.tenant_id, response_id)
+    return JSONResponse(stored, headers=receipt.headers([stored["watermark"]]))
