@@ -681,3 +681,25 @@ def test_litellm_tools(server: LiveServer, tenant: dict[str, str]) -> None:
     assert call.function.name == "get_weather"
     weather_args(call.function.arguments)
     assert out.choices[0].finish_reason == "tool_calls"
+
+
+def test_responses_disconnect_mid_stream_cancels_generation(
+    server: LiveServer, client: openai.OpenAI
+) -> None:
+    runtime = server.app.state.runtime
+    counter = runtime.metrics.generated_tokens
+    before = counter._value.get()
+    stream = client.responses.create(
+        model=MODEL, input="Write a long note.", max_output_tokens=2000, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 6:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while runtime.engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runtime.engine.in_flight == 0, "the generation kept running after the disconnect"
+    made = counter._value.get() - before
+    time.sleep(0.3)
+    assert counter._value.get() - before == made and made < 2000, made
