@@ -21,7 +21,16 @@ from app.api.deps import known_query_parameters
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodySizeLimit, RequestContext, SingleAuthorization
 from app.api.openapi import install_openapi
-from app.api.routes import admin, api_keys, detection, generate, health, openai, provenance
+from app.api.routes import (
+    admin,
+    api_keys,
+    detection,
+    generate,
+    health,
+    openai,
+    provenance,
+    responses,
+)
 from app.console import ConsoleHeaders, install_console
 from app.core.config import Role, Settings, get_settings
 from app.core.logging import configure_logging
@@ -149,7 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     install_openapi(app, settings)
-    for module in (generate, detection, provenance, admin, api_keys, health, openai):
+    for module in (generate, detection, provenance, admin, api_keys, health, openai, responses):
         app.include_router(module.router, dependencies=[Depends(known_query_parameters)])
     install_console(app, dependencies=[Depends(known_query_parameters)])
     app.add_middleware(

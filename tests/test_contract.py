@@ -402,3 +402,19 @@ def test_streams_are_documented_by_their_events(client: TestClient) -> None:
         assert '"[DONE]"' in text and '"contentMediaType": "application/json"' in text
     chat = json.dumps(schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"])
     assert "ChatCompletionChunk" in chat and "ChatCompletionChunk" in components
+    # the Responses API: named events (OpenAI's names), each its model's JSON, no [DONE]
+    ok = schema["paths"]["/v1/responses"]["post"]["responses"]["200"]
+    items = ok["content"]["text/event-stream"]["itemSchema"]["anyOf"]
+    names = {item["properties"]["event"]["const"] for item in items}
+    assert names >= {
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed", "error",
+    }, names  # fmt: skip
+    text = json.dumps(items)
+    refs = {r.split("/")[-1] for r in re.findall(r'"#/components/schemas/([^"]+)"', text)}
+    assert refs and refs <= set(components) and '"[DONE]"' not in text, refs
+    assert set(ok["headers"]) == {
+        "X-Watermark-Message-Id", "X-Watermark-Key-Version", "X-Watermark-Scheme"
+    }  # fmt: skip

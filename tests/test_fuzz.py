@@ -48,6 +48,7 @@ import redis
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, seed, settings
+from pydantic import TypeAdapter
 from schemathesis import GenerationMode
 from schemathesis.config._checks import (
     NEGATIVE_DATA_REJECTION_EXPECTED_STATUSES,
@@ -67,6 +68,7 @@ from app.schemas.openai import (
     CompletionChunk,
     OpenAIErrorEnvelope,
 )
+from app.schemas.responses import RESPONSES_UNSTATED_RULES, ResponseStreamEvent
 from app.schemas.watermark import UNSTATED_RULES, GenerateResponse, PayloadIn
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
@@ -175,6 +177,8 @@ def event_stream_conformance(ctx: Any, response: Any, case: Any) -> bool | None:
         return None
     assert response.status_code == 200, response.status_code
     events = sse_events(response.text)
+    if str(case.operation.path) == "/v1/responses":
+        return responses_stream_conformance(events)
     assert events and events[-1] == (None, "[DONE]"), events[-2:]
     if str(case.operation.path).startswith("/v1/"):
         return openai_stream_conformance(case, events[:-1])
@@ -204,6 +208,21 @@ def openai_stream_conformance(case: Any, events: list[tuple[str | None, str]]) -
     return True
 
 
+RESPONSE_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+
+
+def responses_stream_conformance(events: list[tuple[str | None, str]]) -> bool:
+    """The Responses API's SSE: every event named by its type, numbered from 0, opened by
+    response.created and closed by response.completed/.incomplete or an error event."""
+    assert events, "an empty stream"
+    for number, (event, data) in enumerate(events):
+        body = RESPONSE_EVENT.validate_json(data, strict=True)
+        assert event == body.type and body.sequence_number == number, (event, data)
+    assert events[0][0] == "response.created", events[0]
+    assert events[-1][0] in ("response.completed", "response.incomplete", "error"), events[-1]
+    return True
+
+
 def valid_data_acceptance(ctx: Any, response: Any, case: Any) -> bool | None:
     """schemathesis' ``positive_data_acceptance``, except for a 422 whose code is one of
     the few rules the schema cannot state and says it cannot (``UNSTATED_RULES``); the
@@ -214,7 +233,8 @@ def valid_data_acceptance(ctx: Any, response: Any, case: Any) -> bool | None:
             code = json.loads(response.text)["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
-        if code in UNSTATED_RULES or (openai and code in OPENAI_UNSTATED_RULES):
+        unstated = {**OPENAI_UNSTATED_RULES, **RESPONSES_UNSTATED_RULES}
+        if code in UNSTATED_RULES or (openai and code in unstated):
             return None
     return positive_data_acceptance(ctx, response, case)
 
@@ -300,6 +320,17 @@ def servable_openai(case: Any) -> Any:
     if not isinstance(body, dict):
         return case
     body = {**body, "model": SERVED_MODEL}
+    if str(case.operation.path) == "/v1/responses":
+        body["input"] = "Tides" if isinstance(body.get("input"), str) else [
+            {"role": "user", "content": "Tides"}
+        ]  # fmt: skip
+        body["instructions"] = None if body.get("instructions") is None else "Be brief."
+        body.pop("previous_response_id", None)
+        if isinstance(body.get("max_output_tokens"), int):
+            body["max_output_tokens"] = 1 + body["max_output_tokens"] % 8
+        body.setdefault("max_output_tokens", 4)
+        case.body = body
+        return case
     if "messages" in body or "chat" in str(case.operation.path):
         body["messages"] = [{"role": "user", "content": "Tides"}]
     else:
@@ -438,7 +469,11 @@ def test_fuzz_openapi_schema(
                 fuzzer.fuzz(operation, "negative", auth, mode=GenerationMode.NEGATIVE)
             if operation.label == "POST /generate":
                 fuzzer.fuzz(operation, "servable", auth, transform=servable)
-            if operation.label in ("POST /v1/chat/completions", "POST /v1/completions"):
+            if operation.label in (
+                "POST /v1/chat/completions",
+                "POST /v1/completions",
+                "POST /v1/responses",
+            ):
                 fuzzer.fuzz(operation, "servable", auth, transform=servable_openai)
             if "{tenant_id}" in operation.path:
                 # a real tenant: registry hits for small message ids, real key rotations
@@ -536,6 +571,16 @@ def seeded_cases(fuzzer: Fuzzer, target_id: str, target: dict[str, str]) -> None
     plain = {"model": SERVED_MODEL, "prompt": ["Tides", "Waves"], "max_tokens": 4, "stop": "."}
     fuzzer.explicit("POST", "/v1/completions", tenant, body=plain)
     fuzzer.explicit("GET", "/v1/models", tenant)
+    # the Responses API: a stored response, a follow-up to it, a streamed one, and GET
+    first = {"model": SERVED_MODEL, "input": "Tides", "instructions": "Be brief.",
+             "max_output_tokens": 4, "watermark": {"metadata": {"u": 3}}}  # fmt: skip
+    created = fuzzer.explicit("POST", "/v1/responses", tenant, body=first).json()
+    follow = {"model": SERVED_MODEL, "previous_response_id": created["id"], "stream": True,
+              "input": [{"role": "user", "content": [{"type": "input_text", "text": "More"}]}],
+              "max_output_tokens": 4}  # fmt: skip
+    fuzzer.explicit("POST", "/v1/responses", tenant, body=follow)
+    path = {"response_id": created["id"]}
+    fuzzer.explicit("GET", "/v1/responses/{response_id}", tenant, path_parameters=path)
     fuzzer.explicit("GET", "/v1/models/{model}", tenant, path_parameters={"model": SERVED_MODEL})
 
 

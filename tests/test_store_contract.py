@@ -363,6 +363,27 @@ async def test_idempotency_put_if_absent_and_ttl(store: Store, clock: FakeClock)
     assert await store.idempotency_get(tid, "long") == first
 
 
+async def test_stored_responses_per_tenant_with_ttl(store: Store, clock: FakeClock) -> None:
+    """/v1/responses' previous_response_id: a tenant reads only its own, until the TTL."""
+    a, ka = tenant_records("acme")
+    b, kb = tenant_records("globex")
+    await store.create_tenant(a, ka)
+    await store.create_tenant(b, kb)
+    record = {"messages": [{"role": "user", "content": "Hi"}], "response": {"id": "resp_1"}}
+    assert await store.response_get(a.tenant_id, "resp_1") is None
+    await store.response_put(a.tenant_id, "resp_1", record, 1)
+    await store.response_put(a.tenant_id, "resp_long", record, 3600)
+    assert await store.response_get(a.tenant_id, "resp_1") == record
+    assert await store.response_get(b.tenant_id, "resp_1") is None  # another tenant's
+    replaced = {**record, "response": {"id": "resp_1", "v": 2}}
+    await store.response_put(a.tenant_id, "resp_1", replaced, 1)
+    assert await store.response_get(a.tenant_id, "resp_1") == replaced
+
+    await advance(store, clock, 1.2)
+    assert await store.response_get(a.tenant_id, "resp_1") is None  # expired == absent
+    assert await store.response_get(a.tenant_id, "resp_long") == record
+
+
 # -- concurrency --------------------------------------------------------------
 
 

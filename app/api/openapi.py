@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 from app.core.config import Settings
 from app.schemas.common import IntegralFloats
 from app.schemas.openai import OPENAI_UNSTATED_RULES, ChatCompletionChunk, CompletionChunk
+from app.schemas.responses import RESPONSES_UNSTATED_RULES, STREAM_EVENTS
 from app.schemas.watermark import UNSTATED_RULES, prompt_chars_limit
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -84,12 +85,14 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
         ("ChatCompletionRequest", "max_tokens"),
         ("ChatCompletionRequest", "max_completion_tokens"),
         ("CompletionRequest", "max_tokens"),
+        ("ResponsesRequest", "max_output_tokens"),
     ):
         if (prop := _property(schema, model, field)) is not None:
             prop["maximum"] = settings.max_new_tokens_limit
     rules = "\n".join(f"* `{code}`: {text}" for code, text in UNSTATED_RULES.items())
     rules += "\n\nOn `/v1` (a 400 with the `code` named):\n\n" + "\n".join(
-        f"* `{code}`: {text}" for code, text in OPENAI_UNSTATED_RULES.items()
+        f"* `{code}`: {text}"
+        for code, text in {**OPENAI_UNSTATED_RULES, **RESPONSES_UNSTATED_RULES}.items()
     )
     info = schema.setdefault("info", {})
     info["description"] = (
@@ -163,6 +166,14 @@ def _stream_events() -> dict[str, dict[str, Any]]:
         },
         "/v1/chat/completions": openai("ChatCompletionChunk"),
         "/v1/completions": openai("CompletionChunk"),
+        # the Responses API names each event by its type, and sends no [DONE]
+        "/v1/responses": {
+            "anyOf": [
+                _event(kind, _json_data(_ref(model.__name__), f"One {kind} event, as JSON."))
+                for model in STREAM_EVENTS
+                for kind in model.model_fields["type"].annotation.__args__  # type: ignore[union-attr]
+            ]
+        },
     }
 
 
@@ -171,7 +182,11 @@ def describe_event_streams(schema: dict[str, Any]) -> None:
     OpenAPI 3.2), not as one opaque string; the chunk models join the components."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     _, defs = models_json_schema(
-        [(ChatCompletionChunk, "serialization"), (CompletionChunk, "serialization")],
+        [
+            (ChatCompletionChunk, "serialization"),
+            (CompletionChunk, "serialization"),
+            *((model, "serialization") for model in STREAM_EVENTS),
+        ],
         ref_template="#/components/schemas/{model}",
     )
     for name, component in defs.get("$defs", {}).items():

@@ -109,6 +109,8 @@ class Settings(BaseSettings):
     max_body_bytes: Annotated[int, Field(ge=1024)] = JSON_BYTES_PER_CHAR * 100_000 + BODY_HEADROOM
     max_text_chars: Annotated[int, Field(ge=1)] = 100_000
     idempotency_ttl_s: Annotated[int, Field(ge=1)] = 86_400
+    # how long /v1/responses keeps a response for previous_response_id and GET
+    responses_ttl_s: Annotated[int, Field(ge=1)] = 7 * 86_400
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     cache_ttl_s: Annotated[float, Field(ge=0)] = 5.0  # tenant and key-version lookups
 

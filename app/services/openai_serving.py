@@ -58,7 +58,7 @@ from app.schemas.openai import (
 )
 from app.schemas.watermark import DEFAULT_NO_REPEAT_NGRAM
 from app.services import generation as gen
-from app.services import grammar
+from app.services import grammar, receipt
 from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
@@ -958,7 +958,9 @@ def stream(
                 await claim.release()  # a no-op once the response is remembered
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    # the receipt is known before the first token: every message id is allocated
+    headers = {**SSE_HEADERS, **receipt.headers(watermark_info(s) for s in run.samples)}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 def replay(
@@ -968,7 +970,7 @@ def replay(
     per choice (and the usage chunk if the request asked for it)."""
     streamed = bool(body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    headers = {"Idempotent-Replayed": "true"}
+    headers = {"Idempotent-Replayed": "true", **receipt.of_response(stored.response)}
     if not streamed:
         return JSONResponse(stored.response, status_code=stored.status_code, headers=headers)
     response = stored.response
@@ -1028,9 +1030,10 @@ async def serve(
         if streamed:
             return stream(run, request, engine, claim)
         response = await complete(run, request, engine)
+        content = response.model_dump(mode="json")
         if claim is not None:
-            await claim.remember(response.model_dump(mode="json"))
-        return response
+            await claim.remember(content)
+        return JSONResponse(content, headers=receipt.headers(c.watermark for c in response.choices))
     except BaseException:
         if claim is not None:
             await claim.release()

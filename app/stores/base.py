@@ -389,3 +389,12 @@ class Store(Protocol):
 
     async def delete_case(self, case_id: str) -> bool:
         """Delete a case and its text; False if there was none."""
+
+    # stored /v1/responses (previous_response_id), in the tenant's own namespace
+    async def response_put(
+        self, tenant_id: str, response_id: str, record: dict[str, Any], ttl_s: int
+    ) -> None:
+        """Store (or replace) a response and the conversation it ends, for ``ttl_s``."""
+
+    async def response_get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+        """The tenant's stored response; None if absent, expired or another tenant's."""

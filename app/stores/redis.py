@@ -797,3 +797,21 @@ class RedisStore:
                 pipe.zrem(index, case_id)
             await pipe.execute()
         return True
+
+    # -- stored responses -----------------------------------------------------
+
+    async def response_put(
+        self, tenant_id: str, response_id: str, record: dict[str, Any], ttl_s: int
+    ) -> None:
+        rkey = self._t(tenant_id, "response", response_id)
+        async with self._guard():
+            await self._redis.set(rkey, compact_json(record), ex=max(1, int(ttl_s)))
+
+    async def response_get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+        rkey = self._t(tenant_id, "response", response_id)
+        async with self._guard():
+            raw = cast("str | None", await self._redis.get(rkey))
+        if raw is None:
+            return None
+        record: dict[str, Any] = json.loads(raw)
+        return record

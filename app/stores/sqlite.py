@@ -88,6 +88,14 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (tenant_id, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency (expires_at);
+CREATE TABLE IF NOT EXISTS responses (
+    tenant_id   TEXT NOT NULL,
+    response_id TEXT NOT NULL,
+    record      TEXT NOT NULL,
+    expires_at  REAL NOT NULL,
+    PRIMARY KEY (tenant_id, response_id)
+);
+CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
 CREATE TABLE IF NOT EXISTS api_keys (
     tenant_id  TEXT NOT NULL,
     key_id     TEXT NOT NULL,
@@ -784,6 +792,26 @@ class SQLiteStore:
 
         await self._run(op)
 
+    # -- stored responses -----------------------------------------------------
+
+    async def response_put(
+        self, tenant_id: str, response_id: str, record: dict[str, Any], ttl_s: int
+    ) -> None:
+        check_tenant_id(tenant_id)
+        now = self._clock()
+        raw = compact_json(record)
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                # expired rows are swept here, which bounds the table's growth
+                c.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
+                c.execute(
+                    "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
+                    (tenant_id, response_id, raw, now + max(1, int(ttl_s))),
+                )
+
+        await self._run(op)
+
     async def get_case(self, case_id: str, now: float) -> CaseRecord | None:
         row = await self._run(
             lambda c: c.execute(
@@ -818,6 +846,21 @@ class SQLiteStore:
                 return c.execute("DELETE FROM cases WHERE case_id = ?", (case_id,)).rowcount > 0
 
         return await self._run(op)
+
+    async def response_get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+        check_tenant_id(tenant_id)
+        now = self._clock()
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT record FROM responses "
+                "WHERE tenant_id = ? AND response_id = ? AND expires_at > ?",
+                (tenant_id, response_id, now),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        record: dict[str, Any] = json.loads(row["record"])
+        return record
 
 
 def _create_private(path: str) -> None:

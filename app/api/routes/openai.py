@@ -28,6 +28,7 @@ from app.schemas.openai import (
     ModelList,
 )
 from app.services import openai_serving as serving
+from app.services import receipt
 from app.services.runtime import charge
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -39,6 +40,7 @@ def _streamed(chunk: type[Any], example: str) -> dict[int | str, dict[str, Any]]
         **OPENAI_ERROR_RESPONSES,
         200: {
             "content": {"text/event-stream": {"schema": {"type": "string"}, "example": example}},
+            "headers": receipt.OPENAPI_HEADERS,
             "description": "JSON, or when stream is true OpenAI's Server-Sent Events: one "
             f"{chunk.__name__} per `data:` event, then `data: [DONE]`.",
         },
