@@ -468,13 +468,18 @@ class _Sampling(OpenAIRequestModel):
     )
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    logit_bias: Annotated[
-        dict[
-            Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                Annotated[float, Field(ge=-100, le=100)],
+            ],
+            # keys must match the pattern: the schema says so (JSON Schema's
+            # patternProperties alone would admit any other key)
+            Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False}),
         ]
-        | None,
-        Field(max_length=MAX_LOGIT_BIAS),
-    ] = Field(None, description="Token id (a string) -> bias added to its logit.")
+        | None
+    ) = Field(None, description="Token id (a string) -> bias added to its logit.")
     # structured outputs (a grammar, applied before the watermark)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(
