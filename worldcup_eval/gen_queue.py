@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         cache.store(job.path, data_out)
         _out(
             f"[{time.strftime('%H:%M:%S')}] {cell.label} batch {job.path.name}: "
-            f"{data_out['tokens']} tokens in {time.perf_counter() - t0:.0f} s",
-            flush=True,
+            f"{data_out['tokens']} tokens in {time.perf_counter() - t0:.0f} s"
         )
     return 0
 

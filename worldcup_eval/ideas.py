@@ -16,9 +16,10 @@ here, measured and documented.
 from __future__ import annotations
 
 from worldcup_core import Payload, WorldCup
-from worldcup_core.encoder import FloatArray, WorldCupEncoder, WorldCupSequence
+from worldcup_core.encoder import WorldCupEncoder, WorldCupSequence
 from worldcup_core.prf import SCHEME_V1
 from worldcup_core.scheme import SequenceWatermark
+from worldcup_core.tournament import FloatArray
 
 IDEAS = ("flat",)
 
