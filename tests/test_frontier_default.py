@@ -23,7 +23,7 @@ from app.core.config import Settings
 from app.main import create_app
 from app.stores.sqlite import SQLiteStore
 from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
-from worldcup_eval.frontier import select_default
+from worldcup_eval.frontier import decision_table, select_default
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONTIER = ROOT / "docs" / "results" / "frontier" / "results.json"
@@ -63,6 +63,9 @@ def test_the_readme_decision_table_states_the_default() -> None:
     assert (int(k[1]), float(alpha[1]), int(m[1])) == (preset.groups, preset.alpha, preset.layers)
     paper = next(line for line in section.splitlines() if "`paper`" in line)
     assert "k = 2" in paper and "α = 1.2" in paper
+    # the README and the evaluation report agree: the table is the one results.json gives
+    results = json.loads(FRONTIER.read_text(encoding="utf-8"))
+    assert decision_table(results) in section
 
 
 def test_the_paper_setting_is_selectable_by_name(tmp_path: Path) -> None:

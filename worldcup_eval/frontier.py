@@ -613,6 +613,58 @@ def render_frontier(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def decision_table(results: Mapping[str, Any]) -> str:
+    """The README's decision table, from ``results`` (tests check the README holds it)."""
+    sel = results["selection"]
+    fcfg = results["frontier_config"]
+    rows: list[tuple[str, str, str]] = []  # (label, point name, settings)
+    if sel["chosen"]:
+        s = sel["chosen_settings"]
+        rows.append(
+            (
+                "**service default** (`frontier`)",
+                sel["chosen"],
+                f"k = {s['groups']}, m = {s['layers']}, α = {s['alpha']:g}",
+            )
+        )
+    rows += [
+        ("`paper` (reproduces the paper)", fcfg["today"], "k = 2, m = 30, α = 1.2"),
+        ("best text quality (α = 0)", "worldcup-k1-nondistortionary", "k = 1, m = 30, α = 0"),
+        ("BiMark (baseline, not served)", "bimark", "—"),
+    ]
+    header = ["| setting | WorldCup parameters |"]
+    rule = ["|---|---|"]
+    for st in results["settings"]:
+        where = f"{st['bits']} b / {st['length']} t"
+        header.append(f" bit acc ({where}) | self-PPL ({where}) |")
+        rule.append("---|---|")
+    short = (
+        f" TPR p<{fcfg['fpr']:g} @{fcfg['short_length']} t ({results['settings'][0]['bits']} b) |"
+    )
+    lines = ["".join(header) + short, "".join(rule) + "---|"]
+    unwm = ["| unwatermarked text | — |"]
+    for st in results["settings"]:
+        u = st["unwatermarked"]
+        unwm.append(f" — | {_pm(u.get('self_ppl_median'), u.get('self_ppl_median_se'), 2)} |")
+    lines.append("".join(unwm) + " — |")
+    for label, name, params in rows:
+        cells = [f"| {label} | {params} |"]
+        tpr = "—"
+        for i, st in enumerate(results["settings"]):
+            p = next((q for q in st["points"] if q["name"] == name), None)
+            if p is None:
+                cells.append(" not measured | — |")
+                continue
+            cells.append(
+                f" {_pm(p['bit_accuracy'], p['bit_accuracy_se'])} | "
+                f"{_pm(p['self_ppl_median'], p['self_ppl_median_se'], 2)} |"
+            )
+            if i == 0:
+                tpr = _pm(p["tpr_short"], p["tpr_short_se"], 2)
+        lines.append("".join(cells) + f" {tpr} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_frontier(results: Mapping[str, Any], path: Path) -> Path:
     """Bit accuracy against median self-PPL with SE bars, one panel per setting."""
     import matplotlib
@@ -688,7 +740,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure the quality frontier from the eval cache.")
     ap.add_argument("--config", type=Path, default=Path("docs/results/frontier/frontier.toml"))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--decision-table", action="store_true", help="print the README's table and exit"
+    )
     args = ap.parse_args(argv)
+    if args.decision_table:
+        out_dir = args.out or Path(load_frontier(args.config)[1].out)
+        results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
+        sys.stdout.write(decision_table(results))
+        return 0
     cfg, fcfg = load_frontier(args.config)
     results = Frontier(cfg, fcfg).run()
     out = args.out or Path(fcfg.out)
