@@ -226,3 +226,38 @@ def test_report_and_plot_come_from_whatever_cells_exist(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "results.json").read_text())["selection"]["chosen"] == (
         "worldcup-k1@0.6"
     )
+
+
+def test_the_flat_lambda_experiment_is_the_no_entropy_sampler_at_alpha_one() -> None:
+    """``lambda = alpha`` at every step: at alpha = 1 it is the no-entropy ablation
+    (lambda = 1), step for step; and it changes nothing the detector reads."""
+    from worldcup_core import WorldCup
+    from worldcup_eval.ideas import FlatLambdaWorldCup
+
+    rng = np.random.default_rng(11)
+    key = WatermarkKey(bytes(range(1, 33)))
+    payload = Payload("1011" * 4)
+    flat = FlatLambdaWorldCup(key, WatermarkConfig(groups=1, alpha=1.0, version="worldcup-v1"))
+    ablation = WorldCup(
+        key,
+        WatermarkConfig(groups=1, variant=Variant.NO_ENTROPY, version="worldcup-v1"),
+    )
+    a, b = flat.sequence(payload), ablation.sequence(payload)
+    half = FlatLambdaWorldCup(key, WatermarkConfig(groups=1, alpha=0.5, version="worldcup-v1"))
+    c = half.sequence(payload)
+    tanh = WorldCup(key, WatermarkConfig(groups=1, alpha=0.5, version="worldcup-v1"))
+    d = tanh.sequence(payload)
+    differs = 0
+    for _ in range(30):
+        cand = rng.choice(5000, size=12, replace=False).astype(np.int64)
+        p = rng.dirichlet(np.ones(12) * 0.5)
+        np.testing.assert_allclose(a.reweight(cand, p), b.reweight(cand, p), atol=1e-15)
+        differs += not np.allclose(c.reweight(cand, p), d.reweight(cand, p))
+        tok = int(cand[int(rng.integers(12))])
+        for s in (a, b, c, d):
+            s.observe(tok)
+    assert differs > 0  # alpha * tanh(H) is not alpha (where the two tournaments overlap)
+    ids = [int(x) for x in rng.integers(0, 5000, size=200)]
+    assert flat.decode(ids, 16).bits == WorldCup(key, flat.config).decode(ids, 16).bits
+    with pytest.raises(ValueError, match="worldcup-v1 only"):
+        FlatLambdaWorldCup(key, WatermarkConfig(groups=1, alpha=0.5)).sequence(payload)
