@@ -15,6 +15,7 @@ every listed cell is cached.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,26 @@ from worldcup_eval.data import default_data_dir, load_data
 from worldcup_eval.runner import GenCell, gen_jobs, model_fingerprint
 
 ALL_DONE = 3
+LOCKS = Path(os.environ.get("WORLDCUP_QUEUE_LOCKS", "/tmp/worldcup-gen-locks"))
+
+
+def _lock_name(label: str) -> Path:
+    return LOCKS / (label.replace("/", "_").replace("@", "_") + ".pid")
+
+
+def _held(label: str) -> bool:
+    """Whether another live worker generates this cell (several workers share a queue)."""
+    try:
+        pid = int(_lock_name(label).read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return pid != os.getpid()
+
+
+def _claim(label: str) -> None:
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    _lock_name(label).write_text(str(os.getpid()))
 
 
 def read_queue(path: Path) -> list[tuple[str, int, int | None]]:
@@ -63,21 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     data = load_data(
         tokenizer, data_dir, cfg.prompts, cfg.datasets, cfg.prompt_tokens, cfg.max_length, cfg.seed
     )
-    todo: list[tuple[GenCell, int, int | None]] = []
+    todo: list[tuple[GenCell, int, int | None, str]] = []
     for name, bits, limit in [("unwatermarked", 0, None), *read_queue(args.queue)]:
         cell = GenCell(frontier_spec(name, cfg), bits or None)
         jobs = gen_jobs(cfg, None, cell, data.prompts, cache, model_fp)[:limit]
         missing = sum(cache.load(j.path) is None for j in jobs)
         if args.dry_run:
             _out(f"{name:40s} {bits:3d}  missing {missing}/{len(jobs)} batches")
-        elif missing:
-            todo.append((cell, missing, limit))
+        elif missing and not _held(f"{name} {bits}"):
+            todo.append((cell, missing, limit, f"{name} {bits}"))
     if args.dry_run:
         return 0
     if not todo:
         _out("queue: every cell is cached")
         return ALL_DONE
-    cell, missing, limit = todo[0]
+    cell, missing, limit, name = todo[0]
+    _claim(name)
     _out(f"[{time.strftime('%H:%M:%S')}] {cell.label}: {missing} batches")
     assert lm is not None
     for job in gen_jobs(cfg, lm, cell, data.prompts, cache, model_fp)[:limit]:
