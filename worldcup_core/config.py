@@ -58,7 +58,7 @@ class WatermarkPreset:
 # decision table); tests/test_frontier_default.py pins it to the measured choice.
 WATERMARK_PRESETS: dict[str, WatermarkPreset] = {
     "paper": WatermarkPreset("paper", 2, 30, 1.2, "the paper, Section 4.1"),
-    "frontier": WatermarkPreset("frontier", 2, 30, 1.2, "docs/results/frontier/report.md"),
+    "frontier": WatermarkPreset("frontier", 1, 30, 0.6, "docs/results/frontier/report.md"),
 }
 # the preset of new key versions when none is configured
 SERVICE_PRESET = "frontier"
