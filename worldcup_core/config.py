@@ -32,6 +32,38 @@ class Variant(StrEnum):
 MAX_PAYLOAD_BITS = 64
 
 
+@dataclass(frozen=True)
+class WatermarkPreset:
+    """Named generation settings (k, m, alpha) a key version can be issued under.
+
+    A key version stores the k, m and alpha it was issued with, so changing which preset
+    new keys get never changes how an issued text decodes.
+    """
+
+    name: str
+    groups: int
+    layers: int
+    alpha: float
+    source: str  # where the choice is measured or documented
+
+    def config(self, version: str) -> WatermarkConfig:
+        return WatermarkConfig(
+            groups=self.groups, layers=self.layers, alpha=self.alpha, version=version
+        )
+
+
+# "paper": every figure of the paper and of docs/results before issue #29 (k = 2, alpha = 1.2).
+# "frontier": chosen from the measured quality frontier by the rule in
+# worldcup_eval.frontier.select_default (docs/results/frontier/report.md, README's
+# decision table); tests/test_frontier_default.py pins it to the measured choice.
+WATERMARK_PRESETS: dict[str, WatermarkPreset] = {
+    "paper": WatermarkPreset("paper", 2, 30, 1.2, "the paper, Section 4.1"),
+    "frontier": WatermarkPreset("frontier", 1, 30, 0.6, "docs/results/frontier/report.md"),
+}
+# the preset of new key versions when none is configured
+SERVICE_PRESET = "frontier"
+
+
 MIN_TEMPERATURE = 0.01
 # "sampled": the distribution each token was drawn from (after penalties, grammar,
 # filters and the watermark); "model": the model's own log-softmax, before all of them

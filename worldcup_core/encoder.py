@@ -155,6 +155,10 @@ class WorldCupSequence:
         """WorldCup does not touch logits; it reweights the final distribution."""
         return logits
 
+    def subtraction_weight(self, probs: FloatArray) -> float:
+        """lambda of this step (:func:`lambda_for`); a design experiment overrides it."""
+        return lambda_for(self._enc.config, probs)
+
     def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
         """Watermarked distribution over ``candidates`` (probs sum to 1)."""
         context = self._context()
@@ -172,7 +176,7 @@ class WorldCupSequence:
             g_alt = g_alt.transpose(1, 2, 0)
         intended, other = families(g, g_alt, bits)
         self.watermarked_steps += 1
-        return combine_families(probs, intended, other, lambda_for(cfg, probs))
+        return combine_families(probs, intended, other, self.subtraction_weight(probs))
 
     def observe(self, token: int) -> None:
         self._seen.add(self._context())
@@ -210,7 +214,7 @@ class WorldCupSequenceV2(WorldCupSequence):
             g_alt = v2_group_bits(alt, *_km(cfg)).transpose(1, 2, 0)
         intended, other = families(g.transpose(1, 2, 0), g_alt, bits)
         self.watermarked_steps += 1
-        return combine_families(probs, intended, other, lambda_for(cfg, probs))
+        return combine_families(probs, intended, other, self.subtraction_weight(probs))
 
     def observe(self, token: int) -> None:
         if len(self.generated) >= self._enc.config.context_width:

@@ -85,6 +85,10 @@ def build_scheme(cfg: EvalConfig, spec: SchemeSpec) -> WatermarkScheme | None:
         return None
     if spec.kind in BASELINES:
         return build_baseline(spec.kind, key)
+    if spec.kind == "worldcup-flat":  # a design experiment (issue #29)
+        from worldcup_eval.ideas import FlatLambdaWorldCup
+
+        return FlatLambdaWorldCup(key, cfg.watermark_config(spec))
     return WorldCup(key, cfg.watermark_config(spec))
 
 

@@ -17,6 +17,8 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+
 PLACEHOLDERS = {"", "changeme", "change-me", "changethis", "placeholder", "secret", "example"}
 
 
@@ -89,9 +91,13 @@ class Settings(BaseSettings):
     # watermark defaults (per key version, frozen at creation)
     # the scheme of new key versions; existing versions keep theirs (decode dispatches)
     scheme: Literal["worldcup-v1", "worldcup-v2"] = "worldcup-v2"
-    groups: Annotated[int, Field(ge=1, le=8)] = 2
-    layers: Annotated[int, Field(ge=1, le=64)] = 30
-    alpha: Annotated[float, Field(ge=0, le=10)] = 1.2
+    # k, m and alpha of new key versions: a named preset (worldcup_core.config
+    # WATERMARK_PRESETS; "paper" reproduces the paper), or these three set one by one.
+    # The default is the service preset, chosen from the measured frontier (README).
+    watermark_preset: Literal["frontier", "paper"] | None = None
+    groups: Annotated[int, Field(ge=1, le=8)] = WATERMARK_PRESETS[SERVICE_PRESET].groups
+    layers: Annotated[int, Field(ge=1, le=64)] = WATERMARK_PRESETS[SERVICE_PRESET].layers
+    alpha: Annotated[float, Field(ge=0, le=10)] = WATERMARK_PRESETS[SERVICE_PRESET].alpha
     default_num_bits: Annotated[int, Field(ge=1, le=64)] = 32
     significance: Annotated[float, Field(gt=0, lt=1)] = 0.01
     # A registry match is reported only above this posterior: neighbouring
@@ -146,6 +152,21 @@ class Settings(BaseSettings):
     # per-tenant token bucket, shared by every replica through the store; 0 disables
     rate_limit_per_s: Annotated[float, Field(ge=0)] = 50.0
     rate_limit_burst: Annotated[int, Field(ge=1)] = 1000
+
+    @model_validator(mode="after")
+    def _apply_watermark_preset(self) -> Self:
+        if self.watermark_preset is None:
+            return self
+        preset = WATERMARK_PRESETS[self.watermark_preset]
+        named = {"groups": preset.groups, "layers": preset.layers, "alpha": preset.alpha}
+        for field, value in named.items():
+            if field in self.model_fields_set and getattr(self, field) != value:
+                raise ValueError(
+                    f"WORLDCUP_WATERMARK_PRESET={self.watermark_preset} sets {field}={value}; "
+                    f"WORLDCUP_{field.upper()}={getattr(self, field)} contradicts it"
+                )
+            setattr(self, field, value)
+        return self
 
     @model_validator(mode="after")
     def _load_secrets(self) -> Self:
