@@ -491,3 +491,31 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
     assert err.value.param == "echo"
+
+
+def test_json_grammars_never_allow_a_raw_control_character(reference: Any) -> None:
+    """xgrammar's JSON grammar admits some raw control characters inside strings, which
+    strict parsers refuse; the constraint masks every token that holds one (compact JSON
+    never needs them: a string escapes them as \\u00XX)."""
+    from app.services import grammar
+
+    _, tokenizer = reference
+    spec = grammar.GrammarSpec(
+        "json_schema", {"type": "object", "properties": {"s": {"type": "string"}}}, "x"
+    )
+    constraint = grammar.GrammarConstraint(spec, grammar.compile_spec(tokenizer, spec))
+    info = grammar.compile_spec(tokenizer, spec).tokenizer_info
+    control = torch.tensor(
+        [any(b < 0x20 or b == 0x7F for b in t) for t in info.decoded_vocab]
+        + [False] * max(0, info.vocab_size - len(info.decoded_vocab))
+    )[: info.vocab_size]
+    assert bool(control.any())  # the vocabulary has such tokens
+    for token in tokenizer.encode('{"s":"', add_special_tokens=False):
+        constraint.accept(token)
+    allowed = constraint.allowed()
+    assert allowed is not None and bool(allowed.any())
+    assert not bool((allowed & control).any())  # inside the string: none of them
+    # a regex spec is left as the grammar says (its author may want any character)
+    regex = grammar.GrammarSpec("regex", "[\\x00-\\x7f]{1,3}", "x")
+    free = grammar.GrammarConstraint(regex, grammar.compile_spec(tokenizer, regex)).allowed()
+    assert free is not None and bool((free & control).any())

@@ -28,6 +28,7 @@ import pytest
 from scipy import stats
 from typer.testing import CliRunner
 
+from app.core.corpus import Fields, discover, plan, read_part
 from app.core.security import KeyWrapper
 from app.stores.base import KeyRecord, TenantRecord
 from app.stores.sqlite import SQLiteStore
@@ -35,7 +36,6 @@ from worldcup_cli.main import app as cli_app
 from worldcup_core import WatermarkKey
 from worldcup_core.message import MessageIdCodec
 from worldcup_scan.bench import watermarked_ids, word_tokens
-from worldcup_scan.inputs import Fields, discover, plan, read_part
 from worldcup_scan.keys import KeySpec, ScanKeys, StoreSession, keys_from_files, open_store
 from worldcup_scan.run import ScanOptions, ScanStateError, run_scan
 from worldcup_scan.scanner import COLUMNS, Scanner, ScanSpec

@@ -14,7 +14,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from worldcup_scan.inputs import Fields, InputError
+from app.core.corpus import Fields, InputError
 from worldcup_scan.keys import (
     KeySourceError,
     ScanKeys,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worldcup_scan.inputs import InputError, Part, check_fields, discover, plan
+from app.core.corpus import InputError, Part, check_fields, discover, plan
 from worldcup_scan.keys import StoreSession
 from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema, iso_utc
 

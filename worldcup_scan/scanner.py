@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from app.core.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult, RegistryMatch
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
 from worldcup_core.verdict import verdict_of
-from worldcup_scan.inputs import Fields, Part, RawRow, read_part
 from worldcup_scan.keys import ScanKeys
 
 MODES = ("detect", "provenance")

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.deps import Credentials, RuntimeDep, get_principal, is_admin
 from app.api.routes.cases import router as cases_router
 from app.schemas.common import StrictModel
-from app.services.runtime import charge_client
+from app.services.runtime import Runtime, charge_client
 from worldcup_core import __version__
 
 __all__ = ["SECURITY_HEADERS", "ConsoleHeaders", "install_console"]
@@ -104,8 +104,7 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 page_router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 
-@page_router.get("", response_class=HTMLResponse)
-async def console_page(request: Request, runtime: RuntimeDep) -> HTMLResponse:
+def _page(runtime: Runtime, case_id: str = "") -> HTMLResponse:
     settings = runtime.settings
     return HTMLResponse(
         render_console(
@@ -114,10 +113,15 @@ async def console_page(request: Request, runtime: RuntimeDep) -> HTMLResponse:
             max_chars=settings.text_chars_limit,
             groups=settings.groups,
             significance=settings.significance,
-            case_id="",
+            case_id=case_id,
             batch_limit=settings.console_batch_limit,
         )
     )
+
+
+@page_router.get("", response_class=HTMLResponse)
+async def console_page(request: Request, runtime: RuntimeDep) -> HTMLResponse:
+    return _page(runtime)
 
 
 class ConsoleSession(StrictModel):
@@ -133,18 +137,7 @@ async def case_page(case_id: str, request: Request, runtime: RuntimeDep) -> HTML
     """A case's stable link: the console page, which opens the case once signed in
     (the credential never travels in the link). Who may see it is checked by
     ``/console/api/cases/{id}``."""
-    settings = runtime.settings
-    return HTMLResponse(
-        render_console(
-            version=__version__,
-            model=runtime.model_id,
-            max_chars=settings.text_chars_limit,
-            groups=settings.groups,
-            significance=settings.significance,
-            case_id=case_id if _CASE_ID.match(case_id) else "",
-            batch_limit=settings.console_batch_limit,
-        )
-    )
+    return _page(runtime, case_id if _CASE_ID.match(case_id) else "")
 
 
 _CASE_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")

@@ -15,7 +15,7 @@ case. Any other caller gets the same 404 as for a case that does not exist. Case
 expire after ``console_case_retention_days`` (0: kept until deleted); deleting one
 deletes its text.
 
-A batch (CSV or JSONL) is read with :mod:`worldcup_scan.inputs`, the reader of
+A batch (CSV or JSONL) is read with :mod:`app.core.corpus`, the reader of
 ``worldcup scan`` (same formats, same ``--text-field`` check, same per-row errors),
 and each good row is checked as above; beyond ``console_batch_limit`` texts the
 answer points to ``worldcup scan``.
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from app.core.corpus import Fields, InputError, RawRow, check_fields, discover, plan, read_part
 from app.core.errors import APIError
 from app.schemas.exposure import DecodeVerdict, DetectVerdict, ProvenanceVerdict
 from app.schemas.watermark import (
@@ -53,7 +54,6 @@ from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal
 from app.stores.base import CaseRecord
 from worldcup_core.verdict import STATISTICS, Statistic, report, verdict_sentence
-from worldcup_scan.inputs import Fields, InputError, RawRow, check_fields, discover, plan, read_part
 
 Mode = Literal["provenance", "decode", "detect"]
 MODES: tuple[Mode, ...] = ("provenance", "decode", "detect")

@@ -118,6 +118,26 @@ def compile_spec(tokenizer: Any, spec: GrammarSpec) -> xgr.CompiledGrammar:
         ) from None  # fmt: skip
 
 
+_printable: dict[int, tuple[Any, torch.Tensor]] = {}
+
+
+def _printable_tokens(info: xgr.TokenizerInfo) -> torch.Tensor:
+    """The tokens whose text holds no control character (below 0x20, or 0x7f).
+
+    Compact JSON never needs one (inside a string a control character must be escaped
+    as ``\\u00XX``, in printable characters), yet xgrammar's JSON grammar lets some
+    through as raw string characters, and then the answer is not valid JSON (a strict
+    parser such as Python's ``json.loads`` refuses it). So JSON specs also mask them."""
+    with _lock:
+        entry = _printable.get(id(info))
+        if entry is None or entry[0] is not info:
+            ok = [not any(b < 0x20 or b == 0x7F for b in t) for t in info.decoded_vocab]
+            ok = (ok + [True] * info.vocab_size)[: info.vocab_size]  # padded ids: the grammar's
+            entry = (info, torch.tensor(ok, dtype=torch.bool))
+            _printable[id(info)] = entry
+        return entry[1]
+
+
 class GrammarConstraint:
     """One choice's grammar state (:class:`worldcup_core.generation.TokenConstraint`).
 
@@ -131,6 +151,11 @@ class GrammarConstraint:
         self._vocab = compiled.tokenizer_info.vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, self._vocab)
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self._printable = (
+            _printable_tokens(compiled.tokenizer_info)
+            if spec.kind in ("json_schema", "json_object")
+            else None
+        )
         self.rejected = 0  # tokens the matcher refused (never expected: the mask forbids them)
 
     def __repr__(self) -> str:
@@ -139,7 +164,12 @@ class GrammarConstraint:
     def allowed(self) -> torch.Tensor | None:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1
-        return bits.bool().flatten()[: self._vocab]
+        allowed = bits.bool().flatten()[: self._vocab]
+        if self._printable is not None:
+            strict = allowed & self._printable
+            if bool(strict.any()):  # never leave the grammar without a token
+                return strict
+        return allowed
 
     def accept(self, token: int) -> None:
         if self._matcher.is_terminated():

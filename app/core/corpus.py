@@ -1,5 +1,10 @@
 """Reading a corpus: JSONL, CSV and Parquet files, split into resumable parts.
 
+The reader of ``worldcup scan`` (:mod:`worldcup_scan`) and of the console's batch
+uploads (:mod:`app.services.cases`): it lives here, below both, so the service never
+imports the scan package above it. Parquet needs ``pyarrow`` (the ``scan`` extra),
+imported only when a Parquet file is read.
+
 A *part* is a row range of one file, located by a byte offset (JSONL, CSV) or
 a row group (Parquet), so any worker can read it without reading what comes
 before it. Bad rows (malformed JSON, a missing or non-string field, invalid
