@@ -372,12 +372,14 @@ def test_engine_fails_a_request_whose_row_lost_its_watermark() -> None:
         async def generate(self, prompt: Any, params: Any, handle: str) -> Any:
             assert params.extra_args[EXTRA_ARGS_KEY] == handle
             yield SimpleNamespace(
-                finished=False, outputs=[SimpleNamespace(token_ids=[21, 22], finish_reason=None)]
+                finished=False,
+                outputs=[SimpleNamespace(token_ids=[21, 22], finish_reason=None, logprobs=None)],
             )
             if report.pop() == "yes":  # what the processor does in the engine core
                 KeyClient(keys.path).report_unwatermarked(handle)
             yield SimpleNamespace(
-                finished=True, outputs=[SimpleNamespace(token_ids=[23], finish_reason="length")]
+                finished=True,
+                outputs=[SimpleNamespace(token_ids=[23], finish_reason="length", logprobs=None)],
             )
 
     async def run(request: GenerationRequest) -> Any:
