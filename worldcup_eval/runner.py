@@ -172,6 +172,33 @@ def continuation_logprobs(
 # --------------------------------------------------------------------------- generation
 
 
+def sampling_key(sampling: SamplingConfig) -> dict[str, Any]:
+    """The sampling settings as the cache key hashes them.
+
+    Fields added to :class:`SamplingConfig` after the cache's format was fixed are
+    left out while at their defaults (where they change nothing), so that a new field
+    does not orphan every committed cell; set to anything else, they enter the key.
+    """
+    out = asdict(sampling)
+    defaults = SamplingConfig()
+    for name in LATER_SAMPLING_FIELDS:
+        if out[name] == getattr(defaults, name):
+            del out[name]
+    return out
+
+
+# SamplingConfig's fields newer than the committed cache (docs/results/cache); see sampling_key
+LATER_SAMPLING_FIELDS = (
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "logprobs_mode",
+)
+
+
 def gen_cell_key(cfg: EvalConfig, cell: GenCell, model_fp: dict[str, Any]) -> str:
     return stable_hash(
         {
@@ -179,7 +206,7 @@ def gen_cell_key(cfg: EvalConfig, cell: GenCell, model_fp: dict[str, Any]) -> st
             "model": model_fp,
             "scheme": cell.spec.describe(),
             "bits": cell.bits,
-            "sampling": asdict(cfg.sampling),
+            "sampling": sampling_key(cfg.sampling),
             "seed": cfg.seed,
             "batch_size": cfg.batch_size,
         }
