@@ -82,7 +82,7 @@ class FrontierConfig:
     ppl_margin: float = 0.05  # eligible: median self-PPL <= unwatermarked * (1 + margin)
     select_at: tuple[int, int] = (32, 256)  # the service's default payload length
     bootstrap: int = 2000  # resamples for the SE of a median
-    # design ideas: (idea, base) pairs compared at select_at on the prompts both have
+    # design ideas: (idea, base) pairs compared at every setting on the prompts both have
     # (an idea may be generated for its first batches only: a paired screen)
     ideas: tuple[tuple[str, str], ...] = ()
     # confirmations: (point, base) pairs compared at every setting on the prompts both
@@ -344,9 +344,12 @@ class Frontier:
         return results
 
     def ideas(self) -> list[dict[str, Any]]:
-        """Each design idea against its base at ``select_at``, paired."""
-        bits, length = self.fcfg.select_at
-        return self.pairs(self.fcfg.ideas, bits, length, "ideas")
+        """Each design idea against its base at every setting, paired."""
+        return [
+            pair
+            for bits, length in self.fcfg.settings
+            for pair in self.pairs(self.fcfg.ideas, bits, length, "ideas")
+        ]
 
     def pairs(
         self, pairs: Sequence[tuple[str, str]], bits: int, length: int, tag: str
@@ -516,20 +519,18 @@ def _setting_label(p: Mapping[str, Any]) -> tuple[str, str, str]:
     return str(p["groups"]), f"{p['alpha']:g}", str(p["layers"])
 
 
-def _pair_table(pairs: Sequence[Mapping[str, Any]], what: str, with_setting: bool) -> list[str]:
+def _pair_table(pairs: Sequence[Mapping[str, Any]], what: str) -> list[str]:
     """The Markdown rows of paired comparisons (design ideas, confirmations)."""
-    head = "| setting " if with_setting else ""
-    rule = "|---" if with_setting else ""
     lines = [
-        f"{head}| {what} | base | prompts | {what} bit acc | base bit acc | Δacc | {what} PPL "
+        f"| setting | {what} | base | prompts | {what} bit acc | base bit acc | Δacc | {what} PPL "
         f"| base PPL | Δlog-PPL | {what} dist-2 | base dist-2 |",
-        rule + "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i in pairs:
         a, b = i["idea"], i["base"]
-        setting = f"| {a['bits']} bits / {a['length']} tokens " if with_setting else ""
         lines.append(
-            f"{setting}| `{a['name']}` | `{b['name']}` | {i['n']} | "
+            f"| {a['bits']} bits / {a['length']} tokens | `{a['name']}` | `{b['name']}` | "
+            f"{i['n']} | "
             f"{_pm(a['bit_accuracy'], a['bit_accuracy_se'])} | "
             f"{_pm(b['bit_accuracy'], b['bit_accuracy_se'])} | "
             f"{_pm(i['bit_accuracy_minus_base'], i['bit_accuracy_minus_base_se'])} | "
@@ -611,15 +612,14 @@ def render_frontier(results: Mapping[str, Any]) -> str:
             )
         lines.append("")
     if results.get("ideas"):
-        bits, length = fcfg["select_at"]
         lines += [
-            f"## Design ideas against their base ({bits} bits, {length} tokens, paired)",
+            "## Design ideas against their base (paired)",
             "",
             "Each idea and its base on the same prompts (an idea generated for its first "
             "batches only is compared on those). `Δlog-PPL` is the paired mean difference of "
             "the per-text log self-perplexity (0.01 is about 1 % of PPL).",
             "",
-            *_pair_table(results["ideas"], "idea", with_setting=False),
+            *_pair_table(results["ideas"], "idea"),
         ]
     if results.get("confirm"):
         lines += [
@@ -630,7 +630,7 @@ def render_frontier(results: Mapping[str, Any]) -> str:
             "the same sampler). Each row: the v2 cell against its v1 twin on the same prompts "
             "and payloads.",
             "",
-            *_pair_table(results["confirm"], "point", with_setting=True),
+            *_pair_table(results["confirm"], "point"),
         ]
     sel = results["selection"]
     lines += ["## The service default, chosen by rule", "", f"Rule: {sel['rule']}.", ""]
