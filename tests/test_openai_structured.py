@@ -488,9 +488,61 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("The tide")
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, reference: Any) -> None:
+    """``echo`` with ``logprobs``: the prompt's tokens come first, the first with a null
+    logprob (as OpenAI), each next one with the model's own log-probability given the
+    ones before it (an independent forward pass here), then the completion's entries.
+    Streamed, the first chunk is the prompt with its entries; the chunks add up to the
+    response. ``max_tokens`` 0 (scoring without generating) is a 400 naming it."""
+    model, tok = reference
+    prompt = "The storm rolled over the quiet harbour"
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    kw: Any = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "seed": 5, "logprobs": 2}
+    out = client.completions.create(**kw, echo=True, extra_body=FIXED)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    n = len(ids)
+    assert len(lp.tokens) == n + 3 == len(lp.token_logprobs) == len(lp.text_offset)
+    assert lp.tokens[:n] == [tok.decode([i]) for i in ids]
+    assert choice.text == prompt + "".join(lp.tokens[n:])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and lp.text_offset[n] == len(prompt)
+    for j in range(1, n):
+        row = logp[j - 1]
+        value = lp.token_logprobs[j]
+        assert value is not None and math.isclose(value, float(row[ids[j]]), abs_tol=1e-4)
+        top = lp.top_logprobs[j] or {}
+        best = torch.topk(row, 2)
+        assert len(top) == 2
+        for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+            assert math.isclose(top[tok.decode([t])], v, abs_tol=1e-4)
+        assert max(top.values()) >= value - 1e-9  # the best alternatives bound the token
+    # the completion's entries are those the same request reports without echo
+    plain = client.completions.create(**kw, extra_body=FIXED).choices[0]
+    assert plain.text == choice.text[len(prompt) :]
+    assert plain.logprobs is not None
+    assert plain.logprobs.token_logprobs == lp.token_logprobs[n:]
+    assert [o + len(prompt) for o in plain.logprobs.text_offset or []] == lp.text_offset[n:]
+    chunks = [
+        c for c in client.completions.create(**kw, echo=True, stream=True, extra_body=FIXED)
+        if c.choices
+    ]  # fmt: skip
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs is not None
+    assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [v for c in chunks if c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs or []]  # fmt: skip
+    assert streamed == lp.token_logprobs
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
-    assert err.value.param == "echo"
+        client.completions.create(**{**kw, "max_tokens": 0}, echo=True)
+    assert err.value.param == "max_tokens"
 
 
 def test_json_grammars_never_allow_a_raw_control_character(reference: Any) -> None:

@@ -18,7 +18,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,7 +62,7 @@ from app.services import grammar, receipt
 from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
-from worldcup_core.generation import GenerationResult, TokenLogprobs
+from worldcup_core.generation import GenerationResult, PromptLogprobs, TokenLogprobs
 from worldcup_core.models import EMBEDDED_MODEL_ID
 
 DEFAULT_MAX_TOKENS = 256  # capped by WORLDCUP_MAX_NEW_TOKENS_LIMIT
@@ -212,19 +212,18 @@ def sampling_configs(
             top = body.top_logprobs or 0
     elif body.logprobs is not None:
         top = body.logprobs
-    mode = body.logprobs_mode or "sampled"
-    engine = runtime.engine
-    if top is not None and mode == "model" and getattr(engine, "name", "") == "vllm":
+    # vLLM's logprobs mode is engine-wide (WORLDCUP_VLLM_LOGPROBS_MODE); hf offers both
+    fixed: str | None = getattr(runtime.engine, "logprobs_mode", None)
+    mode = body.logprobs_mode or fixed or "sampled"
+    if top is not None and fixed is not None and mode != fixed:
         raise _bad(
             "logprobs_mode",
-            "logprobs_mode 'model' is only offered by the hf engine; vLLM reports 'sampled'",
+            f"logprobs_mode '{mode}' is not served here: the vllm engine reports one mode "
+            f"for every request, '{fixed}' (the setting WORLDCUP_VLLM_LOGPROBS_MODE)",
             "logprobs_mode_unavailable",
         )
-    if isinstance(body, CompletionRequest) and body.echo and top is not None:
-        raise _bad(
-            "echo", "echo with logprobs is not supported (prompt log-probabilities)",
-            "conflicting_fields",
-        )  # fmt: skip
+    # echo with logprobs: the prompt's tokens too, under the model's own distribution
+    prompt_top = top if isinstance(body, CompletionRequest) and body.echo else None
     # n-gram bans fight a grammar (JSON repeats its keys and separators): off by default
     default_ngram = 0 if constrained else DEFAULT_NO_REPEAT_NGRAM
     ngram = (
@@ -247,6 +246,7 @@ def sampling_configs(
             logit_bias=tuple(bias),
             logprobs=top,
             logprobs_mode=mode,
+            prompt_logprobs=prompt_top,
         )
         for i in range(choices)
     ]
@@ -404,6 +404,7 @@ class Piece:
     finish: FinishReason | None = None
     tokens: int = 0
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)  # this piece's
+    prompt: PromptLogprobs | None = None  # echo with logprobs: on the choice's first piece
 
 
 @dataclass
@@ -477,6 +478,7 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
     shown = 0  # characters of deltas.sent already yielded
     logprobs: list[tuple[int, TokenLogprobs]] = []  # not yet handed out
     every: list[tuple[int, TokenLogprobs]] = []
+    prompt: PromptLogprobs | None = None  # not yet handed out
     try:
         while True:
             item = await gen.next_event(sample)
@@ -487,8 +489,10 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     logprobs = _within(tokenizer, every, cut, len(every) - len(logprobs))
-                yield Piece(text[shown:], finish, len(item.token_ids), logprobs)
+                yield Piece(text[shown:], finish, len(item.token_ids), logprobs, prompt)
                 return
+            if item.prompt_logprobs is not None:
+                prompt = item.prompt_logprobs
             if item.finish == "eos":
                 continue  # the closing EOS is not part of the text
             deltas.push(item.token)
@@ -500,13 +504,13 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
             if cut is not None:
                 engine.cancel(sample.job)  # the client has what it asked for
                 kept = _within(tokenizer, every, cut, len(every) - len(logprobs))
-                yield Piece(text[shown:cut], "stop", len(deltas.tokens), kept)
+                yield Piece(text[shown:cut], "stop", len(deltas.tokens), kept, prompt)
                 return
             safe = len(text) - _held(text, stops)
-            if safe > shown:
-                yield Piece(text[shown:safe], logprobs=logprobs)
-                logprobs = []
-                shown = safe
+            if safe > shown or prompt is not None:
+                yield Piece(text[shown:safe], logprobs=logprobs, prompt=prompt)
+                logprobs, prompt = [], None
+                shown = max(shown, safe)
     except TimeoutError:
         raise gen.timed_out(sample, engine) from None
 
@@ -541,6 +545,7 @@ class Outcome:
     finish: FinishReason
     tokens: int
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    prompt: PromptLogprobs | None = None  # echo with logprobs: the prompt's entries
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
@@ -570,23 +575,36 @@ def chat_logprobs(tokenizer: Any, entries: list[tuple[int, TokenLogprobs]]) -> C
 
 
 def completion_logprobs(
-    tokenizer: Any, entries: list[tuple[int, TokenLogprobs]], offset: int = 0
+    tokenizer: Any,
+    entries: Sequence[tuple[int, TokenLogprobs | None]],
+    offset: int = 0,
+    prompt: Sequence[tuple[int, TokenLogprobs | None]] = (),
 ) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs; with echo the ``prompt``'s entries come first, their
+    offsets counted from 0 (the echoed text's start), the completion's from ``offset``
+    (where the completion starts in the choice's text). An entry without log-probability
+    (the prompt's first token) reports null, as OpenAI does."""
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    position = offset
-    for token, lp in entries:
+    position = 0
+    for k, (token, lp) in enumerate([*prompt, *entries]):
+        if k == len(prompt):
+            position = offset
         text = _token_text(tokenizer, token)
         tokens.append(text)
+        offsets.append(position)
+        position += len(text)
+        if lp is None:
+            values.append(None)
+            tops.append(None)
+            continue
         values.append(_lp(lp.logprob))
         top: dict[str, float] = {}
         for i, v in lp.top:
             top.setdefault(_token_text(tokenizer, i), _lp(v))
         tops.append(top)
-        offsets.append(position)
-        position += len(text)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
     )
@@ -674,7 +692,8 @@ def completion_choice(run: Run, index: int, outcome: Outcome) -> CompletionChoic
     prefix = pending.echo[index // pending.n] if pending.echo else ""
     logprobs = None
     if pending.sampling[index].logprobs is not None:
-        logprobs = completion_logprobs(tokenizer, outcome.logprobs, len(prefix))
+        scored = prompt_entries(pending, index, outcome.prompt)
+        logprobs = completion_logprobs(tokenizer, outcome.logprobs, len(prefix), scored)
     return CompletionChoice(
         index=index,
         text=prefix + outcome.text,
@@ -682,6 +701,18 @@ def completion_choice(run: Run, index: int, outcome: Outcome) -> CompletionChoic
         finish_reason=outcome.finish,
         watermark=watermark_info(run.samples[index]),
     )
+
+
+def prompt_entries(
+    pending: Pending, index: int, scores: PromptLogprobs | None
+) -> list[tuple[int, TokenLogprobs | None]]:
+    """A choice's prompt tokens with their log-probabilities (echo with logprobs)."""
+    if pending.sampling[index].prompt_logprobs is None:
+        return []
+    if scores is None:  # the engine must have sent them with the first token
+        raise APIError(500, "the engine returned no prompt logprobs", "generation_failed")
+    ids = pending.prompts[index // pending.n]
+    return list(zip(ids, scores, strict=True))
 
 
 def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
@@ -713,11 +744,13 @@ def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
 async def _outcome(pieces: AsyncIterator[Piece]) -> Outcome:
     text: list[str] = []
     logprobs: list[tuple[int, TokenLogprobs]] = []
+    prompt: PromptLogprobs | None = None
     async for piece in pieces:
         text.append(piece.text)
         logprobs += piece.logprobs
+        prompt = piece.prompt if piece.prompt is not None else prompt
         if piece.finish is not None:
-            return Outcome("".join(text), piece.finish, piece.tokens, logprobs)
+            return Outcome("".join(text), piece.finish, piece.tokens, logprobs, prompt)
     raise AssertionError("a choice ended without a finish reason")
 
 
@@ -834,6 +867,7 @@ class Chunks:
         logprobs: list[tuple[int, TokenLogprobs]] | None = None,
         offset: int = 0,
         tool_calls: list[ToolCallDelta] | None = None,
+        prompt: Sequence[tuple[int, TokenLogprobs | None]] = (),
     ) -> bytes:
         tokenizer = self.run.samples[index].runtime.tokenizer
         if self.chat:
@@ -846,7 +880,9 @@ class Chunks:
                 watermark=watermark,
             )  # fmt: skip
             return self._chunk([chat], None)
-        plain_lp = None if logprobs is None else completion_logprobs(tokenizer, logprobs, offset)
+        plain_lp = (
+            None if logprobs is None else completion_logprobs(tokenizer, logprobs, offset, prompt)
+        )
         plain = CompletionChunkChoice(
             index=index, text=text or "", logprobs=plain_lp, finish_reason=finish,
             watermark=watermark,
@@ -878,6 +914,7 @@ def stream(
     stops = body.stops()
     mode = pending.tool_mode
     wants_logprobs = [s.logprobs is not None for s in pending.sampling]
+    scores_prompt = [s.prompt_logprobs is not None for s in pending.sampling]
 
     def opening(i: int) -> list[bytes]:
         out = []
@@ -889,7 +926,7 @@ def stream(
                 function=FunctionCallDelta(name=pending.tool_name, arguments=""),
             )  # fmt: skip
             out.append(chunks.choice(i, None, tool_calls=[head]))
-        if pending.echo:
+        if pending.echo and not scores_prompt[i]:  # else with the prompt's logprobs, below
             out.append(chunks.choice(i, pending.echo[i // pending.n]))
         return out
 
@@ -897,6 +934,7 @@ def stream(
         texts = [""] * len(run.samples)
         entries: list[list[tuple[int, TokenLogprobs]]] = [[] for _ in run.samples]
         outcomes: list[Outcome | None] = [None] * len(run.samples)
+        seen: list[PromptLogprobs | None] = [None] * len(run.samples)  # prompt logprobs
         offsets = [
             len(pending.echo[i // pending.n]) if pending.echo else 0
             for i in range(len(run.samples))
@@ -908,6 +946,12 @@ def stream(
             async for i, piece in _merge([follow(s, engine, stops) for s in run.samples]):
                 if await request.is_disconnected():
                     return
+                if piece.prompt is not None:
+                    seen[i] = piece.prompt
+                if scores_prompt[i] and piece.prompt is not None:  # echo: the first chunk
+                    scored = prompt_entries(pending, i, piece.prompt)
+                    echoed = pending.echo[i // pending.n]
+                    yield chunks.choice(i, echoed, logprobs=[], prompt=scored)
                 texts[i] += piece.text
                 entries[i] += piece.logprobs
                 lp = piece.logprobs if wants_logprobs[i] else None
@@ -919,7 +963,7 @@ def stream(
                     offsets[i] += len(piece.text)
                 if piece.finish is None:
                     continue
-                outcome = Outcome(texts[i], piece.finish, piece.tokens, entries[i])
+                outcome = Outcome(texts[i], piece.finish, piece.tokens, entries[i], seen[i])
                 outcomes[i] = outcome
                 final = chat_choice(run, i, outcome) if pending.kind == "chat" else None
                 if mode in ("required", "auto") and final is not None:
