@@ -324,6 +324,153 @@ def test_openai_structured_output_tools_and_logprobs(service: Service) -> None:
         assert texts == {" sea" * 4}
 
 
+def _reference_dir(service: Service, tiny_model_dir: Path) -> Path:
+    """The served model's directory, for an independent forward pass."""
+    if service.engine == "hf":
+        return tiny_model_dir
+    return Path(resolve_model_dir(None, None, need_model=True))
+
+
+def test_openai_echo_logprobs_and_logprobs_mode(service: Service, tiny_model_dir: Path) -> None:
+    """Completions' echo with logprobs on each engine (vLLM: its prompt_logprobs), through
+    the openai SDK: the prompt's tokens come first, the first null, each next one the
+    model's own log-probability given the ones before (checked against a forward pass of
+    the model with transformers), then the completion's; streamed, the prompt is the first
+    chunk. logprobs_mode: both on hf; on vLLM (engine-wide) the other mode is a 400 that
+    names the field and the setting."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = service.runtime.tokenizer
+    prompt = "The storm rolled over the quiet harbour and the boats"
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    directory = _reference_dir(service, tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    tol = 1e-4 if service.engine == "hf" else 2e-2  # vLLM's CPU kernels vs transformers'
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model_name = client.models.list().data[0].id
+        kw: Any = {"model": model_name, "prompt": prompt, "max_tokens": 4, "seed": 7,
+                   "logprobs": 2, "echo": True,
+                   "extra_body": {"watermark": {"payload": {"bits": "10110011"}}}}  # fmt: skip
+        out = client.completions.create(**kw)
+        choice = out.choices[0]
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+        n = len(ids)
+        assert lp.tokens[:n] == [tok.decode([i]) for i in ids]
+        assert choice.text.startswith(prompt) and len(lp.tokens) > n
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset is not None and lp.text_offset[n] == len(prompt)
+        for j in range(1, n):
+            row = logp[j - 1]
+            value = lp.token_logprobs[j]
+            assert value is not None and math.isclose(value, float(row[ids[j]]), abs_tol=tol)
+            top = lp.top_logprobs[j] or {}
+            best = torch.topk(row, 2)
+            for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+                assert math.isclose(top[tok.decode([t])], v, abs_tol=tol), (j, top)
+            # every entry is a token's own log-probability: one of the best two, or the
+            # prompt's token (vLLM adds it to the ranks, as its own server does)
+            named = {tok.decode([t]): float(row[t]) for t in [*best.indices.tolist(), ids[j]]}
+            for text, v in top.items():
+                assert text in named and math.isclose(v, named[text], abs_tol=tol), (j, top)
+        chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+        first = chunks[0].choices[0]
+        assert first.text == prompt and first.logprobs is not None
+        assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+        ask: Any = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "logprobs": 1}
+        if service.engine == "hf":
+            for mode in ("sampled", "model"):
+                r = client.completions.create(**ask, extra_body={"logprobs_mode": mode})
+                assert r.choices[0].logprobs is not None
+        else:
+            ok = client.completions.create(**ask, extra_body={"logprobs_mode": "sampled"})
+            assert ok.choices[0].logprobs is not None
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(**ask, extra_body={"logprobs_mode": "model"})
+            assert err.value.param == "logprobs_mode"
+            assert "WORLDCUP_VLLM_LOGPROBS_MODE" in str(err.value)
+
+
+SHORT_NOTE = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "minLength": 3, "maxLength": 40},
+                   "stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["title", "stars"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_openai_json_never_holds_a_raw_control_character(service: Service) -> None:
+    """xgrammar's JSON grammar lets raw control characters into strings; both engines ban
+    those tokens for JSON specs (hf: the grammar mask; vLLM: the processor). A logit_bias
+    that pushes the newline tokens up would otherwise put them in the title."""
+    import openai
+
+    tok = service.runtime.tokenizer
+    newline = [t for t in range(len(tok)) if tok.decode([t]) in ("\n", "\n\n", "\t")]
+    assert newline
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model = client.models.list().data[0].id
+        for seed in (1, 2):
+            out = client.chat.completions.create(
+                model=model, max_tokens=60, seed=seed,
+                messages=[{"role": "user", "content": "A title for a note, as JSON."}],
+                logit_bias={str(t): 30 for t in newline},
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "note", "schema": SHORT_NOTE, "strict": True}},
+            )  # fmt: skip
+            text = out.choices[0].message.content or ""
+            assert not any(ord(c) < 0x20 for c in text), repr(text)
+            if out.choices[0].finish_reason == "stop":
+                json.loads(text)  # strict: a raw control character would fail here
+
+
+def test_openai_responses(service: Service) -> None:
+    """/v1/responses on each engine, through the SDK's client.responses: a plain text, a
+    stream (OpenAI's event names, the deltas adding up to the seeded text) and a
+    json_schema text.format that validates; each with its receipt."""
+    import jsonschema
+    import openai
+
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model = client.models.list().data[0].id
+        extra = {"seed": 9, "watermark": {"metadata": {"case": "responses"}}}
+        kw: Any = {"model": model, "input": PROMPTS[3], "max_output_tokens": 24,
+                   "instructions": "You write short poems.", "extra_body": extra}  # fmt: skip
+        resp = client.responses.create(**kw)
+        assert resp.object == "response" and resp.output_text
+        assert resp.usage is not None and 1 <= resp.usage.output_tokens <= 24
+        info = (resp.model_extra or {})["watermark"]
+        assert info["message_id"] is not None
+        assert client.responses.retrieve(resp.id).output_text == resp.output_text
+        events = list(client.responses.create(**kw, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[-1] in ("response.completed", "response.incomplete")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == events[-1].response.output_text and text  # type: ignore[union-attr]
+        assert (events[-1].response.model_extra or {})["watermark"]["message_id"] is not None  # type: ignore[union-attr]
+        shaped = client.responses.create(
+            model=model, input="Rate a poem about rain, as JSON.", max_output_tokens=60,
+            text={"format": {"type": "json_schema", "name": "note", "schema": SHORT_NOTE,
+                             "strict": True}},
+            extra_body={"seed": 3},
+        )  # fmt: skip
+        assert shaped.status == "completed", shaped.incomplete_details
+        jsonschema.validate(json.loads(shaped.output_text), SHORT_NOTE)
+
+
 def test_streaming(service: Service) -> None:
     body = _gen(service, payload={"bits": "10110011"}, max_new_tokens=20, min_new_tokens=20)
     body["stream"] = True
