@@ -375,15 +375,20 @@ def prompt_token_logprobs(
     """The model's log-probability of each prompt token given the ones before it, with
     the ``top`` most likely ids there; ``logits`` (T, V) are the prefill's, position j
     predicting token j + 1. The first token has no context: None (as OpenAI)."""
-    logp = torch.log_softmax(logits[:-1].double(), dim=-1)
-    ids = torch.tensor(list(prompt_ids[1:]), device=logp.device, dtype=torch.long)
-    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist() if len(ids) else []
-    values, best = torch.topk(logp, top, dim=-1) if top else (logp[:, :0], logp[:, :0])
     entries: list[TokenLogprobs | None] = [None]
-    for j, value in enumerate(chosen):
-        pairs = zip(best[j].tolist(), values[j].tolist(), strict=True)
-        entries.append(TokenLogprobs(float(value), tuple((int(t), float(v)) for t, v in pairs)))
+    ids = torch.tensor(list(prompt_ids[1:]), device=logits.device, dtype=torch.long)
+    for start in range(0, len(ids), PROMPT_LOGPROBS_CHUNK):  # a long prompt: bounded memory
+        stop = start + PROMPT_LOGPROBS_CHUNK
+        logp = torch.log_softmax(logits[start:stop].double(), dim=-1)
+        chosen = logp.gather(1, ids[start:stop].unsqueeze(1)).squeeze(1).tolist()
+        values, best = torch.topk(logp, top, dim=-1) if top else (logp[:, :0], logp[:, :0])
+        for j, value in enumerate(chosen):
+            pairs = zip(best[j].tolist(), values[j].tolist(), strict=True)
+            entries.append(TokenLogprobs(float(value), tuple((int(t), float(v)) for t, v in pairs)))
     return tuple(entries)
+
+
+PROMPT_LOGPROBS_CHUNK = 128  # prompt positions per log-softmax (x vocabulary, in float64)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
