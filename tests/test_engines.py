@@ -94,22 +94,7 @@ def service(
     handler = _Collect(records)
     log_file = tmp / "engine-core.log"
     if engine == "vllm":
-        # vLLM's engine core is a child process: it inherits fds 1 and 2, so point them at a file
-        # while it starts (restored at once), and have it log everything
-        monkey = pytest.MonkeyPatch()
-        monkey.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
-        saved = os.dup(1), os.dup(2)
-        with log_file.open("ab") as f:
-            os.dup2(f.fileno(), 1)  # vLLM logs to stdout
-            os.dup2(f.fileno(), 2)
-        try:
-            resolve_model_dir(None, None, need_model=True)  # convert once, outside the clock
-            server = LiveServer(settings, startup_timeout_s=600).__enter__()
-        finally:
-            for fd, copy in zip((1, 2), saved, strict=True):
-                os.dup2(copy, fd)
-                os.close(copy)
-            monkey.undo()
+        server = _start_vllm(settings, log_file)
     else:
         server = LiveServer(settings).__enter__()
     # after startup: the lifespan's configure_logging replaces the "worldcup" handlers
@@ -125,6 +110,26 @@ def service(
         server.__exit__()
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(handler)
+
+
+def _start_vllm(settings: Settings, log_file: Path) -> LiveServer:
+    """A live vLLM server (entered; the caller exits it)."""
+    # vLLM's engine core is a child process: it inherits fds 1 and 2, so point them at a file
+    # while it starts (restored at once), and have it log everything
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    saved = os.dup(1), os.dup(2)
+    with log_file.open("ab") as f:
+        os.dup2(f.fileno(), 1)  # vLLM logs to stdout
+        os.dup2(f.fileno(), 2)
+    try:
+        resolve_model_dir(None, None, need_model=True)  # convert once, outside the clock
+        return LiveServer(settings, startup_timeout_s=600).__enter__()
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        monkey.undo()
 
 
 class _Collect(logging.Handler):
@@ -396,6 +401,57 @@ def test_openai_echo_logprobs_and_logprobs_mode(service: Service, tiny_model_dir
                 client.completions.create(**ask, extra_body={"logprobs_mode": "model"})
             assert err.value.param == "logprobs_mode"
             assert "WORLDCUP_VLLM_LOGPROBS_MODE" in str(err.value)
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_mode_model_setting(tmp_path: Path) -> None:
+    """WORLDCUP_VLLM_LOGPROBS_MODE=model: every request's logprobs are vLLM's raw_logprobs,
+    the model's own distribution (with top_k 1 the sampled q would give 0.0 for every
+    token; the model's are checked against transformers), and 'sampled' is the 400."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    settings = engine_settings("vllm", None, tmp_path, vllm_logprobs_mode="model")
+    server = _start_vllm(settings, tmp_path / "engine-core.log")
+    try:
+        http = httpx.Client(base_url=server.url, timeout=180)
+        r = http.post("/admin/tenants", json={"name": "m"},
+                      headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        assert r.status_code == 201, r.text
+        key = r.json()["api_key"]
+        tok = server.app.state.runtime.tokenizer
+        directory = Path(resolve_model_dir(None, None, need_model=True))
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        prompt = "The harbour at dawn was"
+        ids = tok(prompt, add_special_tokens=False).input_ids
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0) as client:
+            name = client.models.list().data[0].id
+            kw: Any = {"model": name, "prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 3}
+            greedy = {"top_k": 1, "watermark": {"no_repeat_ngram_size": 0}}
+            out = client.completions.create(**kw, extra_body=greedy)
+            lp = out.choices[0].logprobs
+            assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+            with torch.no_grad():
+                first = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            best = torch.topk(first, 3)
+            assert lp.tokens[0] == tok.decode([int(best.indices[0])])
+            value = lp.token_logprobs[0]
+            assert value is not None and value < -1e-3  # q under top_k 1 would say 0.0
+            assert math.isclose(value, float(best.values[0]), abs_tol=2e-2)
+            top = lp.top_logprobs[0] or {}
+            for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+                assert math.isclose(top[tok.decode([t])], v, abs_tol=2e-2)
+            for k, v in enumerate(lp.token_logprobs):  # greedy: each token is the model's top
+                assert v is not None
+                assert math.isclose(max((lp.top_logprobs[k] or {}).values()), v, abs_tol=1e-6)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(**kw, extra_body={"logprobs_mode": "sampled"})
+            assert err.value.param == "logprobs_mode"
+            assert "WORLDCUP_VLLM_LOGPROBS_MODE" in str(err.value)
+        http.close()
+    finally:
+        server.__exit__()
 
 
 SHORT_NOTE = {
