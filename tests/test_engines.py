@@ -341,8 +341,8 @@ def test_openai_echo_logprobs_and_logprobs_mode(service: Service, tiny_model_dir
     the openai SDK: the prompt's tokens come first, the first null, each next one the
     model's own log-probability given the ones before (checked against a forward pass of
     the model with transformers), then the completion's; streamed, the prompt is the first
-    chunk. logprobs_mode: both on hf; on vLLM (engine-wide) the other mode is a 400 that
-    names the field and the setting."""
+    chunk; max_tokens 0 scores the prompt alone (no watermark). logprobs_mode: both on hf;
+    on vLLM (engine-wide) the other mode is a 400 that names the field and the setting."""
     import openai
     import torch
     from transformers import AutoModelForCausalLM
@@ -389,6 +389,10 @@ def test_openai_echo_logprobs_and_logprobs_mode(service: Service, tiny_model_dir
         assert first.text == prompt and first.logprobs is not None
         assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
         assert "".join(c.choices[0].text for c in chunks) == choice.text
+        scored = client.completions.create(**{**kw, "max_tokens": 0}).choices[0]  # score only
+        assert scored.text == prompt and scored.logprobs is not None
+        assert scored.logprobs.token_logprobs == lp.token_logprobs[:n]
+        assert (scored.model_extra or {}).get("watermark") is None
         ask: Any = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "logprobs": 1}
         if service.engine == "hf":
             for mode in ("sampled", "model"):

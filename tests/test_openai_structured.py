@@ -495,7 +495,8 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, reference: 
     logprob (as OpenAI), each next one with the model's own log-probability given the
     ones before it (an independent forward pass here), then the completion's entries.
     Streamed, the first chunk is the prompt with its entries; the chunks add up to the
-    response. ``max_tokens`` 0 (scoring without generating) is a 400 naming it."""
+    response. ``max_tokens`` 0 scores the prompt alone (OpenAI's "score this text" call):
+    no text, no watermark, no receipt; without echo and logprobs it is a 400."""
     model, tok = reference
     prompt = "The storm rolled over the quiet harbour"
     ids = tok(prompt, add_special_tokens=False).input_ids
@@ -540,8 +541,31 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, reference: 
     streamed = [v for c in chunks if c.choices[0].logprobs
                 for v in c.choices[0].logprobs.token_logprobs or []]  # fmt: skip
     assert streamed == lp.token_logprobs
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(**{**kw, "max_tokens": 0}, echo=True)
+    # max_tokens 0: the prompt scored, nothing generated, so nothing watermarked
+    raw = client.completions.with_raw_response.create(**{**kw, "max_tokens": 0}, echo=True)
+    scored = raw.parse()
+    only = scored.choices[0]
+    assert only.text == prompt and only.finish_reason == "length"
+    assert only.logprobs is not None and only.logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert only.logprobs.top_logprobs == lp.top_logprobs[:n]
+    assert (only.model_extra or {}).get("watermark") is None
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    assert "x-watermark-scheme" not in raw.headers
+    streamed_only = [
+        c for c in client.completions.create(
+            **{**kw, "max_tokens": 0}, echo=True, stream=True) if c.choices
+    ]  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed_only) == prompt
+    assert streamed_only[0].choices[0].logprobs is not None
+    assert streamed_only[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert streamed_only[-1].choices[0].finish_reason == "length"
+    for extra in ({"echo": True}, {"logprobs": 2}):  # without both it is a 400 naming it
+        ask = {k: v for k, v in kw.items() if k != "logprobs"}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**{**ask, "max_tokens": 0, **extra})
+        assert err.value.param == "max_tokens" and "echo and logprobs" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # chat has no such call
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=0)
     assert err.value.param == "max_tokens"
 
 

@@ -633,6 +633,11 @@ class CompletionRequest(_Sampling):
             Field(min_length=1, max_length=MAX_CHOICES),
         ]
     ) = Field(description="A string or a list of strings (token-id prompts are unsupported).")
+    max_tokens: Annotated[int | None, Field(ge=0)] = Field(
+        None,
+        description="0 only with echo and logprobs: the prompt scored, nothing generated "
+        "(finish_reason length, watermark null, no registry entry).",
+    )
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = Field(
         None,
         description="Log-probabilities of the sampled tokens and this many alternatives; "
@@ -641,8 +646,8 @@ class CompletionRequest(_Sampling):
     )
     echo: bool | None = Field(
         None,
-        description="Return the prompt before the completion (with logprobs: scored). "
-        "max_tokens 0 (scoring without generating) is refused: at least 1.",
+        description="Return the prompt before the completion (with logprobs: scored; "
+        "with max_tokens 0 too: only the prompt, scored).",
     )
     suffix: Any = _unsupported_field()
     best_of: Any = _unsupported_field()
@@ -739,7 +744,10 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
-    watermark: WatermarkInfo
+    watermark: WatermarkInfo | None = Field(
+        description="The receipt; null only for max_tokens 0 (the prompt scored, nothing "
+        "generated, nothing watermarked)."
+    )
 
 
 class Completion(OpenAIModel):

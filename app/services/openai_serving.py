@@ -7,7 +7,10 @@ is added here is only protocol: the model name, ``n`` samples per prompt (each
 its own registry entry when metadata is allocated), stop strings, and the
 response shapes.
 
-Every completion is watermarked; there is no opt-out (see docs/openai.md).
+Every completion is watermarked; there is no opt-out (see docs/openai.md). The one
+exception returns no generated text: a completion with ``max_tokens`` 0 (echo and
+logprobs: the prompt scored) runs one unwatermarked token for the prompt's forward
+pass and drops it.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Pending:
     tool_mode: ToolMode | None = None
     tool_name: str | None = None  # tool_mode "named"
     echo: list[str] = field(default_factory=list)  # completions with echo: the prompts
+    scored: bool = False  # max_tokens 0 with echo and logprobs: the prompt scored, no text
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -149,7 +153,17 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
             else "max_tokens"
         )
         raise APIError(400, f"{name} may be at most {limit}", "max_tokens_too_large", param=name)
-    new_tokens = min(max_tokens or DEFAULT_MAX_TOKENS, limit)
+    # max_tokens 0 (completions): score the prompt, generate nothing; the engine runs one
+    # unwatermarked token for the prompt's forward pass, and it is dropped
+    scored = max_tokens == 0
+    if scored and not (
+        isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
+    ):
+        raise APIError(
+            400, "max_tokens 0 scores the prompt without generating: it needs echo and logprobs",
+            "invalid_request", param="max_tokens",
+        )  # fmt: skip
+    new_tokens = 1 if scored else min(max_tokens or DEFAULT_MAX_TOKENS, limit)
     # min_tokens above the maximum is capped at it, as /generate caps min_new_tokens:
     # a cross-field rule JSON Schema cannot state is not a refusal
     spec, tool_mode, tool_name = structure(body)
@@ -171,7 +185,9 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
         compiled = await runtime.offload(lambda: grammar.compile_spec(runtime.tokenizer, spec))
     sampling = sampling_configs(runtime, body, new_tokens, len(prompts) * n, spec is not None)
     echo = body.prompts() if isinstance(body, CompletionRequest) and body.echo else []
-    return Pending(kind, body, prompts, sampling, spec, compiled, tool_mode, tool_name, echo)
+    return Pending(
+        kind, body, prompts, sampling, spec, compiled, tool_mode, tool_name, echo, scored
+    )
 
 
 def _bad(param: str, message: str, code: str = "invalid_request") -> APIError:
@@ -432,6 +448,11 @@ async def start(runtime: Runtime, engine: Engine, tenant_id: str, pending: Pendi
     try:
         for i, sampling in enumerate(pending.sampling):
             prompt = pending.prompts[i // pending.n]
+            if pending.scored:  # nothing generated is kept: no watermark, no registry entry
+                samples.append(
+                    gen.submit(runtime, engine, tenant_id, key, prompt, sampling, None, None)
+                )
+                continue
             if fixed is not None:
                 payload, message_id = fixed, None
             else:
@@ -472,7 +493,8 @@ def _held(text: str, stops: list[str]) -> int:
 
 async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncIterator[Piece]:
     """One choice as text pieces that add up to its final text, cut at a stop string;
-    each piece carries the log-probabilities of the tokens it completes, if asked for."""
+    each piece carries the log-probabilities of the tokens it completes, if asked for.
+    A sample without payload (max_tokens 0) is one empty piece with the prompt's scores."""
     tokenizer = sample.runtime.tokenizer
     deltas = gen.TextDeltas(tokenizer)
     shown = 0  # characters of deltas.sent already yielded
@@ -493,6 +515,10 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
                 return
             if item.prompt_logprobs is not None:
                 prompt = item.prompt_logprobs
+            if sample.payload is None:  # the prompt scored: its one token is dropped
+                engine.cancel(sample.job)
+                yield Piece("", "length", 0, [], prompt)
+                return
             if item.finish == "eos":
                 continue  # the closing EOS is not part of the text
             deltas.push(item.token)
@@ -529,6 +555,7 @@ def _within(
 
 
 def watermark_info(sample: gen.Sample) -> WatermarkInfo:
+    assert sample.payload is not None
     return WatermarkInfo(
         message_id=sample.message_id,
         key_version=sample.key.version,
@@ -699,8 +726,13 @@ def completion_choice(run: Run, index: int, outcome: Outcome) -> CompletionChoic
         text=prefix + outcome.text,
         logprobs=logprobs,
         finish_reason=outcome.finish,
-        watermark=watermark_info(run.samples[index]),
+        watermark=choice_watermark(run, index),
     )
+
+
+def choice_watermark(run: Run, index: int) -> WatermarkInfo | None:
+    """A choice's receipt; None when nothing was generated (max_tokens 0)."""
+    return None if run.pending.scored else watermark_info(run.samples[index])
 
 
 def prompt_entries(
@@ -981,7 +1013,7 @@ def stream(
                         logprobs=entries[i] if wants_logprobs[i] else None,
                     )  # fmt: skip
                 finish = final.finish_reason if final is not None else piece.finish
-                info = watermark_info(run.samples[i])
+                info = choice_watermark(run, i)
                 yield chunks.choice(i, None, finish=finish, watermark=info)
             done = [o for o in outcomes if o is not None]
             response = assemble(run, done)
@@ -1003,7 +1035,8 @@ def stream(
         yield _sse("[DONE]")
 
     # the receipt is known before the first token: every message id is allocated
-    headers = {**SSE_HEADERS, **receipt.headers(watermark_info(s) for s in run.samples)}
+    infos = [choice_watermark(run, i) for i in range(len(run.samples))]
+    headers = {**SSE_HEADERS, **receipt.headers(infos)}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
@@ -1036,7 +1069,8 @@ def replay(
                 out = {"index": choice["index"], "text": choice["text"]}
             last = {**out, "logprobs": choice.get("logprobs")}
             last["finish_reason"] = choice["finish_reason"]
-            last["watermark"] = choice["watermark"]
+            if choice.get("watermark") is not None:  # as streamed: no null receipt
+                last["watermark"] = choice["watermark"]
             yield _sse({**head, "object": kind, "choices": [last]})
         if include_usage:
             yield _sse({**head, "object": kind, "choices": [], "usage": response["usage"]})
