@@ -551,6 +551,26 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, reference: 
     assert (only.model_extra or {}).get("watermark") is None
     assert scored.usage is not None and scored.usage.completion_tokens == 0
     assert "x-watermark-scheme" not in raw.headers
+    # replayed under its Idempotency-Key, plain and streamed: the same, still no receipt
+    key = {"Idempotency-Key": f"score-{scored.id}"}
+    first_call = client.completions.with_raw_response.create(
+        **{**kw, "max_tokens": 0}, echo=True, extra_headers=key
+    )
+    again = client.completions.with_raw_response.create(
+        **{**kw, "max_tokens": 0}, echo=True, extra_headers=key
+    )
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.parse().choices[0].text == first_call.parse().choices[0].text == prompt
+    assert "x-watermark-scheme" not in again.headers
+    streamed_key = {"Idempotency-Key": f"score-stream-{scored.id}"}
+    for _ in range(2):  # the second is the replay (one chunk per choice)
+        replayed = [
+            c for c in client.completions.create(
+                **{**kw, "max_tokens": 0}, echo=True, stream=True, extra_headers=streamed_key)
+            if c.choices
+        ]  # fmt: skip
+        assert "".join(c.choices[0].text for c in replayed) == prompt
+        assert all((c.choices[0].model_extra or {}).get("watermark") is None for c in replayed)
     streamed_only = [
         c for c in client.completions.create(
             **{**kw, "max_tokens": 0}, echo=True, stream=True) if c.choices
