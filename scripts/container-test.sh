@@ -141,7 +141,9 @@ build() {
     return
   fi
   phase "build $image ($dockerfile): the image"
-  podman build --format docker -t "$image" \
+  # the mounts again: the builder stage is cached from above unless the tree changed
+  # in between, and a rebuild of it needs the host's pip setup too
+  podman build --format docker -t "$image" "${mounts[@]}" \
     --build-arg PYTHON_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX=https://pypi.org/simple \
     "$@" -f "$dockerfile" "$ROOT" >> "$STATE/build-$(basename "$dockerfile").log" 2>&1 \
     || { tail -40 "$STATE/build-$(basename "$dockerfile").log" >&2; exit 1; }

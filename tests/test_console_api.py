@@ -18,6 +18,7 @@ from test_trust_safety import HUMAN, generate
 
 from app.console import CONTENT_SECURITY_POLICY, render_console
 from app.main import create_app
+from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
 
 STATIC = Path(__file__).parents[1] / "app" / "console" / "static"
 TESTIDS = ["api-key", "text-input", "run-provenance", "verdict", "heatmap", "position-chart"]
@@ -28,11 +29,8 @@ BIT_FIELDS = {"index", "position", "group", "bit", "z", "erased"}
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    # the console's evidence checks (one group per g-mean pair, one island over the
-    # watermarked middle) were calibrated on k = 2 keys: the paper's preset
-    settings = make_settings(
-        tiny_model_dir, tmp_path_factory.mktemp("db"), watermark_preset="paper"
-    )
+    # the service's default preset (k = 1 since the frontier, issue #29)
+    settings = make_settings(tiny_model_dir, tmp_path_factory.mktemp("db"))
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         yield c
 
@@ -203,7 +201,8 @@ def test_provenance_evidence_for_the_admin(
     assert body["found"] and body["match"]["tenant_id"] == tenant_id
     ev = body["evidence"]
     _fields(ev)
-    assert ev["matched"] and ev["groups"] == 2 and ev["num_bits"] == body["match"]["num_bits"]
+    assert ev["matched"] and ev["groups"] == WATERMARK_PRESETS[SERVICE_PRESET].groups
+    assert ev["num_bits"] == body["match"]["num_bits"]
     tokens = ev["tokens"]
     assert "".join(t["text"] for t in tokens) == text
     assert [t["index"] for t in tokens] == list(range(body["num_tokens"]))
@@ -229,12 +228,14 @@ def test_provenance_evidence_for_the_admin(
         for t in tokens
         if sum(len(u["text"]) for u in tokens[: t["index"]]) < start + len(gen["text"])
     )
-    (island,) = ev["islands"]
-    assert abs(island["start"] - first) <= 25 and abs(island["end"] - last) <= 25, (
-        island,
-        first,
-        last,
-    )
+    # the islands lie over the watermarked middle and cover it, ends within the tolerance
+    # of tests/test_islands.py; the locator may split it where a stretch inside is
+    # significantly weaker (low-entropy tokens the watermark cannot move)
+    islands = ev["islands"]
+    assert islands and all(first - 25 <= i["start"] <= i["end"] <= last + 25 for i in islands)
+    assert abs(islands[0]["start"] - first) <= 25 and abs(islands[-1]["end"] - last) <= 25
+    covered = sum(i["end"] - i["start"] + 1 for i in islands)
+    assert covered >= 0.8 * (last - first + 1), (islands, first, last)
     audit = client.get("/admin/audit?limit=1", headers=ADMIN).json()["entries"][0]
     assert audit["action"] == "provenance" and audit["outcome"]["evidence"] is True
 

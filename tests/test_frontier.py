@@ -261,3 +261,57 @@ def test_the_flat_lambda_experiment_is_the_no_entropy_sampler_at_alpha_one() -> 
     assert flat.decode(ids, 16).bits == WorldCup(key, flat.config).decode(ids, 16).bits
     with pytest.raises(ValueError, match="worldcup-v1 only"):
         FlatLambdaWorldCup(key, WatermarkConfig(groups=1, alpha=0.5)).sequence(payload)
+
+
+def test_later_sampling_fields_enter_the_cell_key_only_when_set() -> None:
+    """A field added to SamplingConfig must not orphan the committed cache: at its
+    default it leaves the key as it was; set, it makes a different cell."""
+    from dataclasses import asdict, replace
+
+    from worldcup_eval.runner import LATER_SAMPLING_FIELDS, sampling_key
+
+    sampling = EvalConfig().sampling
+    key = sampling_key(sampling)
+    assert not set(LATER_SAMPLING_FIELDS) & set(key)
+    assert set(key) | set(LATER_SAMPLING_FIELDS) == set(asdict(sampling))
+    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("logprobs", 2)):
+        changed = sampling_key(replace(sampling, **{field: value}))
+        assert changed[field] == value and changed != key
+
+
+def test_every_reported_cell_is_in_the_committed_cache() -> None:
+    """The frontier report and the service default rest on docs/results/cache: every
+    point, idea and confirmation of frontier.toml resolves to cached batches under the
+    current code (a change to the cache key would silently orphan them)."""
+    from worldcup_core.models import load_model
+    from worldcup_eval.cache import BatchCache
+    from worldcup_eval.data import default_data_dir, load_data
+    from worldcup_eval.frontier import load_frontier
+    from worldcup_eval.runner import gen_jobs, model_fingerprint
+
+    root = Path(__file__).resolve().parents[1]
+    cfg, fcfg = load_frontier(root / "docs" / "results" / "frontier" / "frontier.toml")
+    lm = load_model(cfg.model)  # a first load writes the config.json the key hashes
+    fp = model_fingerprint(cfg.model, cfg.dtype, cfg.device)
+    data = load_data(
+        lm.tokenizer,
+        default_data_dir(),
+        cfg.prompts,
+        cfg.datasets,
+        cfg.prompt_tokens,
+        cfg.max_length,
+        cfg.seed,
+    )
+    cache = BatchCache(root / cfg.cache_path)
+    cells = [("unwatermarked", None)] + [
+        (name, bits) for name in fcfg.points for bits, _ in fcfg.settings
+    ]
+    cells += [(name, fcfg.select_at[0]) for pair in fcfg.ideas for name in pair]
+    cells += [(name, bits) for pair in fcfg.confirm for name in pair for bits, _ in fcfg.settings]
+    missing = []
+    for name, bits in cells:
+        jobs = gen_jobs(cfg, None, GenCell(frontier_spec(name, cfg), bits), data.prompts, cache, fp)
+        if name == "worldcup-k1-flat@0.3":
+            jobs = jobs[:4]
+        missing += [f"{name} {bits} {j.path.name}" for j in jobs if cache.load(j.path) is None]
+    assert missing == []

@@ -282,3 +282,21 @@ def test_prompt_logprobs_come_with_the_first_event_from_the_prefill(
         entry = scores[j]
         assert entry is not None and entry.top == ()
         assert abs(entry.logprob - float(alone[j - 1, short[j]])) < 1e-4
+
+
+def test_the_kv_cache_goes_by_the_name_the_model_takes(tiny: LoadedModel) -> None:
+    """transformers renamed ``past_key_values`` to ``cache`` (the old name warns, and goes
+    in 5.40): a model whose forward names ``cache`` gets it so; one that names neither
+    gets the old name, which every 5.x model takes (an unknown keyword would be dropped
+    into ``**kwargs`` and the cache silently lost)."""
+    import inspect
+    import types
+
+    from worldcup_core.generation import _cache_argument, _returned_cache
+
+    params = inspect.signature(tiny.model.forward).parameters
+    expected = "cache" if "cache" in params else "past_key_values"
+    assert _cache_argument(tiny.model) == expected
+    assert _cache_argument(_EosFavoured(tiny.model, 0)) == "past_key_values"
+    new, old = types.SimpleNamespace(cache=1), types.SimpleNamespace(past_key_values=2)
+    assert _returned_cache(new) == 1 and _returned_cache(old) == 2

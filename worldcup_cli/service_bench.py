@@ -264,39 +264,6 @@ def _probes_under_bulk_load(
         return {"probes": probes.result(), "bulk": bulk.result()}
 
 
-async def _drive_fair(
-    server: Server,
-    app: Any,
-    base_url: str,
-    admin_token: str,
-    t_start: float,
-    tokenizer: Any,
-    detect_seconds: float,
-    progress: Progress,
-    rate_pairs: int = RATE_ROUNDS,
-    bulk_chars: int = FAIR_BULK_CHARS,
-) -> dict[str, Any]:
-    """``--fairness-only``: part 5 alone."""
-    import httpx
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        cold_start, api_key = await ready_with_tenant(
-            client, server, admin_token, t_start, 600, progress
-        )
-        version = (await client.get("/version")).json()
-        texts = _detect_texts(tokenizer, news_articles(64), 64)
-        fs = await _fair_shares(
-            client, app.state.runtime, base_url, admin_token, api_key, texts,
-            detect_seconds, FAIR_ROUNDS, progress, rate_pairs, bulk_chars,
-        )  # fmt: skip
-    return {
-        "model": version.get("model_id"),
-        "cold_start_seconds": round(cold_start, 3),
-        "fair_shares": fs,
-        "targets": _fair_targets(fs),
-    }
-
-
 async def _drive(
     server: Server,
     app: Any,
@@ -308,7 +275,9 @@ async def _drive(
     progress: Progress,
     rate_pairs: int = RATE_ROUNDS,
     bulk_chars: int = FAIR_BULK_CHARS,
+    fairness_only: bool = False,
 ) -> dict[str, Any]:
+    """Every part in turn; with ``fairness_only`` (``--fairness-only``) part 5 alone."""
     import httpx
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -317,6 +286,18 @@ async def _drive(
             client, server, admin_token, t_start, 600, progress
         )
         version = (await client.get("/version")).json()
+        if fairness_only:
+            texts = _detect_texts(tokenizer, news_articles(64), 64)
+            fs = await _fair_shares(
+                client, app.state.runtime, base_url, admin_token, api_key, texts,
+                detect_seconds, FAIR_ROUNDS, progress, rate_pairs, bulk_chars,
+            )  # fmt: skip
+            return {
+                "model": version.get("model_id"),
+                "cold_start_seconds": round(cold_start, 3),
+                "fair_shares": fs,
+                "targets": _fair_targets(fs),
+            }
 
         articles = news_articles(64)
         total_requests = sum(CONCURRENCY_LEVELS) + 2 * SEQUENTIAL_N + 1
@@ -827,10 +808,9 @@ def run_service_bench(
         app = create_app(settings)
         server = Server(app, sock)
         server.start()
-        drive = _drive_fair if fairness_only else _drive
         try:
             result = asyncio.run(
-                drive(
+                _drive(
                     server,
                     app,
                     f"http://127.0.0.1:{port}",
@@ -841,6 +821,7 @@ def run_service_bench(
                     say,
                     rate_pairs,
                     bulk_chars,
+                    fairness_only,
                 )
             )
         finally:

@@ -19,6 +19,7 @@ candidates) come back to the CPU.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import time
@@ -127,6 +128,7 @@ class ContinuousBatch:
 
     def __init__(self, model: Any, eos_token_ids: Sequence[int], pad_token_id: int) -> None:
         self.model = model
+        self._cache_arg = _cache_argument(model)
         self.eos = list(eos_token_ids)
         self.pad = pad_token_id
         self.device = next(model.parameters()).device
@@ -168,7 +170,7 @@ class ContinuousBatch:
                 row.prompt_logprobs = prompt_token_logprobs(
                     out.logits[i, width - n :], r.prompt_ids, r.sampling.prompt_logprobs
                 )
-        self._merge(out.past_key_values, mask, out.logits[:, -1, :], rows)
+        self._merge(_returned_cache(out), mask, out.logits[:, -1, :], rows)
         return [r.row_id for r in rows]
 
     def _start_row(self, request: GenerationRequest, now: float) -> _Row:
@@ -308,10 +310,10 @@ class ContinuousBatch:
                 input_ids=feed,
                 attention_mask=self._mask,
                 position_ids=positions,
-                past_key_values=self._cache,
                 use_cache=True,
+                **{self._cache_arg: self._cache},
             )
-            self._cache, self._logits = out.past_key_values, out.logits[:, -1, :]
+            self._cache, self._logits = _returned_cache(out), out.logits[:, -1, :]
             for r in self._rows:
                 r.next_position += 1
         return events, finished
@@ -437,3 +439,19 @@ def generate(
                 results[index[row_id]] = batch.result(row_id, "cancelled")
             batch.cancel(batch.row_ids)
     return [results[i] for i in range(len(requests))]
+
+
+def _cache_argument(model: Any) -> str:
+    """The forward argument that takes the KV cache: transformers renamed
+    ``past_key_values`` to ``cache`` in 5.2x, keeping the old name, deprecated, until 5.40."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # not introspectable: the name every 5.x accepts
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned, under either name (see :func:`_cache_argument`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

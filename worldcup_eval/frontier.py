@@ -85,6 +85,9 @@ class FrontierConfig:
     # design ideas: (idea, base) pairs compared at select_at on the prompts both have
     # (an idea may be generated for its first batches only: a paired screen)
     ideas: tuple[tuple[str, str], ...] = ()
+    # confirmations: (point, base) pairs compared at every setting on the prompts both
+    # have; the chosen point under the scheme version new keys get (the sweep is v1's)
+    confirm: tuple[tuple[str, str], ...] = ()
     out: str = "docs/results/frontier"
 
     def __post_init__(self) -> None:
@@ -110,8 +113,9 @@ def load_frontier(path: Path) -> tuple[EvalConfig, FrontierConfig]:
     for key in ("points",):
         if key in raw:
             raw[key] = tuple(str(v) for v in raw[key])
-    if "ideas" in raw:
-        raw["ideas"] = tuple((str(a), str(b)) for a, b in raw["ideas"])
+    for key in ("ideas", "confirm"):
+        if key in raw:
+            raw[key] = tuple((str(a), str(b)) for a, b in raw[key])
     if "select_at" in raw:
         raw["select_at"] = tuple(int(v) for v in raw["select_at"])
     known = {f.name for f in fields(FrontierConfig)}
@@ -331,18 +335,30 @@ class Frontier:
             "settings": settings,
         }
         results["ideas"] = self.ideas()
+        results["confirm"] = [
+            pair
+            for bits, length in fcfg.settings
+            for pair in self.pairs(fcfg.confirm, bits, length, "confirm")
+        ]
         results["selection"] = select_default(results)
         return results
 
     def ideas(self) -> list[dict[str, Any]]:
-        """Each design idea against its base, paired on the prompts both have."""
+        """Each design idea against its base at ``select_at``, paired."""
         bits, length = self.fcfg.select_at
-        seed = int(stable_hash([self.cfg.seed, "ideas", bits, length], 8), 16)
+        return self.pairs(self.fcfg.ideas, bits, length, "ideas")
+
+    def pairs(
+        self, pairs: Sequence[tuple[str, str]], bits: int, length: int, tag: str
+    ) -> list[dict[str, Any]]:
+        """Each (point, base) pair at (bits, length), paired on the prompts both have
+        (a point generated for its first batches only is compared on those)."""
+        seed = int(stable_hash([self.cfg.seed, tag, bits, length], 8), 16)
         out: list[dict[str, Any]] = []
-        for idea, base in self.fcfg.ideas:
+        for idea, base in pairs:
             a, b = self.rows(idea, bits, partial=True), self.rows(base, bits, partial=True)
             if a is None or b is None:
-                self.missing.append(f"idea {idea} or its base {base} at {bits}")
+                self.missing.append(f"{idea} or its base {base} at {bits}")
                 continue
             common = {r["index"] for r in a} & {r["index"] for r in b}
             a = [r for r in a if r["index"] in common]
@@ -500,6 +516,32 @@ def _setting_label(p: Mapping[str, Any]) -> tuple[str, str, str]:
     return str(p["groups"]), f"{p['alpha']:g}", str(p["layers"])
 
 
+def _pair_table(pairs: Sequence[Mapping[str, Any]], what: str, with_setting: bool) -> list[str]:
+    """The Markdown rows of paired comparisons (design ideas, confirmations)."""
+    head = "| setting " if with_setting else ""
+    rule = "|---" if with_setting else ""
+    lines = [
+        f"{head}| {what} | base | prompts | {what} bit acc | base bit acc | Δacc | {what} PPL "
+        f"| base PPL | Δlog-PPL | {what} dist-2 | base dist-2 |",
+        rule + "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i in pairs:
+        a, b = i["idea"], i["base"]
+        setting = f"| {a['bits']} bits / {a['length']} tokens " if with_setting else ""
+        lines.append(
+            f"{setting}| `{a['name']}` | `{b['name']}` | {i['n']} | "
+            f"{_pm(a['bit_accuracy'], a['bit_accuracy_se'])} | "
+            f"{_pm(b['bit_accuracy'], b['bit_accuracy_se'])} | "
+            f"{_pm(i['bit_accuracy_minus_base'], i['bit_accuracy_minus_base_se'])} | "
+            f"{_pm(a['self_ppl_median'], a['self_ppl_median_se'], 2)} | "
+            f"{_pm(b['self_ppl_median'], b['self_ppl_median_se'], 2)} | "
+            f"{_pm(i['log_ppl_minus_base'], i['log_ppl_minus_base_se'])} | "
+            f"{_pm(a['distinct2'], a['distinct2_se'])} | "
+            f"{_pm(b['distinct2'], b['distinct2_se'])} |"
+        )
+    return [*lines, ""]
+
+
 def render_frontier(results: Mapping[str, Any]) -> str:
     """The frontier's Markdown report, entirely from ``results``."""
     fcfg = results["frontier_config"]
@@ -577,24 +619,19 @@ def render_frontier(results: Mapping[str, Any]) -> str:
             "batches only is compared on those). `Δlog-PPL` is the paired mean difference of "
             "the per-text log self-perplexity (0.01 is about 1 % of PPL).",
             "",
-            "| idea | base | prompts | idea bit acc | base bit acc | Δacc | idea PPL | base PPL "
-            "| Δlog-PPL | idea dist-2 | base dist-2 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *_pair_table(results["ideas"], "idea", with_setting=False),
         ]
-        for i in results["ideas"]:
-            a, b = i["idea"], i["base"]
-            lines.append(
-                f"| `{a['name']}` | `{b['name']}` | {i['n']} | "
-                f"{_pm(a['bit_accuracy'], a['bit_accuracy_se'])} | "
-                f"{_pm(b['bit_accuracy'], b['bit_accuracy_se'])} | "
-                f"{_pm(i['bit_accuracy_minus_base'], i['bit_accuracy_minus_base_se'])} | "
-                f"{_pm(a['self_ppl_median'], a['self_ppl_median_se'], 2)} | "
-                f"{_pm(b['self_ppl_median'], b['self_ppl_median_se'], 2)} | "
-                f"{_pm(i['log_ppl_minus_base'], i['log_ppl_minus_base_se'])} | "
-                f"{_pm(a['distinct2'], a['distinct2_se'])} | "
-                f"{_pm(b['distinct2'], b['distinct2_se'])} |"
-            )
-        lines.append("")
+    if results.get("confirm"):
+        lines += [
+            "## The chosen point under the scheme new keys get (paired)",
+            "",
+            "The sweep runs under scheme `worldcup-v1`, whose cells the committed grid already "
+            "had; the service issues new key versions under `worldcup-v2` (a vectorised PRF, "
+            "the same sampler). Each row: the v2 cell against its v1 twin on the same prompts "
+            "and payloads.",
+            "",
+            *_pair_table(results["confirm"], "point", with_setting=True),
+        ]
     sel = results["selection"]
     lines += ["## The service default, chosen by rule", "", f"Rule: {sel['rule']}.", ""]
     if sel.get("ppl_limit") is not None:
@@ -704,6 +741,20 @@ def plot_frontier(results: Mapping[str, Any], path: Path) -> Path:
                         xytext=(4, -10),
                         fontsize=7,
                     )
+        chosen = next(
+            (p for p in setting["points"] if p["name"] == results["selection"].get("chosen")), None
+        )
+        if chosen is not None:  # ring the service default in every panel
+            ax.scatter(
+                [chosen["self_ppl_median"]],
+                [chosen["bit_accuracy"]],
+                s=260,
+                facecolors="none",
+                edgecolors="black",
+                linewidths=1.5,
+                zorder=5,
+                label="service default",
+            )
         if u is not None:
             ax.axvline(u, color="grey", linestyle=":", linewidth=1, label="unwatermarked PPL")
             ax.axvspan(u, u * (1 + margin), color="green", alpha=0.08, label=f"+{margin:.0%}")

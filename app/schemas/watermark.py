@@ -6,7 +6,7 @@ import json
 import math
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     ConfigDict,
@@ -433,7 +433,26 @@ class EvidenceOut(StrictModel):
     )
 
 
-class DecodeResponse(StrictModel):
+class _VerdictAnswer(StrictModel):
+    """The verdict fields of an answer with a ``p_value``: one wording, one function
+    (:func:`worldcup_core.verdict.verdict_of`), the statistic named per answer."""
+
+    statistic: ClassVar[Statistic]
+    if TYPE_CHECKING:
+        p_value: float  # declared by each answer, where its fields' order puts it
+
+    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
+    @property
+    def verdict(self) -> Verdict:
+        return verdict_of(self.p_value)
+
+    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
+    @property
+    def verdict_statistic(self) -> Statistic:
+        return self.statistic
+
+
+class DecodeResponse(_VerdictAnswer):
     bits: str = Field(description="'0'/'1' per bit; '?' marks an erasure")
     bit_confidence: list[BitConfidence]
     erasures: list[int]
@@ -446,15 +465,7 @@ class DecodeResponse(StrictModel):
     registry_match: RegistryMatchOut | None
     evidence: EvidenceOut | None = None
 
-    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
-    @property
-    def verdict(self) -> Verdict:
-        return verdict_of(self.p_value)
-
-    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
-    @property
-    def verdict_statistic(self) -> Statistic:
-        return "decode"
+    statistic: ClassVar[Statistic] = "decode"
 
 
 class DetectRequest(StrictRequest):
@@ -466,7 +477,7 @@ class DetectRequest(StrictRequest):
     }
 
 
-class DetectResponse(StrictModel):
+class DetectResponse(_VerdictAnswer):
     is_watermarked: bool
     p_value: float = Field(description=P_VALUE_DESCRIPTION)
     z_score: float = Field(description=Z_DESCRIPTION)
@@ -475,15 +486,7 @@ class DetectResponse(StrictModel):
     significance: float
     key_version: int | None = Field(description="The key version that matched, if any.")
 
-    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
-    @property
-    def verdict(self) -> Verdict:
-        return verdict_of(self.p_value)
-
-    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
-    @property
-    def verdict_statistic(self) -> Statistic:
-        return "detect"
+    statistic: ClassVar[Statistic] = "detect"
 
 
 # --------------------------------------------------------------------------- bulk scans
