@@ -623,6 +623,15 @@ class CompletionRequest(_Sampling):
         json_schema_extra=_schema_rules(
             COMPLETION_UNSUPPORTED,
             [{"model": "SmolLM2-135M-Instruct", "prompt": "The tide", "max_tokens": 32}],
+            (  # max_tokens 0 scores the prompt: it needs echo and logprobs (a 400 otherwise)
+                {
+                    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                    "then": {
+                        "required": ["echo", "logprobs"],
+                        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+                    },
+                },
+            ),
         ),
     )
 
