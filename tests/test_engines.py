@@ -94,22 +94,7 @@ def service(
     handler = _Collect(records)
     log_file = tmp / "engine-core.log"
     if engine == "vllm":
-        # vLLM's engine core is a child process: it inherits fds 1 and 2, so point them at a file
-        # while it starts (restored at once), and have it log everything
-        monkey = pytest.MonkeyPatch()
-        monkey.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
-        saved = os.dup(1), os.dup(2)
-        with log_file.open("ab") as f:
-            os.dup2(f.fileno(), 1)  # vLLM logs to stdout
-            os.dup2(f.fileno(), 2)
-        try:
-            resolve_model_dir(None, None, need_model=True)  # convert once, outside the clock
-            server = LiveServer(settings, startup_timeout_s=600).__enter__()
-        finally:
-            for fd, copy in zip((1, 2), saved, strict=True):
-                os.dup2(copy, fd)
-                os.close(copy)
-            monkey.undo()
+        server = _start_vllm(settings, log_file)
     else:
         server = LiveServer(settings).__enter__()
     # after startup: the lifespan's configure_logging replaces the "worldcup" handlers
@@ -125,6 +110,26 @@ def service(
         server.__exit__()
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(handler)
+
+
+def _start_vllm(settings: Settings, log_file: Path) -> LiveServer:
+    """A live vLLM server (entered; the caller exits it)."""
+    # vLLM's engine core is a child process: it inherits fds 1 and 2, so point them at a file
+    # while it starts (restored at once), and have it log everything
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    saved = os.dup(1), os.dup(2)
+    with log_file.open("ab") as f:
+        os.dup2(f.fileno(), 1)  # vLLM logs to stdout
+        os.dup2(f.fileno(), 2)
+    try:
+        resolve_model_dir(None, None, need_model=True)  # convert once, outside the clock
+        return LiveServer(settings, startup_timeout_s=600).__enter__()
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        monkey.undo()
 
 
 class _Collect(logging.Handler):
@@ -322,6 +327,208 @@ def test_openai_structured_output_tools_and_logprobs(service: Service) -> None:
             for seed in (1, 2)
         }  # fmt: skip
         assert texts == {" sea" * 4}
+
+
+def _reference_dir(service: Service, tiny_model_dir: Path) -> Path:
+    """The served model's directory, for an independent forward pass."""
+    if service.engine == "hf":
+        return tiny_model_dir
+    return Path(resolve_model_dir(None, None, need_model=True))
+
+
+def test_openai_echo_logprobs_and_logprobs_mode(service: Service, tiny_model_dir: Path) -> None:
+    """Completions' echo with logprobs on each engine (vLLM: its prompt_logprobs), through
+    the openai SDK: the prompt's tokens come first, the first null, each next one the
+    model's own log-probability given the ones before (checked against a forward pass of
+    the model with transformers), then the completion's; streamed, the prompt is the first
+    chunk; max_tokens 0 scores the prompt alone (no watermark). logprobs_mode: both on hf;
+    on vLLM (engine-wide) the other mode is a 400 that names the field and the setting."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = service.runtime.tokenizer
+    prompt = "The storm rolled over the quiet harbour and the boats"
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    directory = _reference_dir(service, tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    tol = 1e-4 if service.engine == "hf" else 2e-2  # vLLM's CPU kernels vs transformers'
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model_name = client.models.list().data[0].id
+        kw: Any = {"model": model_name, "prompt": prompt, "max_tokens": 4, "seed": 7,
+                   "logprobs": 2, "echo": True,
+                   "extra_body": {"watermark": {"payload": {"bits": "10110011"}}}}  # fmt: skip
+        out = client.completions.create(**kw)
+        choice = out.choices[0]
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+        n = len(ids)
+        assert lp.tokens[:n] == [tok.decode([i]) for i in ids]
+        assert choice.text.startswith(prompt) and len(lp.tokens) > n
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset is not None and lp.text_offset[n] == len(prompt)
+        for j in range(1, n):
+            row = logp[j - 1]
+            value = lp.token_logprobs[j]
+            assert value is not None and math.isclose(value, float(row[ids[j]]), abs_tol=tol)
+            top = lp.top_logprobs[j] or {}
+            best = torch.topk(row, 2)
+            for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+                assert math.isclose(top[tok.decode([t])], v, abs_tol=tol), (j, top)
+            # every entry is a token's own log-probability: one of the best two, or the
+            # prompt's token (vLLM adds it to the ranks, as its own server does)
+            named = {tok.decode([t]): float(row[t]) for t in [*best.indices.tolist(), ids[j]]}
+            for text, v in top.items():
+                assert text in named and math.isclose(v, named[text], abs_tol=tol), (j, top)
+        chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+        first = chunks[0].choices[0]
+        assert first.text == prompt and first.logprobs is not None
+        assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+        scored = client.completions.create(**{**kw, "max_tokens": 0}).choices[0]  # score only
+        assert scored.text == prompt and scored.logprobs is not None
+        assert scored.logprobs.token_logprobs == lp.token_logprobs[:n]
+        assert (scored.model_extra or {}).get("watermark") is None
+        ask: Any = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "logprobs": 1}
+        if service.engine == "hf":
+            for mode in ("sampled", "model"):
+                r = client.completions.create(**ask, extra_body={"logprobs_mode": mode})
+                assert r.choices[0].logprobs is not None
+        else:
+            ok = client.completions.create(**ask, extra_body={"logprobs_mode": "sampled"})
+            assert ok.choices[0].logprobs is not None
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(**ask, extra_body={"logprobs_mode": "model"})
+            assert err.value.param == "logprobs_mode"
+            assert "WORLDCUP_VLLM_LOGPROBS_MODE" in str(err.value)
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_mode_model_setting(tmp_path: Path) -> None:
+    """WORLDCUP_VLLM_LOGPROBS_MODE=model: every request's logprobs are vLLM's raw_logprobs,
+    the model's own distribution (with top_k 1 the sampled q would give 0.0 for every
+    token; the model's are checked against transformers), and 'sampled' is the 400."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    settings = engine_settings("vllm", None, tmp_path, vllm_logprobs_mode="model")
+    server = _start_vllm(settings, tmp_path / "engine-core.log")
+    try:
+        http = httpx.Client(base_url=server.url, timeout=180)
+        r = http.post("/admin/tenants", json={"name": "m"},
+                      headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        assert r.status_code == 201, r.text
+        key = r.json()["api_key"]
+        tok = server.app.state.runtime.tokenizer
+        directory = Path(resolve_model_dir(None, None, need_model=True))
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        prompt = "The harbour at dawn was"
+        ids = tok(prompt, add_special_tokens=False).input_ids
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0) as client:
+            name = client.models.list().data[0].id
+            kw: Any = {"model": name, "prompt": prompt, "max_tokens": 4, "seed": 1, "logprobs": 3}
+            greedy = {"top_k": 1, "watermark": {"no_repeat_ngram_size": 0}}
+            out = client.completions.create(**kw, extra_body=greedy)
+            lp = out.choices[0].logprobs
+            assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+            with torch.no_grad():
+                first = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            best = torch.topk(first, 3)
+            assert lp.tokens[0] == tok.decode([int(best.indices[0])])
+            value = lp.token_logprobs[0]
+            assert value is not None and value < -1e-3  # q under top_k 1 would say 0.0
+            assert math.isclose(value, float(best.values[0]), abs_tol=2e-2)
+            top = lp.top_logprobs[0] or {}
+            for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+                assert math.isclose(top[tok.decode([t])], v, abs_tol=2e-2)
+            for k, v in enumerate(lp.token_logprobs):  # greedy: each token is the model's top
+                assert v is not None
+                assert math.isclose(max((lp.top_logprobs[k] or {}).values()), v, abs_tol=1e-6)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(**kw, extra_body={"logprobs_mode": "sampled"})
+            assert err.value.param == "logprobs_mode"
+            assert "WORLDCUP_VLLM_LOGPROBS_MODE" in str(err.value)
+        http.close()
+    finally:
+        server.__exit__()
+
+
+SHORT_NOTE = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "minLength": 3, "maxLength": 40},
+                   "stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["title", "stars"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_openai_json_never_holds_a_raw_control_character(service: Service) -> None:
+    """xgrammar's JSON grammar lets raw control characters into strings; both engines ban
+    those tokens for JSON specs (hf: the grammar mask; vLLM: the processor). A logit_bias
+    that pushes the newline tokens up would otherwise put them in the title."""
+    import openai
+
+    tok = service.runtime.tokenizer
+    newline = [t for t in range(len(tok)) if tok.decode([t]) in ("\n", "\n\n", "\t")]
+    assert newline
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model = client.models.list().data[0].id
+        for seed in (1, 2):
+            out = client.chat.completions.create(
+                model=model, max_tokens=60, seed=seed,
+                messages=[{"role": "user", "content": "A title for a note, as JSON."}],
+                logit_bias={str(t): 30 for t in newline},
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "note", "schema": SHORT_NOTE, "strict": True}},
+            )  # fmt: skip
+            text = out.choices[0].message.content or ""
+            assert not any(ord(c) < 0x20 for c in text), repr(text)
+            if out.choices[0].finish_reason == "stop":
+                json.loads(text)  # strict: a raw control character would fail here
+
+
+def test_openai_responses(service: Service) -> None:
+    """/v1/responses on each engine, through the SDK's client.responses: a plain text, a
+    stream (OpenAI's event names, the deltas adding up to the seeded text) and a
+    json_schema text.format that validates; each with its receipt."""
+    import jsonschema
+    import openai
+
+    with openai.OpenAI(
+        base_url=f"{service.server.url}/v1", api_key=service.api_key, max_retries=0, timeout=600
+    ) as client:
+        model = client.models.list().data[0].id
+        extra = {"seed": 9, "watermark": {"metadata": {"case": "responses"}}}
+        kw: Any = {"model": model, "input": PROMPTS[3], "max_output_tokens": 24,
+                   "instructions": "You write short poems.", "extra_body": extra}  # fmt: skip
+        resp = client.responses.create(**kw)
+        assert resp.object == "response" and resp.output_text
+        assert resp.usage is not None and 1 <= resp.usage.output_tokens <= 24
+        info = (resp.model_extra or {})["watermark"]
+        assert info["message_id"] is not None
+        assert client.responses.retrieve(resp.id).output_text == resp.output_text
+        events = list(client.responses.create(**kw, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[-1] in ("response.completed", "response.incomplete")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == events[-1].response.output_text and text  # type: ignore[union-attr]
+        assert (events[-1].response.model_extra or {})["watermark"]["message_id"] is not None  # type: ignore[union-attr]
+        shaped = client.responses.create(
+            model=model, input="Rate a poem about rain, as JSON.", max_output_tokens=60,
+            text={"format": {"type": "json_schema", "name": "note", "schema": SHORT_NOTE,
+                             "strict": True}},
+            extra_body={"seed": 3},
+        )  # fmt: skip
+        assert shaped.status == "completed", shaped.incomplete_details
+        jsonschema.validate(json.loads(shaped.output_text), SHORT_NOTE)
 
 
 def test_streaming(service: Service) -> None:

@@ -233,6 +233,57 @@ def test_rows_join_and_leave_between_steps(tiny: LoadedModel) -> None:
     assert tokens[c] == _solo(tiny, third)[:5]  # cancelled after 5 steps
 
 
+def test_prompt_logprobs_come_with_the_first_event_from_the_prefill(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SamplingConfig.prompt_logprobs``: a row's first event carries each prompt token's
+    log-probability given the tokens before it (the first None) and the top ids, from
+    the prefill's logits, whatever the row's padding in the batch; later events carry
+    none. The log-softmax runs in chunks of positions: any chunk size gives the same."""
+    import worldcup_core.generation as generation
+
+    short = _prompt(tiny, "The tide")
+    long = _prompt(tiny, "A long storm rolled over the quiet harbour and the boats")
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny.model(torch.tensor([long])).logits[0].double(), dim=-1)
+    rows = [
+        GenerationRequest(short, SamplingConfig(max_new_tokens=2, seed=1)),
+        GenerationRequest(long, SamplingConfig(max_new_tokens=2, seed=1, prompt_logprobs=3)),
+    ]
+    got = []
+    for chunk in (128, 3):
+        monkeypatch.setattr(generation, "PROMPT_LOGPROBS_CHUNK", chunk)
+        batch = ContinuousBatch(tiny.model, tiny.eos_token_ids, tiny.pad_token_id)
+        short_id, long_id = batch.add(rows)  # the long prompt is the unpadded one
+        first, _ = batch.step()
+        second, _ = batch.step()
+        by_row = {e.row_id: e for e in first}
+        assert by_row[short_id].prompt_logprobs is None
+        scores = by_row[long_id].prompt_logprobs
+        assert scores is not None and len(scores) == len(long) and scores[0] is None
+        assert all(e.prompt_logprobs is None for e in second)
+        got.append(scores)
+    assert got[0] == got[1]
+    for j in range(1, len(long)):
+        entry = got[0][j]
+        assert entry is not None and abs(entry.logprob - float(ref[j - 1, long[j]])) < 1e-4
+        best = torch.topk(ref[j - 1], 3)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+    padded = ContinuousBatch(tiny.model, tiny.eos_token_ids, tiny.pad_token_id)
+    rows[0] = GenerationRequest(short, SamplingConfig(max_new_tokens=1, prompt_logprobs=0))
+    rows[1] = GenerationRequest(long, SamplingConfig(max_new_tokens=1))
+    first_id, _ = padded.add(rows)  # now the short prompt is left-padded
+    events, _ = padded.step()
+    scores = next(e for e in events if e.row_id == first_id).prompt_logprobs
+    with torch.no_grad():
+        alone = torch.log_softmax(tiny.model(torch.tensor([short])).logits[0].double(), dim=-1)
+    assert scores is not None and scores[0] is None
+    for j in range(1, len(short)):
+        entry = scores[j]
+        assert entry is not None and entry.top == ()
+        assert abs(entry.logprob - float(alone[j - 1, short[j]])) < 1e-4
+
+
 def test_the_kv_cache_goes_by_the_name_the_model_takes(tiny: LoadedModel) -> None:
     """transformers renamed ``past_key_values`` to ``cache`` (the old name warns, and goes
     in 5.40): a model whose forward names ``cache`` gets it so; one that names neither

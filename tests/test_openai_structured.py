@@ -488,9 +488,105 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("The tide")
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
-    assert err.value.param == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, reference: Any) -> None:
+    """``echo`` with ``logprobs``: the prompt's tokens come first, the first with a null
+    logprob (as OpenAI), each next one with the model's own log-probability given the
+    ones before it (an independent forward pass here), then the completion's entries.
+    Streamed, the first chunk is the prompt with its entries; the chunks add up to the
+    response. ``max_tokens`` 0 scores the prompt alone (OpenAI's "score this text" call):
+    no text, no watermark, no receipt; without echo and logprobs it is a 400."""
+    model, tok = reference
+    prompt = "The storm rolled over the quiet harbour"
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    kw: Any = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "seed": 5, "logprobs": 2}
+    out = client.completions.create(**kw, echo=True, extra_body=FIXED)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    n = len(ids)
+    assert len(lp.tokens) == n + 3 == len(lp.token_logprobs) == len(lp.text_offset)
+    assert lp.tokens[:n] == [tok.decode([i]) for i in ids]
+    assert choice.text == prompt + "".join(lp.tokens[n:])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and lp.text_offset[n] == len(prompt)
+    for j in range(1, n):
+        row = logp[j - 1]
+        value = lp.token_logprobs[j]
+        assert value is not None and math.isclose(value, float(row[ids[j]]), abs_tol=1e-4)
+        top = lp.top_logprobs[j] or {}
+        best = torch.topk(row, 2)
+        assert len(top) == 2
+        for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+            assert math.isclose(top[tok.decode([t])], v, abs_tol=1e-4)
+        assert max(top.values()) >= value - 1e-9  # the best alternatives bound the token
+    # the completion's entries are those the same request reports without echo
+    plain = client.completions.create(**kw, extra_body=FIXED).choices[0]
+    assert plain.text == choice.text[len(prompt) :]
+    assert plain.logprobs is not None
+    assert plain.logprobs.token_logprobs == lp.token_logprobs[n:]
+    assert [o + len(prompt) for o in plain.logprobs.text_offset or []] == lp.text_offset[n:]
+    chunks = [
+        c for c in client.completions.create(**kw, echo=True, stream=True, extra_body=FIXED)
+        if c.choices
+    ]  # fmt: skip
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs is not None
+    assert first.logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [v for c in chunks if c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs or []]  # fmt: skip
+    assert streamed == lp.token_logprobs
+    # max_tokens 0: the prompt scored, nothing generated, so nothing watermarked
+    raw = client.completions.with_raw_response.create(**{**kw, "max_tokens": 0}, echo=True)
+    scored = raw.parse()
+    only = scored.choices[0]
+    assert only.text == prompt and only.finish_reason == "length"
+    assert only.logprobs is not None and only.logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert only.logprobs.top_logprobs == lp.top_logprobs[:n]
+    assert (only.model_extra or {}).get("watermark") is None
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    assert "x-watermark-scheme" not in raw.headers
+    # replayed under its Idempotency-Key, plain and streamed: the same, still no receipt
+    key = {"Idempotency-Key": f"score-{scored.id}"}
+    first_call = client.completions.with_raw_response.create(
+        **{**kw, "max_tokens": 0}, echo=True, extra_headers=key
+    )
+    again = client.completions.with_raw_response.create(
+        **{**kw, "max_tokens": 0}, echo=True, extra_headers=key
+    )
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.parse().choices[0].text == first_call.parse().choices[0].text == prompt
+    assert "x-watermark-scheme" not in again.headers
+    streamed_key = {"Idempotency-Key": f"score-stream-{scored.id}"}
+    for _ in range(2):  # the second is the replay (one chunk per choice)
+        replayed = [
+            c for c in client.completions.create(
+                **{**kw, "max_tokens": 0}, echo=True, stream=True, extra_headers=streamed_key)
+            if c.choices
+        ]  # fmt: skip
+        assert "".join(c.choices[0].text for c in replayed) == prompt
+        assert all((c.choices[0].model_extra or {}).get("watermark") is None for c in replayed)
+    streamed_only = [
+        c for c in client.completions.create(
+            **{**kw, "max_tokens": 0}, echo=True, stream=True) if c.choices
+    ]  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed_only) == prompt
+    assert streamed_only[0].choices[0].logprobs is not None
+    assert streamed_only[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert streamed_only[-1].choices[0].finish_reason == "length"
+    for extra in ({"echo": True}, {"logprobs": 2}):  # without both it is a 400 naming it
+        ask = {k: v for k, v in kw.items() if k != "logprobs"}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**{**ask, "max_tokens": 0, **extra})
+        assert err.value.param == "max_tokens" and "echo and logprobs" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # chat has no such call
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=0)
+    assert err.value.param == "max_tokens"
 
 
 def test_json_grammars_never_allow_a_raw_control_character(reference: Any) -> None:

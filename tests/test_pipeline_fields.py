@@ -70,3 +70,17 @@ def test_penalties_logit_bias_and_min_p() -> None:
     kept = _dist(_logits(), RowState(top_k=0, min_p=0.5))
     assert set(kept) == {j for j, p in base.items() if p >= 0.5 * base[0] - 1e-12}
     assert set(_dist(_logits(), RowState(top_k=0, min_p=1.0))) == {0}
+
+
+def test_a_repetition_penalty_near_zero_saturates_instead_of_overflowing() -> None:
+    """(0, 2] is the field's range: a penalty of 1e-265 divided a positive logit to inf and
+    the softmax to NaN (a 500, found by schemathesis). The penalised logits saturate at a
+    finite bound: the seen token with the positive logit takes (nearly) all the mass, at
+    the lowest temperature too."""
+    for temperature in (1.0, 0.01):
+        dist = _dist(
+            _logits(),
+            RowState(top_k=0, temperature=temperature, repetition_penalty=3.9e-265, prompt=(0,)),
+        )
+        assert all(math.isfinite(p) for p in dist.values())
+        assert dist[0] > 0.999

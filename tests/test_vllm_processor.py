@@ -215,6 +215,32 @@ def test_engine_args_turn_async_scheduling_off() -> None:
         assert args["max_num_seqs"] == 200
 
 
+def test_engine_args_map_the_logprobs_mode_setting() -> None:
+    """vLLM's logprobs mode is engine-wide: WORLDCUP_VLLM_LOGPROBS_MODE picks it
+    (sampled: processed_logprobs, the watermarked q; model: raw_logprobs)."""
+    from app.core.config import Settings
+    from app.engines.vllm import engine_args
+
+    for mode, vllm_mode in (("sampled", "processed_logprobs"), ("model", "raw_logprobs")):
+        settings = Settings(_env_file=None, env="dev", vllm_logprobs_mode=mode)  # type: ignore[call-arg]
+        assert engine_args(settings, "/models/x")["logprobs_mode"] == vllm_mode
+    assert Settings(_env_file=None, env="dev").vllm_logprobs_mode == "sampled"  # type: ignore[call-arg]
+
+
+def test_json_bans_are_the_constraints_control_character_tokens() -> None:
+    """A JSON spec's constraint carries the printable-token mask; the engine hands the
+    processor the other ids (cached per mask); other specs ban nothing."""
+    from types import SimpleNamespace
+
+    from app.engines.vllm import json_bans
+
+    printable = torch.ones(VOCAB, dtype=torch.bool)
+    printable[[3, 10, 399]] = False
+    assert json_bans(SimpleNamespace(printable=printable)) == (3, 10, 399)
+    assert json_bans(SimpleNamespace(printable=None)) == ()
+    assert json_bans(None) == ()
+
+
 class _Reports(_Keys):
     def __init__(self, specs: dict[str, RowSpec]) -> None:
         super().__init__(specs)
@@ -371,14 +397,16 @@ def test_engine_fails_a_request_whose_row_lost_its_watermark() -> None:
     class _LLM:
         async def generate(self, prompt: Any, params: Any, handle: str) -> Any:
             assert params.extra_args[EXTRA_ARGS_KEY] == handle
-            yield SimpleNamespace(
+            yield SimpleNamespace(  # as vLLM's RequestOutput (prompt_logprobs None unless asked)
                 finished=False,
+                prompt_logprobs=None,
                 outputs=[SimpleNamespace(token_ids=[21, 22], finish_reason=None, logprobs=None)],
             )
             if report.pop() == "yes":  # what the processor does in the engine core
                 KeyClient(keys.path).report_unwatermarked(handle)
             yield SimpleNamespace(
                 finished=True,
+                prompt_logprobs=None,
                 outputs=[SimpleNamespace(token_ids=[23], finish_reason="length", logprobs=None)],
             )
 
@@ -420,3 +448,30 @@ def test_vllm_cpu_forces_async_scheduling_off(monkeypatch: pytest.MonkeyPatch) -
         model=model, tokenizer=model, dtype="float32", max_model_len=1024, async_scheduling=True
     )
     assert asked.create_engine_config().scheduler_config.async_scheduling is False
+
+
+@pytest.mark.vllm
+def test_json_rows_ban_control_character_tokens_unless_nothing_else_is_left() -> None:
+    """A row whose spec is JSON (RowSpec.banned, the hf grammar mask's control-character
+    tokens) never samples one while the grammar allows anything else; when the grammar
+    allows only banned ids they stay (as the hf mask keeps them); other rows are as
+    they were."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    banned = (11, 12, 13)
+    plain = RowSpec(SamplingConfig(temperature=1.0, top_k=0, top_p=1.0), EOS)
+    json_row = RowSpec(plain.sampling, EOS, banned=banned)
+    proc = _processor({"json": json_row, "plain": plain})
+    outs: dict[str, list[int]] = {"json": [], "plain": []}
+    added = [(i, _Params(h), [5, 6], outs[h]) for i, h in enumerate(outs)]
+    proc.update_state(BatchUpdate(2, [], added, []))
+    logits = torch.full((2, VOCAB), -torch.inf)
+    logits[:, [11, 12, 13, 40, 41]] = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0])  # the grammar's
+    got = proc.apply(logits.clone())
+    assert torch.isneginf(got[0, list(banned)]).all()
+    assert torch.isfinite(got[0, [40, 41]]).all()
+    assert torch.isfinite(got[1, [11, 12, 13, 40, 41]]).all()  # no JSON spec: no ban
+    only = torch.full((2, VOCAB), -torch.inf)
+    only[:, [11, 12]] = 1.0  # the grammar allows banned ids only: they stay
+    kept = proc.apply(only.clone())
+    assert torch.isfinite(kept[0, [11, 12]]).all()

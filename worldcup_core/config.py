@@ -130,6 +130,9 @@ class SamplingConfig:
     # per-token log-probabilities: None off; else how many alternatives (0..20)
     logprobs: int | None = None
     logprobs_mode: str = "sampled"  # "sampled" (q, what was drawn from) or "model"
+    # log-probabilities of the prompt's own tokens (completions' echo): None off; else how
+    # many alternatives (0..20). Always the model's distribution: nothing is sampled there
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Below 0.01 the float32 division by the temperature overflows and the
@@ -163,6 +166,8 @@ class SamplingConfig:
                 raise ValueError("logit_bias needs token ids >= 0 and biases in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
 

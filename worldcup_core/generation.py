@@ -89,14 +89,20 @@ class GenerationResult:
     seconds: float
 
 
+PromptLogprobs = tuple[TokenLogprobs | None, ...]  # one per prompt token, the first None
+
+
 @dataclass(frozen=True)
 class StepEvent:
-    """One sampled token of one row; ``finish`` is set on the row's last event."""
+    """One sampled token of one row; ``finish`` is set on the row's last event.
+
+    A row's first event carries ``prompt_logprobs`` when its sampling asked for them."""
 
     row_id: int
     token: int
     finish: FinishReason | None
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -110,6 +116,7 @@ class _Row:
     started: float
     tokens: list[int] = field(default_factory=list)
     slot: int | None = None  # the row's slot in the batched v2 step
+    prompt_logprobs: PromptLogprobs | None = None  # handed out with the first event
 
 
 class ContinuousBatch:
@@ -157,6 +164,12 @@ class ContinuousBatch:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         rows = [self._start_row(r, now) for r in requests]
+        for i, (row, r) in enumerate(zip(rows, requests, strict=True)):
+            if r.sampling.prompt_logprobs is not None:  # the prefill's logits, already here
+                n = len(r.prompt_ids)
+                row.prompt_logprobs = prompt_token_logprobs(
+                    out.logits[i, width - n :], r.prompt_ids, r.sampling.prompt_logprobs
+                )
         self._merge(_returned_cache(out), mask, out.logits[:, -1, :], rows)
         return [r.row_id for r in rows]
 
@@ -281,7 +294,8 @@ class ContinuousBatch:
                 finish = "eos"
             elif len(row.tokens) >= row.request.sampling.max_new_tokens:
                 finish = "length"
-            events.append(StepEvent(row.row_id, tok, finish, logprobs[i]))
+            prompt, row.prompt_logprobs = row.prompt_logprobs, None
+            events.append(StepEvent(row.row_id, tok, finish, logprobs[i], prompt))
             if finish is None:
                 keep.append(i)
             else:
@@ -355,6 +369,28 @@ def token_logprobs(
         value,
         tuple((int(ids_c[j]), float(q_c[j].log())) for j in order.tolist()),
     )
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, prompt_ids: Sequence[int], top: int
+) -> PromptLogprobs:
+    """The model's log-probability of each prompt token given the ones before it, with
+    the ``top`` most likely ids there; ``logits`` (T, V) are the prefill's, position j
+    predicting token j + 1. The first token has no context: None (as OpenAI)."""
+    entries: list[TokenLogprobs | None] = [None]
+    ids = torch.tensor(list(prompt_ids[1:]), device=logits.device, dtype=torch.long)
+    for start in range(0, len(ids), PROMPT_LOGPROBS_CHUNK):  # a long prompt: bounded memory
+        stop = start + PROMPT_LOGPROBS_CHUNK
+        logp = torch.log_softmax(logits[start:stop].double(), dim=-1)
+        chosen = logp.gather(1, ids[start:stop].unsqueeze(1)).squeeze(1).tolist()
+        values, best = torch.topk(logp, top, dim=-1) if top else (logp[:, :0], logp[:, :0])
+        for j, value in enumerate(chosen):
+            pairs = zip(best[j].tolist(), values[j].tolist(), strict=True)
+            entries.append(TokenLogprobs(float(value), tuple((int(t), float(v)) for t, v in pairs)))
+    return tuple(entries)
+
+
+PROMPT_LOGPROBS_CHUNK = 128  # prompt positions per log-softmax (x vocabulary, in float64)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

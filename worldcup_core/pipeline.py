@@ -158,6 +158,9 @@ def _allowed(allowed: torch.Tensor, vocab: int, device: torch.device) -> torch.T
     return mask
 
 
+PENALISED_LOGIT_BOUND = 1e4  # over the lowest temperature (0.01): 1e6, finite in float32
+
+
 def _penalise(logits: torch.Tensor, i: int, row: RowState) -> None:
     """Repetition (prompt and output), presence and frequency (output) penalties, in place."""
     vocab = logits.shape[1]
@@ -167,9 +170,12 @@ def _penalise(logits: torch.Tensor, i: int, row: RowState) -> None:
         if seen:
             idx = torch.tensor(seen, device=device)
             vals = logits[i, idx]
-            logits[i, idx] = torch.where(
+            penalised = torch.where(
                 vals > 0, vals / row.repetition_penalty, vals * row.repetition_penalty
             )
+            # a penalty near 0 (schema-valid: (0, 2]) would divide to inf and the softmax
+            # to NaN: saturate at a bound no real logit reaches, finite after temperature
+            logits[i, idx] = penalised.clamp(-PENALISED_LOGIT_BOUND, PENALISED_LOGIT_BOUND)
     if row.output and (row.presence_penalty != 0.0 or row.frequency_penalty != 0.0):
         out = torch.tensor([t for t in row.output if 0 <= t < vocab], device=device)
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)

@@ -196,6 +196,7 @@ LATER_SAMPLING_FIELDS = (
     "logit_bias",
     "logprobs",
     "logprobs_mode",
+    "prompt_logprobs",
 )
 
 

@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     vllm_enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     vllm_cpu_kv_cache_gib: Annotated[int, Field(ge=1)] = 1  # VLLM_CPU_KVCACHE_SPACE
+    # which distribution /v1 logprobs report on vLLM, where it is engine-wide: "sampled"
+    # (vLLM's processed_logprobs, the watermarked q) or "model" (raw_logprobs); a request
+    # whose logprobs_mode names the other one gets a 400
+    vllm_logprobs_mode: Literal["sampled", "model"] = "sampled"
 
     # model
     model_path: str | None = None  # None: the embedded SmolLM2

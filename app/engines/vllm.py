@@ -48,6 +48,7 @@ from worldcup_core.generation import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
+    PromptLogprobs,
     StepEvent,
     TokenLogprobs,
 )
@@ -56,6 +57,8 @@ from worldcup_core.models import EMBEDDED_MODEL_ID, resolve_model_dir
 logger = logging.getLogger("worldcup.engine.vllm")
 
 PROCESSOR = "app.engines.vllm_processor:WorldCupLogitsProcessor"
+# our logprobs_mode -> vLLM's (engine-wide: one of them per server)
+VLLM_LOGPROBS_MODES = {"sampled": "processed_logprobs", "model": "raw_logprobs"}
 
 
 def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> dict[str, Any]:
@@ -75,9 +78,10 @@ def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> d
         "disable_log_stats": True,
         # the processor must read real token ids every step (see the module docstring)
         "async_scheduling": False,
-        # logprobs are those of the distribution sampled: after the WorldCup processor
-        # (which returns log q) and vLLM's temperature 1, i.e. log q itself
-        "logprobs_mode": "processed_logprobs",
+        # logprobs_mode is engine-wide in vLLM (WORLDCUP_VLLM_LOGPROBS_MODE): "sampled",
+        # after the WorldCup processor (which returns log q) and vLLM's temperature 1, i.e.
+        # log q itself; "model", the model's log-softmax (after the grammar's bitmask only)
+        "logprobs_mode": VLLM_LOGPROBS_MODES[settings.vllm_logprobs_mode],
         # structured outputs: vLLM's xgrammar backend, compact JSON as on the hf engine
         # (its bitmask is applied before any logits processor, so before the watermark)
         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
@@ -141,6 +145,7 @@ class VLLMEngine:
         eos = _eos_ids(directory, tokenizer)
         engine = cls(llm, keys, eos, metrics, settings.max_batch_size, settings.max_queue)
         engine.watermark = watermark
+        engine.logprobs_mode = settings.vllm_logprobs_mode
         return engine, tokenizer, settings.model_path or EMBEDDED_MODEL_ID
 
     def __init__(
@@ -159,6 +164,7 @@ class VLLMEngine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.watermark = True
+        self.logprobs_mode = "sampled"  # the only one a request may ask for (engine-wide)
         self._tasks: dict[GenerationJob, asyncio.Task[None]] = {}
         self._running = False
 
@@ -209,7 +215,10 @@ class VLLMEngine:
                 min_tokens=s.min_new_tokens,
                 **common,
             )
-        self._keys.register(handle, RowSpec(s, tuple(self.eos), request.scheme, request.payload))
+        spec = RowSpec(
+            s, tuple(self.eos), request.scheme, request.payload, json_bans(request.constraint)
+        )
+        self._keys.register(handle, spec)
         # the processor has applied penalties, logit_bias, temperature, min-p, top-k and
         # top-p: vLLM must sample q as is (its own penalties would come after the processor)
         structured = structured_outputs(request)
@@ -217,6 +226,8 @@ class VLLMEngine:
             common["structured_outputs"] = structured
         if s.logprobs is not None:
             common["logprobs"] = s.logprobs
+        if s.prompt_logprobs is not None:  # the model's own, whatever logprobs_mode says
+            common["prompt_logprobs"] = s.prompt_logprobs
         return SamplingParams(
             temperature=1.0,
             top_k=0,
@@ -231,7 +242,10 @@ class VLLMEngine:
 
         tokens: list[int] = []
         finish: FinishReason | None = None
-        prompt = TokensPrompt(prompt_token_ids=list(job.request.prompt_ids))
+        prompt_ids = list(job.request.prompt_ids)
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        scores: PromptLogprobs | None = None  # handed out with the first token
+        scored = False
         try:
             async for out in self._llm.generate(prompt, params, handle):
                 now = time.perf_counter()
@@ -248,11 +262,14 @@ class VLLMEngine:
                 elif job.last_token_at is not None and new:
                     self._metrics.inter_token.observe((now - job.last_token_at) / len(new))
                 job.last_token_at = now
+                if out.prompt_logprobs is not None and not scored:
+                    scores, scored = _prompt_logprobs(out.prompt_logprobs, prompt_ids), True
                 logprobs = completion.logprobs or []
                 for k, tok in enumerate(new):
                     last = out.finished and k == len(new) - 1
                     lp = _logprobs(logprobs[k], int(tok)) if k < len(logprobs) else None
-                    job._push(StepEvent(0, int(tok), finish if last else None, lp))
+                    job._push(StepEvent(0, int(tok), finish if last else None, lp, scores))
+                    scores = None  # sent
                 tokens += new
                 self._metrics.generated_tokens.inc(len(new))
             if finish is None:
@@ -335,6 +352,35 @@ def _logprobs(entry: Any, token: int) -> TokenLogprobs:
     value = float(sampled.logprob) if sampled is not None else float("-inf")
     ranked = [(i, v) for i, v, rank in top if rank is not None and rank >= 1]
     return TokenLogprobs(value, tuple(ranked))
+
+
+def _prompt_logprobs(entries: Any, prompt_ids: list[int]) -> PromptLogprobs:
+    """vLLM's prompt logprobs (None first, then {id: Logprob} per prompt token)."""
+    return tuple(
+        None if entry is None else _logprobs(entry, token)
+        for entry, token in zip(entries, prompt_ids, strict=False)
+    )
+
+
+def json_bans(constraint: Any) -> tuple[int, ...]:
+    """The token ids a JSON spec masks on the hf engine (their text holds a raw control
+    character, which xgrammar's JSON grammar lets into strings: invalid JSON); the
+    processor bans them too, unless that would leave the grammar nothing."""
+    printable = getattr(constraint, "printable", None)
+    if printable is None:
+        return ()
+    return _banned_ids(printable)
+
+
+_bans: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _banned_ids(printable: Any) -> tuple[int, ...]:
+    entry = _bans.get(id(printable))
+    if entry is None or entry[0] is not printable:
+        entry = (printable, tuple(int(i) for i in (~printable).nonzero().flatten().tolist()))
+        _bans[id(printable)] = entry
+    return entry[1]
 
 
 class UnwatermarkedError(RuntimeError):

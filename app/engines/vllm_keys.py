@@ -46,6 +46,8 @@ class RowSpec:
     eos_token_ids: tuple[int, ...]
     scheme: WatermarkScheme | None = field(default=None, repr=False)
     payload: Payload | None = field(default=None, repr=False)
+    # ids banned while others remain: a JSON spec's control-character tokens (as on hf)
+    banned: tuple[int, ...] = field(default=(), repr=False)
 
     def __repr__(self) -> str:  # never the key, never the payload
         return f"RowSpec(watermarked={self.scheme is not None})"

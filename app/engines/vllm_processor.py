@@ -7,7 +7,10 @@ weakens or breaks it. So this processor runs the same sampling pipeline as the
 
 0. (vLLM) a structured-output request's grammar bitmask: vLLM's own backend
    (xgrammar) applies it to the logits before any logits processor runs, so the
-   watermark below only ever chooses among the grammar's tokens;
+   watermark below only ever chooses among the grammar's tokens; for a JSON spec
+   the processor then bans the tokens with a raw control character (xgrammar's
+   JSON grammar lets them into strings; ``RowSpec.banned``), as the ``hf``
+   engine's grammar mask does, unless nothing else would be left;
 1. the request's repetition/presence/frequency penalties and ``logit_bias``;
    bans: n-grams that would repeat (``no_repeat_ngram_size``) and, before
    ``min_new_tokens``, the EOS ids (lifted for a step where they would leave the
@@ -82,6 +85,7 @@ class _Row:
     pending: list[int] = field(default_factory=list)
     stale: bool = False  # a placeholder reached a step: watermark dropped, reported
     prompt: list[int] = field(default_factory=list)  # for the repetition penalty
+    banned: torch.Tensor | None = None  # RowSpec.banned, as a tensor (JSON specs)
 
 
 class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
@@ -157,8 +161,11 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                 wm = spec.scheme.sequence(spec.payload)
         # a re-added (preempted) request replays the tokens it already has
         blocker = NGramBlocker(sampling_size, prompt)
+        banned = None
+        if spec is not None and spec.banned:
+            banned = torch.tensor(spec.banned, dtype=torch.long, device=self.device)
         self._rows[index] = _Row(
-            handle, spec, output, blocker, wm, batched, eos=eos, prompt=list(prompt)
+            handle, spec, output, blocker, wm, batched, eos=eos, prompt=list(prompt), banned=banned
         )
 
     def _sync(self) -> None:
@@ -225,6 +232,8 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
                 continue
             s = spec.sampling
             banned = row_bans(row.blocker, len(row.output), s.min_new_tokens, spec.eos_token_ids)
+            if row.banned is not None:  # a JSON spec's control-character tokens, as hf
+                _ban_if_others_remain(logits[i], row.banned)
             # the grammar's bitmask (vLLM's structured-output backend) is already in
             # ``logits`` as -inf: vLLM applies it before any logits processor
             states.append(
@@ -251,3 +260,12 @@ class WorldCupLogitsProcessor(LogitsProcessor):  # type: ignore[misc]
             if row.spec is None:
                 out[i] = logits[i]
         return out
+
+
+def _ban_if_others_remain(logits: torch.Tensor, banned: torch.Tensor) -> None:
+    """Set ``banned`` ids of one row to -inf in place, unless no finite logit would be
+    left (the grammar allows nothing else: the hf engine's mask keeps them then too)."""
+    kept = logits.clone()
+    kept[banned[banned < logits.shape[0]].to(logits.device)] = -torch.inf
+    if bool(torch.isfinite(kept).any()):
+        logits.copy_(kept)

@@ -94,12 +94,13 @@ OPENAI_UNSTATED_RULES = {
     "that is not a JSON object",
     "conflicting_fields": "more than one output constraint (response_format json_*, "
     "structured_outputs, guided_*, tools with tool_choice other than none); top_k and "
-    "watermark.top_k both given and different; echo together with logprobs",
+    "watermark.top_k both given and different",
     "tool_choice_needs_tools": "tool_choice other than none without tools",
     "unknown_tool": "a named tool_choice that is not in tools",
     "duplicate_tool_names": "two tools with one name",
     "token_not_in_vocabulary": "a logit_bias token id beyond the served vocabulary",
-    "logprobs_mode_unavailable": "logprobs_mode 'model' on the vllm engine",
+    "logprobs_mode_unavailable": "on the vllm engine, a logprobs_mode other than the "
+    "engine-wide one (WORLDCUP_VLLM_LOGPROBS_MODE, default sampled)",
 }
 MAX_TOOLS = 64
 MAX_TOP_LOGPROBS = 20
@@ -514,7 +515,10 @@ class _Sampling(OpenAIRequestModel):
     logprobs_mode: Literal["sampled", "model"] | None = Field(
         None,
         description="Our extension: which distribution logprobs report: 'sampled' (default), "
-        "the watermarked distribution each token was drawn from; 'model', the model's own.",
+        "the watermarked distribution each token was drawn from; 'model', the model's own. "
+        "The hf engine offers both; on vllm the mode is engine-wide "
+        "(WORLDCUP_VLLM_LOGPROBS_MODE) and the other one is a 400. The prompt's logprobs "
+        "(completions' echo) are always the model's.",
     )
 
     @field_validator(*VLLM_UNSUPPORTED)
@@ -619,6 +623,15 @@ class CompletionRequest(_Sampling):
         json_schema_extra=_schema_rules(
             COMPLETION_UNSUPPORTED,
             [{"model": "SmolLM2-135M-Instruct", "prompt": "The tide", "max_tokens": 32}],
+            (  # max_tokens 0 scores the prompt: it needs echo and logprobs (a 400 otherwise)
+                {
+                    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                    "then": {
+                        "required": ["echo", "logprobs"],
+                        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+                    },
+                },
+            ),
         ),
     )
 
@@ -629,10 +642,22 @@ class CompletionRequest(_Sampling):
             Field(min_length=1, max_length=MAX_CHOICES),
         ]
     ) = Field(description="A string or a list of strings (token-id prompts are unsupported).")
-    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = Field(
-        None, description="Log-probabilities of the sampled tokens and this many alternatives."
+    max_tokens: Annotated[int | None, Field(ge=0)] = Field(
+        None,
+        description="0 only with echo and logprobs: the prompt scored, nothing generated "
+        "(finish_reason length, watermark null, no registry entry).",
     )
-    echo: bool | None = Field(None, description="Return the prompt before the completion.")
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = Field(
+        None,
+        description="Log-probabilities of the sampled tokens and this many alternatives; "
+        "with echo, of the prompt's tokens first (the first one null; the model's own "
+        "distribution there, as nothing is sampled).",
+    )
+    echo: bool | None = Field(
+        None,
+        description="Return the prompt before the completion (with logprobs: scored; "
+        "with max_tokens 0 too: only the prompt, scored).",
+    )
     suffix: Any = _unsupported_field()
     best_of: Any = _unsupported_field()
 
@@ -728,7 +753,10 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
-    watermark: WatermarkInfo
+    watermark: WatermarkInfo | None = Field(
+        description="The receipt; null only for max_tokens 0 (the prompt scored, nothing "
+        "generated, nothing watermarked)."
+    )
 
 
 class Completion(OpenAIModel):

@@ -156,6 +156,7 @@ async def _run(
 
 def _response(sample: gen.Sample, result: GenerationResult) -> GenerateResponse:
     job = sample.job
+    assert sample.payload is not None  # /generate always watermarks
     text = sample.runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     total = time.perf_counter() - job.enqueued_at
     n = len(result.token_ids)

@@ -190,7 +190,7 @@ class Sample:
     runtime: Runtime
     tenant_id: str
     key: KeyVersion
-    payload: Payload
+    payload: Payload | None  # None: nothing kept is generated (completions' max_tokens 0)
     message_id: int | None
     prompt_ids: list[int]
     job: GenerationJob
@@ -207,12 +207,15 @@ def submit(
     key: KeyVersion,
     ids: list[int],
     sampling: SamplingConfig,
-    payload: Payload,
+    payload: Payload | None,
     message_id: int | None,
     constraint: TokenConstraint | None = None,
 ) -> Sample:
+    """Queue one generation; without a payload it runs unwatermarked (only for a
+    completion that keeps no generated token: max_tokens 0, the prompt scored)."""
+    scheme = key.scheme if payload is not None else None
     try:
-        job = engine.submit(GenerationRequest(ids, sampling, key.scheme, payload, constraint))
+        job = engine.submit(GenerationRequest(ids, sampling, scheme, payload, constraint))
     except QueueFull:
         raise queue_full(runtime) from None
     except EngineStopped:

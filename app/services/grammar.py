@@ -142,7 +142,9 @@ class GrammarConstraint:
     """One choice's grammar state (:class:`worldcup_core.generation.TokenConstraint`).
 
     Used by the generation thread only: ``allowed`` before a step, ``accept``
-    after it. ``spec`` travels along for engines with their own backend (vLLM).
+    after it. ``spec`` travels along for engines with their own backend (vLLM), and
+    so does ``printable`` (JSON specs: the tokens without a control character), which
+    the vLLM processor enforces the same way (:func:`app.engines.vllm.json_bans`).
     """
 
     def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
@@ -151,7 +153,7 @@ class GrammarConstraint:
         self._vocab = compiled.tokenizer_info.vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, self._vocab)
         self._shifts = torch.arange(32, dtype=torch.int32)
-        self._printable = (
+        self.printable = (
             _printable_tokens(compiled.tokenizer_info)
             if spec.kind in ("json_schema", "json_object")
             else None
@@ -165,8 +167,8 @@ class GrammarConstraint:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1
         allowed = bits.bool().flatten()[: self._vocab]
-        if self._printable is not None:
-            strict = allowed & self._printable
+        if self.printable is not None:
+            strict = allowed & self.printable
             if bool(strict.any()):  # never leave the grammar without a token
                 return strict
         return allowed

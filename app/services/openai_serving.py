@@ -7,7 +7,10 @@ is added here is only protocol: the model name, ``n`` samples per prompt (each
 its own registry entry when metadata is allocated), stop strings, and the
 response shapes.
 
-Every completion is watermarked; there is no opt-out (see docs/openai.md).
+Every completion is watermarked; there is no opt-out (see docs/openai.md). The one
+exception returns no generated text: a completion with ``max_tokens`` 0 (echo and
+logprobs: the prompt scored) runs one unwatermarked token for the prompt's forward
+pass and drops it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,7 +65,7 @@ from app.services import grammar, receipt
 from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 from worldcup_core import Payload, SamplingConfig, __version__
-from worldcup_core.generation import GenerationResult, TokenLogprobs
+from worldcup_core.generation import GenerationResult, PromptLogprobs, TokenLogprobs
 from worldcup_core.models import EMBEDDED_MODEL_ID
 
 DEFAULT_MAX_TOKENS = 256  # capped by WORLDCUP_MAX_NEW_TOKENS_LIMIT
@@ -124,6 +127,7 @@ class Pending:
     tool_mode: ToolMode | None = None
     tool_name: str | None = None  # tool_mode "named"
     echo: list[str] = field(default_factory=list)  # completions with echo: the prompts
+    scored: bool = False  # max_tokens 0 with echo and logprobs: the prompt scored, no text
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -149,7 +153,17 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
             else "max_tokens"
         )
         raise APIError(400, f"{name} may be at most {limit}", "max_tokens_too_large", param=name)
-    new_tokens = min(max_tokens or DEFAULT_MAX_TOKENS, limit)
+    # max_tokens 0 (completions): score the prompt, generate nothing; the engine runs one
+    # unwatermarked token for the prompt's forward pass, and it is dropped
+    scored = max_tokens == 0
+    if scored and not (
+        isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
+    ):
+        raise APIError(
+            400, "max_tokens 0 scores the prompt without generating: it needs echo and logprobs",
+            "invalid_request", param="max_tokens",
+        )  # fmt: skip
+    new_tokens = 1 if scored else min(max_tokens or DEFAULT_MAX_TOKENS, limit)
     # min_tokens above the maximum is capped at it, as /generate caps min_new_tokens:
     # a cross-field rule JSON Schema cannot state is not a refusal
     spec, tool_mode, tool_name = structure(body)
@@ -171,7 +185,9 @@ async def plan(runtime: Runtime, body: ChatCompletionRequest | CompletionRequest
         compiled = await runtime.offload(lambda: grammar.compile_spec(runtime.tokenizer, spec))
     sampling = sampling_configs(runtime, body, new_tokens, len(prompts) * n, spec is not None)
     echo = body.prompts() if isinstance(body, CompletionRequest) and body.echo else []
-    return Pending(kind, body, prompts, sampling, spec, compiled, tool_mode, tool_name, echo)
+    return Pending(
+        kind, body, prompts, sampling, spec, compiled, tool_mode, tool_name, echo, scored
+    )
 
 
 def _bad(param: str, message: str, code: str = "invalid_request") -> APIError:
@@ -212,19 +228,18 @@ def sampling_configs(
             top = body.top_logprobs or 0
     elif body.logprobs is not None:
         top = body.logprobs
-    mode = body.logprobs_mode or "sampled"
-    engine = runtime.engine
-    if top is not None and mode == "model" and getattr(engine, "name", "") == "vllm":
+    # vLLM's logprobs mode is engine-wide (WORLDCUP_VLLM_LOGPROBS_MODE); hf offers both
+    fixed: str | None = getattr(runtime.engine, "logprobs_mode", None)
+    mode = body.logprobs_mode or fixed or "sampled"
+    if top is not None and fixed is not None and mode != fixed:
         raise _bad(
             "logprobs_mode",
-            "logprobs_mode 'model' is only offered by the hf engine; vLLM reports 'sampled'",
+            f"logprobs_mode '{mode}' is not served here: the vllm engine reports one mode "
+            f"for every request, '{fixed}' (the setting WORLDCUP_VLLM_LOGPROBS_MODE)",
             "logprobs_mode_unavailable",
         )
-    if isinstance(body, CompletionRequest) and body.echo and top is not None:
-        raise _bad(
-            "echo", "echo with logprobs is not supported (prompt log-probabilities)",
-            "conflicting_fields",
-        )  # fmt: skip
+    # echo with logprobs: the prompt's tokens too, under the model's own distribution
+    prompt_top = top if isinstance(body, CompletionRequest) and body.echo else None
     # n-gram bans fight a grammar (JSON repeats its keys and separators): off by default
     default_ngram = 0 if constrained else DEFAULT_NO_REPEAT_NGRAM
     ngram = (
@@ -247,6 +262,7 @@ def sampling_configs(
             logit_bias=tuple(bias),
             logprobs=top,
             logprobs_mode=mode,
+            prompt_logprobs=prompt_top,
         )
         for i in range(choices)
     ]
@@ -404,6 +420,7 @@ class Piece:
     finish: FinishReason | None = None
     tokens: int = 0
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)  # this piece's
+    prompt: PromptLogprobs | None = None  # echo with logprobs: on the choice's first piece
 
 
 @dataclass
@@ -431,6 +448,11 @@ async def start(runtime: Runtime, engine: Engine, tenant_id: str, pending: Pendi
     try:
         for i, sampling in enumerate(pending.sampling):
             prompt = pending.prompts[i // pending.n]
+            if pending.scored:  # nothing generated is kept: no watermark, no registry entry
+                samples.append(
+                    gen.submit(runtime, engine, tenant_id, key, prompt, sampling, None, None)
+                )
+                continue
             if fixed is not None:
                 payload, message_id = fixed, None
             else:
@@ -471,12 +493,14 @@ def _held(text: str, stops: list[str]) -> int:
 
 async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncIterator[Piece]:
     """One choice as text pieces that add up to its final text, cut at a stop string;
-    each piece carries the log-probabilities of the tokens it completes, if asked for."""
+    each piece carries the log-probabilities of the tokens it completes, if asked for.
+    A sample without payload (max_tokens 0) is one empty piece with the prompt's scores."""
     tokenizer = sample.runtime.tokenizer
     deltas = gen.TextDeltas(tokenizer)
     shown = 0  # characters of deltas.sent already yielded
     logprobs: list[tuple[int, TokenLogprobs]] = []  # not yet handed out
     every: list[tuple[int, TokenLogprobs]] = []
+    prompt: PromptLogprobs | None = None  # not yet handed out
     try:
         while True:
             item = await gen.next_event(sample)
@@ -487,7 +511,13 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     logprobs = _within(tokenizer, every, cut, len(every) - len(logprobs))
-                yield Piece(text[shown:], finish, len(item.token_ids), logprobs)
+                yield Piece(text[shown:], finish, len(item.token_ids), logprobs, prompt)
+                return
+            if item.prompt_logprobs is not None:
+                prompt = item.prompt_logprobs
+            if sample.payload is None:  # the prompt scored: its one token is dropped
+                engine.cancel(sample.job)
+                yield Piece("", "length", 0, [], prompt)
                 return
             if item.finish == "eos":
                 continue  # the closing EOS is not part of the text
@@ -500,13 +530,13 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
             if cut is not None:
                 engine.cancel(sample.job)  # the client has what it asked for
                 kept = _within(tokenizer, every, cut, len(every) - len(logprobs))
-                yield Piece(text[shown:cut], "stop", len(deltas.tokens), kept)
+                yield Piece(text[shown:cut], "stop", len(deltas.tokens), kept, prompt)
                 return
             safe = len(text) - _held(text, stops)
-            if safe > shown:
-                yield Piece(text[shown:safe], logprobs=logprobs)
-                logprobs = []
-                shown = safe
+            if safe > shown or prompt is not None:
+                yield Piece(text[shown:safe], logprobs=logprobs, prompt=prompt)
+                logprobs, prompt = [], None
+                shown = max(shown, safe)
     except TimeoutError:
         raise gen.timed_out(sample, engine) from None
 
@@ -525,6 +555,7 @@ def _within(
 
 
 def watermark_info(sample: gen.Sample) -> WatermarkInfo:
+    assert sample.payload is not None
     return WatermarkInfo(
         message_id=sample.message_id,
         key_version=sample.key.version,
@@ -541,6 +572,7 @@ class Outcome:
     finish: FinishReason
     tokens: int
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    prompt: PromptLogprobs | None = None  # echo with logprobs: the prompt's entries
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
@@ -570,23 +602,36 @@ def chat_logprobs(tokenizer: Any, entries: list[tuple[int, TokenLogprobs]]) -> C
 
 
 def completion_logprobs(
-    tokenizer: Any, entries: list[tuple[int, TokenLogprobs]], offset: int = 0
+    tokenizer: Any,
+    entries: Sequence[tuple[int, TokenLogprobs | None]],
+    offset: int = 0,
+    prompt: Sequence[tuple[int, TokenLogprobs | None]] = (),
 ) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs; with echo the ``prompt``'s entries come first, their
+    offsets counted from 0 (the echoed text's start), the completion's from ``offset``
+    (where the completion starts in the choice's text). An entry without log-probability
+    (the prompt's first token) reports null, as OpenAI does."""
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    position = offset
-    for token, lp in entries:
+    position = 0
+    for k, (token, lp) in enumerate([*prompt, *entries]):
+        if k == len(prompt):
+            position = offset
         text = _token_text(tokenizer, token)
         tokens.append(text)
+        offsets.append(position)
+        position += len(text)
+        if lp is None:
+            values.append(None)
+            tops.append(None)
+            continue
         values.append(_lp(lp.logprob))
         top: dict[str, float] = {}
         for i, v in lp.top:
             top.setdefault(_token_text(tokenizer, i), _lp(v))
         tops.append(top)
-        offsets.append(position)
-        position += len(text)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
     )
@@ -674,14 +719,32 @@ def completion_choice(run: Run, index: int, outcome: Outcome) -> CompletionChoic
     prefix = pending.echo[index // pending.n] if pending.echo else ""
     logprobs = None
     if pending.sampling[index].logprobs is not None:
-        logprobs = completion_logprobs(tokenizer, outcome.logprobs, len(prefix))
+        scored = prompt_entries(pending, index, outcome.prompt)
+        logprobs = completion_logprobs(tokenizer, outcome.logprobs, len(prefix), scored)
     return CompletionChoice(
         index=index,
         text=prefix + outcome.text,
         logprobs=logprobs,
         finish_reason=outcome.finish,
-        watermark=watermark_info(run.samples[index]),
+        watermark=choice_watermark(run, index),
     )
+
+
+def choice_watermark(run: Run, index: int) -> WatermarkInfo | None:
+    """A choice's receipt; None when nothing was generated (max_tokens 0)."""
+    return None if run.pending.scored else watermark_info(run.samples[index])
+
+
+def prompt_entries(
+    pending: Pending, index: int, scores: PromptLogprobs | None
+) -> list[tuple[int, TokenLogprobs | None]]:
+    """A choice's prompt tokens with their log-probabilities (echo with logprobs)."""
+    if pending.sampling[index].prompt_logprobs is None:
+        return []
+    if scores is None:  # the engine must have sent them with the first token
+        raise APIError(500, "the engine returned no prompt logprobs", "generation_failed")
+    ids = pending.prompts[index // pending.n]
+    return list(zip(ids, scores, strict=True))
 
 
 def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
@@ -713,11 +776,13 @@ def assemble(run: Run, outcomes: list[Outcome]) -> ChatCompletion | Completion:
 async def _outcome(pieces: AsyncIterator[Piece]) -> Outcome:
     text: list[str] = []
     logprobs: list[tuple[int, TokenLogprobs]] = []
+    prompt: PromptLogprobs | None = None
     async for piece in pieces:
         text.append(piece.text)
         logprobs += piece.logprobs
+        prompt = piece.prompt if piece.prompt is not None else prompt
         if piece.finish is not None:
-            return Outcome("".join(text), piece.finish, piece.tokens, logprobs)
+            return Outcome("".join(text), piece.finish, piece.tokens, logprobs, prompt)
     raise AssertionError("a choice ended without a finish reason")
 
 
@@ -834,6 +899,7 @@ class Chunks:
         logprobs: list[tuple[int, TokenLogprobs]] | None = None,
         offset: int = 0,
         tool_calls: list[ToolCallDelta] | None = None,
+        prompt: Sequence[tuple[int, TokenLogprobs | None]] = (),
     ) -> bytes:
         tokenizer = self.run.samples[index].runtime.tokenizer
         if self.chat:
@@ -846,7 +912,9 @@ class Chunks:
                 watermark=watermark,
             )  # fmt: skip
             return self._chunk([chat], None)
-        plain_lp = None if logprobs is None else completion_logprobs(tokenizer, logprobs, offset)
+        plain_lp = (
+            None if logprobs is None else completion_logprobs(tokenizer, logprobs, offset, prompt)
+        )
         plain = CompletionChunkChoice(
             index=index, text=text or "", logprobs=plain_lp, finish_reason=finish,
             watermark=watermark,
@@ -878,6 +946,7 @@ def stream(
     stops = body.stops()
     mode = pending.tool_mode
     wants_logprobs = [s.logprobs is not None for s in pending.sampling]
+    scores_prompt = [s.prompt_logprobs is not None for s in pending.sampling]
 
     def opening(i: int) -> list[bytes]:
         out = []
@@ -889,7 +958,7 @@ def stream(
                 function=FunctionCallDelta(name=pending.tool_name, arguments=""),
             )  # fmt: skip
             out.append(chunks.choice(i, None, tool_calls=[head]))
-        if pending.echo:
+        if pending.echo and not scores_prompt[i]:  # else with the prompt's logprobs, below
             out.append(chunks.choice(i, pending.echo[i // pending.n]))
         return out
 
@@ -897,6 +966,7 @@ def stream(
         texts = [""] * len(run.samples)
         entries: list[list[tuple[int, TokenLogprobs]]] = [[] for _ in run.samples]
         outcomes: list[Outcome | None] = [None] * len(run.samples)
+        seen: list[PromptLogprobs | None] = [None] * len(run.samples)  # prompt logprobs
         offsets = [
             len(pending.echo[i // pending.n]) if pending.echo else 0
             for i in range(len(run.samples))
@@ -908,6 +978,12 @@ def stream(
             async for i, piece in _merge([follow(s, engine, stops) for s in run.samples]):
                 if await request.is_disconnected():
                     return
+                if piece.prompt is not None:
+                    seen[i] = piece.prompt
+                if scores_prompt[i] and piece.prompt is not None:  # echo: the first chunk
+                    scored = prompt_entries(pending, i, piece.prompt)
+                    echoed = pending.echo[i // pending.n]
+                    yield chunks.choice(i, echoed, logprobs=[], prompt=scored)
                 texts[i] += piece.text
                 entries[i] += piece.logprobs
                 lp = piece.logprobs if wants_logprobs[i] else None
@@ -919,7 +995,7 @@ def stream(
                     offsets[i] += len(piece.text)
                 if piece.finish is None:
                     continue
-                outcome = Outcome(texts[i], piece.finish, piece.tokens, entries[i])
+                outcome = Outcome(texts[i], piece.finish, piece.tokens, entries[i], seen[i])
                 outcomes[i] = outcome
                 final = chat_choice(run, i, outcome) if pending.kind == "chat" else None
                 if mode in ("required", "auto") and final is not None:
@@ -937,7 +1013,7 @@ def stream(
                         logprobs=entries[i] if wants_logprobs[i] else None,
                     )  # fmt: skip
                 finish = final.finish_reason if final is not None else piece.finish
-                info = watermark_info(run.samples[i])
+                info = choice_watermark(run, i)
                 yield chunks.choice(i, None, finish=finish, watermark=info)
             done = [o for o in outcomes if o is not None]
             response = assemble(run, done)
@@ -959,7 +1035,8 @@ def stream(
         yield _sse("[DONE]")
 
     # the receipt is known before the first token: every message id is allocated
-    headers = {**SSE_HEADERS, **receipt.headers(watermark_info(s) for s in run.samples)}
+    infos = [choice_watermark(run, i) for i in range(len(run.samples))]
+    headers = {**SSE_HEADERS, **receipt.headers(infos)}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
@@ -992,7 +1069,8 @@ def replay(
                 out = {"index": choice["index"], "text": choice["text"]}
             last = {**out, "logprobs": choice.get("logprobs")}
             last["finish_reason"] = choice["finish_reason"]
-            last["watermark"] = choice["watermark"]
+            if choice.get("watermark") is not None:  # as streamed: no null receipt
+                last["watermark"] = choice["watermark"]
             yield _sse({**head, "object": kind, "choices": [last]})
         if include_usage:
             yield _sse({**head, "object": kind, "choices": [], "usage": response["usage"]})

@@ -32,9 +32,10 @@ def _fields(info: WatermarkInfo | Mapping[str, Any]) -> tuple[int | None, int, s
     return info["message_id"], int(info["key_version"]), str(info["scheme"])
 
 
-def headers(infos: Iterable[WatermarkInfo | Mapping[str, Any]]) -> dict[str, str]:
-    """The receipt headers of the choices' watermark infos, in choice order."""
-    rows = [_fields(info) for info in infos]
+def headers(infos: Iterable[WatermarkInfo | Mapping[str, Any] | None]) -> dict[str, str]:
+    """The receipt headers of the choices' watermark infos, in choice order; a choice
+    without one (a completion's max_tokens 0: nothing generated) has none."""
+    rows = [_fields(info) for info in infos if info is not None]
     if not rows:
         return {}
     out = {
@@ -49,7 +50,7 @@ def headers(infos: Iterable[WatermarkInfo | Mapping[str, Any]]) -> dict[str, str
 def of_response(body: Mapping[str, Any]) -> dict[str, str]:
     """The receipt headers of a stored (replayed) chat or completion response."""
     choices = body.get("choices") or []
-    return headers(c["watermark"] for c in choices if isinstance(c, Mapping) and "watermark" in c)
+    return headers(c.get("watermark") for c in choices if isinstance(c, Mapping))
 
 
 OPENAPI_HEADERS: dict[str, dict[str, Any]] = {
