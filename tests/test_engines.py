@@ -17,6 +17,7 @@ import math
 import os
 import random
 import re
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -587,10 +588,17 @@ STAT_PROMPTS = (
 
 
 def test_statistical_round_trip_32_bits(service: Service, data_dir: Path) -> None:
-    """8 prompts, 128 tokens, 32-bit payloads: mean bit accuracy >= 0.92 and every detect
-    p < 1e-6; human texts (null) stay unflagged. Sampled from the model's full distribution
-    (temperature 1, top-k 200, top-p off): the embedded 135M model is confident, and its
-    default nucleus leaves too little entropy to carry 32 bits in 128 tokens reliably."""
+    """8 prompts, 128 tokens, 32-bit payloads: mean bit accuracy >= 0.92, every text
+    flagged at the service's 1 % significance and the median detect p < 1e-10; human texts
+    (null) stay unflagged. Sampled from the model's full distribution (temperature 1, top-k
+    200, top-p off): the embedded 135M model is confident, and its default nucleus leaves
+    too little entropy to carry 32 bits in 128 tokens reliably.
+
+    Why not "every p < 1e-6" (this test before the default became k = 1, alpha = 0.6): the
+    model sometimes recites a memorised instruction ("Your answer must contain exactly 4
+    bullet points ..."), text with almost no entropy for the watermark to use. Measured on
+    the vLLM engine, 56 texts of this test (7 rounds): median p 1e-30, and the two such
+    recitations at 4e-6 and 1.8e-4, so 1 in 4 runs of 8 texts failed the old bound."""
     rng = random.Random(2026)
     payloads = ["".join(rng.choice("01") for _ in range(32)) for _ in STAT_PROMPTS]
 
@@ -612,14 +620,16 @@ def test_statistical_round_trip_32_bits(service: Service, data_dir: Path) -> Non
 
     with ThreadPoolExecutor(max_workers=len(STAT_PROMPTS)) as pool:
         texts = [g["text"] for g in pool.map(one, range(len(STAT_PROMPTS)))]
-    accuracies = []
+    accuracies, p_values = [], []
     for text, bits in zip(texts, payloads, strict=True):
         dec = service.http.post(
             "/decode", json={"text": text, "num_bits": 32}, headers=service.auth
         ).json()
         accuracies.append(sum(a == b for a, b in zip(dec["bits"], bits, strict=True)) / 32)
         det = service.http.post("/detect", json={"text": text}, headers=service.auth).json()
-        assert det["p_value"] < 1e-6, det
+        assert det["p_value"] < 0.01 and det["is_watermarked"], (det, text)
+        p_values.append(det["p_value"])
+    assert statistics.median(p_values) < 1e-10, p_values
     # ~0.965 expected (hf engine, quiet machine: 0.961-0.977 over four runs; batch
     # composition varies with request timing, so texts do too); 8 texts give a standard
     # error of ~0.011, so 0.92 sits 4 SE below: a watermark that works passes, a broken
