@@ -579,7 +579,7 @@ class TokenScore(StrictModel):
     g_mean: list[float] = Field(description="Mean g-value per group; 0.5 is chance.")
 
 
-class ProvenanceResponse(StrictModel):
+class ProvenanceResponse(_VerdictAnswer):
     found: bool
     message: str
     p_value: float = Field(description="Best key's p-value, Šidák-corrected for num_keys.")
@@ -600,12 +600,4 @@ class ProvenanceResponse(StrictModel):
     token_scores: list[TokenScore] | None = None
     evidence: EvidenceOut | None = None
 
-    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
-    @property
-    def verdict(self) -> Verdict:
-        return verdict_of(self.p_value)
-
-    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
-    @property
-    def verdict_statistic(self) -> Statistic:
-        return "provenance"
+    statistic: ClassVar[Statistic] = "provenance"
