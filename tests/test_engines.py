@@ -630,11 +630,13 @@ def test_statistical_round_trip_32_bits(service: Service, data_dir: Path) -> Non
         assert det["p_value"] < 0.01 and det["is_watermarked"], (det, text)
         p_values.append(det["p_value"])
     assert statistics.median(p_values) < 1e-10, p_values
-    # ~0.965 expected (hf engine, quiet machine: 0.961-0.977 over four runs; batch
-    # composition varies with request timing, so texts do too); 8 texts give a standard
-    # error of ~0.011, so 0.92 sits 4 SE below: a watermark that works passes, a broken
-    # one (0.5) cannot
-    assert sum(accuracies) / len(accuracies) >= 0.92, accuracies
+    # Under the k = 1, alpha = 0.6 default, 32 bits in 128 tokens: 0.9375 mean, SD 0.054
+    # per text over the 56 vLLM texts above (the paper's k = 2, alpha = 1.2 gave ~0.965:
+    # the frontier's trade at short lengths, docs/evaluation.md); batch composition varies
+    # with request timing, so texts do too. 8 texts give a standard error of ~0.019, so
+    # 0.86 sits 4 SE below the mean: a watermark that works passes (the old bound, 0.92,
+    # failed one run in five), a broken one (0.5) cannot
+    assert sum(accuracies) / len(accuracies) >= 0.86, accuracies
     lines = (data_dir / "cnn_dailymail_test.jsonl").read_text().splitlines()[:8]
     for line in lines:
         human = json.loads(line)
