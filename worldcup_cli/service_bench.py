@@ -850,11 +850,8 @@ def format_service_bench(result: dict[str, Any]) -> str:
             "",
             *format_fair_shares(result["fair_shares"]),
             "",
-            "targets",
+            *_format_targets(result["targets"]),
         ]
-        for name, t in result["targets"].items():
-            verdict = "PASS" if t["passed"] else "FAIL"
-            lines.append(f"  {name:<24} {t['measured']!s:>9} (target {t['target']})  {verdict}")
         return "\n".join(lines)
     env, gen, det = result["environment"], result["generation"], result["detection"]
     many, bulk = det["many_clients"], result["probes_under_bulk_load"]
@@ -917,9 +914,14 @@ def format_service_bench(result: dict[str, Any]) -> str:
         "",
         *format_fair_shares(result["fair_shares"]),
         "",
-        "targets",
+        *_format_targets(result["targets"]),
     ]
-    for name, t in result["targets"].items():
+    return "\n".join(lines)
+
+
+def _format_targets(targets: dict[str, Any]) -> list[str]:
+    lines = ["targets"]
+    for name, t in targets.items():
         verdict = "PASS" if t["passed"] else "FAIL"
         lines.append(f"  {name:<24} {t['measured']!s:>9} (target {t['target']})  {verdict}")
-    return "\n".join(lines)
+    return lines

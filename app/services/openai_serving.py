@@ -268,6 +268,11 @@ def sampling_configs(
     ]
 
 
+# the constraints whose value is the grammar spec as given, in vLLM's order of precedence:
+# ``structured_outputs.<kind>`` and the older ``guided_<kind>``
+PLAIN_SPECS: tuple[Literal["regex", "choice", "grammar"], ...] = ("regex", "choice", "grammar")
+
+
 def structure(
     body: ChatCompletionRequest | CompletionRequest,
 ) -> tuple[grammar.GrammarSpec | None, ToolMode | None, str | None]:
@@ -282,14 +287,12 @@ def structure(
         specs.append(grammar.GrammarSpec("json_schema", schema, "response_format"))
     so = body.structured_outputs
     if so is not None:
+        plain = [(k, getattr(so, k)) for k in PLAIN_SPECS if getattr(so, k) is not None]
         if so.json_ is not None:
             specs.append(_json_spec(so.json_, "structured_outputs.json"))
-        elif so.regex is not None:
-            specs.append(grammar.GrammarSpec("regex", so.regex, "structured_outputs.regex"))
-        elif so.choice is not None:
-            specs.append(grammar.GrammarSpec("choice", so.choice, "structured_outputs.choice"))
-        elif so.grammar is not None:
-            specs.append(grammar.GrammarSpec("grammar", so.grammar, "structured_outputs.grammar"))
+        elif plain:  # the first of regex, choice, grammar
+            kind, value = plain[0]
+            specs.append(grammar.GrammarSpec(kind, value, f"structured_outputs.{kind}"))
         elif so.json_object:
             specs.append(grammar.GrammarSpec("json_object", None, "structured_outputs.json_object"))
         elif so.structural_tag is not None:
@@ -302,12 +305,10 @@ def structure(
             )  # fmt: skip
     if body.guided_json is not None:
         specs.append(_json_spec(body.guided_json, "guided_json"))
-    if body.guided_regex is not None:
-        specs.append(grammar.GrammarSpec("regex", body.guided_regex, "guided_regex"))
-    if body.guided_choice is not None:
-        specs.append(grammar.GrammarSpec("choice", body.guided_choice, "guided_choice"))
-    if body.guided_grammar is not None:
-        specs.append(grammar.GrammarSpec("grammar", body.guided_grammar, "guided_grammar"))
+    for kind in PLAIN_SPECS:
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            specs.append(grammar.GrammarSpec(kind, value, f"guided_{kind}"))
     mode: ToolMode | None = None
     name: str | None = None
     if isinstance(body, ChatCompletionRequest):
