@@ -65,6 +65,7 @@ class SchemeSpec:
     alpha: float = 1.2
     variant: str = Variant.WORLDCUP.value
     version: str = "worldcup-v1"
+    strength: float | None = None  # a baseline's bias (worldcup_core.baselines.STRENGTH)
 
     @property
     def watermarked(self) -> bool:
@@ -75,11 +76,14 @@ class SchemeSpec:
         return self.kind == "worldcup" and self.variant in ABLATIONS
 
     def describe(self) -> dict[str, Any]:
-        """What cache keys hash. ``version`` appears only when it is not v1, so the cache
-        written before scheme v2 existed keeps hitting."""
+        """What cache keys hash. ``version`` appears only when it is not v1 and
+        ``strength`` only when set, so the cache written before either existed keeps
+        hitting."""
         out = asdict(self)
         if out["version"] == "worldcup-v1":
             del out["version"]
+        if out["strength"] is None:  # a baseline at its paper setting: the committed key
+            del out["strength"]
         return out
 
 

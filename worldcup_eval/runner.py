@@ -84,11 +84,11 @@ def build_scheme(cfg: EvalConfig, spec: SchemeSpec) -> WatermarkScheme | None:
     if spec.kind == "none":
         return None
     if spec.kind in BASELINES:
-        return build_baseline(spec.kind, key)
-    if spec.kind == "worldcup-flat":  # a design experiment (issue #29)
-        from worldcup_eval.ideas import FlatLambdaWorldCup
+        return build_baseline(spec.kind, key, spec.strength)
+    if spec.kind.startswith("worldcup-"):  # a design experiment (issues #29, #40)
+        from worldcup_eval.ideas import idea_scheme
 
-        return FlatLambdaWorldCup(key, cfg.watermark_config(spec))
+        return idea_scheme(spec.kind.removeprefix("worldcup-"), key, cfg.watermark_config(spec))
     return WorldCup(key, cfg.watermark_config(spec))
 
 

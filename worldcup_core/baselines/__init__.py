@@ -8,9 +8,9 @@ baseline is one module plus one entry here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from worldcup_core.baselines import bimark, mpac, segmark, stealthink
+from worldcup_core.baselines import bimark, mpac, segmark, stealthink, xmark
 from worldcup_core.baselines.bimark import (
     BIMARK_VERSION,
     BiMark,
@@ -43,6 +43,13 @@ from worldcup_core.baselines.stealthink import (
     extract_stealthink_evidence,
     stealthink_reweight,
 )
+from worldcup_core.baselines.xmark import (
+    XMARK_VERSION,
+    XMark,
+    XMarkConfig,
+    XMarkSequence,
+    extract_xmark_evidence,
+)
 from worldcup_core.prf import WatermarkKey
 
 if TYPE_CHECKING:
@@ -53,6 +60,7 @@ BASELINES: dict[str, Callable[[WatermarkKey], WatermarkScheme]] = {
     "bimark": BiMark,
     "segmark": SegMark,
     "stealthink": StealthInk,
+    "xmark": XMark,
 }
 
 # One line per baseline: its settings as the evaluation report states them.
@@ -61,6 +69,7 @@ BASELINE_SETTINGS: dict[str, str] = {
     "bimark": bimark.SETTINGS,
     "segmark": segmark.SETTINGS,
     "stealthink": stealthink.SETTINGS,
+    "xmark": xmark.SETTINGS,
 }
 
 
@@ -73,19 +82,40 @@ def describe_settings(name: str) -> str:
         raise ValueError(f"unknown baseline {name!r}; known: {known}") from None
 
 
-def build_baseline(name: str, key: WatermarkKey) -> WatermarkScheme:
-    """The baseline called ``name`` under ``key``; ``ValueError`` names the known ones."""
-    try:
-        return BASELINES[name](key)
-    except KeyError:
+# The strength knob of each baseline that has one (an equal-strength comparison turns
+# it): the logit bias delta of the green-list schemes, BiMark's base scaling factor.
+STRENGTH: dict[str, str] = {
+    "mpac": "delta",
+    "segmark": "delta",
+    "xmark": "delta",
+    "bimark": "base_delta",
+}
+
+
+def build_baseline(name: str, key: WatermarkKey, strength: float | None = None) -> WatermarkScheme:
+    """The baseline called ``name`` under ``key``, at its paper setting or with its
+    ``STRENGTH`` parameter set to ``strength``; ``ValueError`` names the known ones."""
+    if name not in BASELINES:
         known = ", ".join(sorted(BASELINES))
-        raise ValueError(f"unknown baseline {name!r}; known: {known}") from None
+        raise ValueError(f"unknown baseline {name!r}; known: {known}")
+    if strength is None:
+        return BASELINES[name](key)
+    configs: dict[str, Callable[[float], object]] = {
+        "mpac": lambda s: MPAC(key, MPACConfig(delta=s)),
+        "segmark": lambda s: SegMark(key, SegMarkConfig(delta=s)),
+        "xmark": lambda s: XMark(key, XMarkConfig(delta=s)),
+        "bimark": lambda s: BiMark(key, BiMarkConfig(base_delta=s)),
+    }
+    if name not in configs:
+        raise ValueError(f"baseline {name!r} has no strength setting")
+    return cast("WatermarkScheme", configs[name](strength))
 
 
 __all__ = [
     "BASELINES",
     "BASELINE_SETTINGS",
     "BIMARK_VERSION",
+    "STRENGTH",
     "BiMark",
     "BiMarkConfig",
     "BiMarkSequence",
@@ -101,6 +131,10 @@ __all__ = [
     "StealthInk",
     "StealthInkConfig",
     "StealthInkSequence",
+    "XMARK_VERSION",
+    "XMark",
+    "XMarkConfig",
+    "XMarkSequence",
     "bimark_reweight",
     "build_baseline",
     "describe_settings",
@@ -108,6 +142,7 @@ __all__ = [
     "extract_mpac_evidence",
     "extract_segmark_evidence",
     "extract_stealthink_evidence",
+    "extract_xmark_evidence",
     "mpac_z_score",
     "rs_code_for",
     "stealthink_reweight",

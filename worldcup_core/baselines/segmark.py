@@ -311,7 +311,7 @@ def _log_max_pmf(trials: int, alphabet: int) -> FloatArray:
     return out
 
 
-def _log_convolve(a: FloatArray, b: FloatArray) -> FloatArray:
+def log_convolve(a: FloatArray, b: FloatArray) -> FloatArray:
     """The log pmf of the sum of two independent variables from their log pmfs."""
     i = np.arange(a.shape[0])[:, None]
     j = np.arange(b.shape[0])[None, :]
@@ -328,7 +328,7 @@ def max_sum_log_pmf(sizes: Sequence[int], alphabet: int) -> FloatArray:
     out = np.zeros(1)
     for size in sizes:
         if size > 0:
-            out = _log_convolve(out, _log_max_pmf(int(size), alphabet))
+            out = log_convolve(out, _log_max_pmf(int(size), alphabet))
     return out
 
 
