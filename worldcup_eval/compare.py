@@ -82,6 +82,8 @@ COMPARE_SCHEMA = "worldcup-compare-v1"
 ALL_DONE = 3  # --generate's exit status once every cell is cached
 UNLIKELY = math.log(0.01)  # a token the unwatermarked model gives probability < 1 %
 LABELS = {"bimark": "BiMark", "xmark": "XMark", "segmark": "RSBH", "mpac": "MPAC"}
+# the service's `frontier` preset (k = 1, alpha = 0.6) under the scheme new keys get
+SERVICE_DEFAULT = "worldcup-v2-k1@0.6"
 
 
 def compare_spec(name: str, cfg: EvalConfig) -> SchemeSpec:
@@ -99,7 +101,9 @@ def compare_spec(name: str, cfg: EvalConfig) -> SchemeSpec:
 
 
 def label(name: str) -> str:
-    """The name a table shows: ``MPAC δ=3``, ``WorldCup k1 α0.6 (v2)``."""
+    """The name a table shows: ``MPAC δ=3``, ``WorldCup (default)``."""
+    if name == SERVICE_DEFAULT:
+        return "WorldCup (default)"
     base, sep, settings = name.partition("@")
     if base in LABELS:
         knob = "δ̃" if STRENGTH.get(base) == "base_delta" else "δ"
@@ -419,7 +423,7 @@ class Comparison:
             "equal": self.equal(),
             "masking": self.masking(),
         }
-        results["missing"] = self.missing
+        results["missing"] = list(dict.fromkeys(self.missing))
         results["complete"] = not self.missing
         results["verdicts"] = verdicts(results)
         return results
@@ -559,14 +563,7 @@ class Comparison:
                 add_paired([point], {name: values, e.anchor: anchor_values}, e.anchor)
                 points.append(point)
             out["sweeps"][scheme] = points
-            matched = next((p for p in points if p["tpr"] >= target - 1e-12), None)
-            out["matched"].append(
-                {
-                    "scheme": scheme,
-                    "reached": matched is not None,
-                    "point": matched if matched is not None else (points[-1] if points else None),
-                }
-            )
+            out["matched"].append({"scheme": scheme, **match_strength(points, target)})
         return out
 
     def masking(self) -> list[dict[str, Any]]:
@@ -587,6 +584,15 @@ class Comparison:
                     diffs[key], diffs[f"{key}_se"] = _r(d), _r(se)
                 out.append({"ablation": pa, "base": pb, "length": length, "minus_base": diffs})
         return out
+
+
+def match_strength(points: Sequence[Mapping[str, Any]], target: float) -> dict[str, Any]:
+    """The equal-strength rule: the first point (sweeps list the weakest first) whose TPR
+    reaches ``target``; when none does, the strongest measured, flagged as not reached."""
+    matched = next((p for p in points if p["tpr"] >= target - 1e-12), None)
+    if matched is not None:
+        return {"reached": True, "point": matched}
+    return {"reached": False, "point": points[-1] if points else None}
 
 
 def _floats(values: Sequence[float | None]) -> list[float]:
@@ -930,7 +936,7 @@ def readme_table(results: Mapping[str, Any]) -> str:
     s_by = {p["name"]: p for p in short["points"]}
     for p in long["points"]:
         q = s_by.get(p["name"])
-        name = "**WorldCup (default)**" if p["name"] == c["reference"] else p["label"]
+        name = f"**{p['label']}**" if p["name"] == c["reference"] else p["label"]
         lines.append(
             f"| {name} | "
             f"{_pm(q['bit_accuracy'], q['bit_accuracy_se']) if q else '—'} | "
@@ -985,7 +991,7 @@ def plot_grid(results: Mapping[str, Any], path: Path) -> Path:
                 [b for b, _ in pts],
                 [p[key] for _, p in pts],
                 yerr=[p.get(se_key) or 0.0 for _, p in pts],
-                label="WorldCup (default)" if name == c["reference"] else label(name),
+                label=label(name),
                 **_style(i),
             )
         if key == "self_ppl_median" and settings:
@@ -1016,7 +1022,6 @@ def plot_attacks(results: Mapping[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(2, 1, figsize=(11.5, 7.5), sharex=True)
     width = 0.8 / max(1, len(names))
     x = np.arange(len(attacks))
-    ref = results["compare_config"]["reference"]
     for i, n in enumerate(names):
         for ax, key in ((axes[0], "bit_accuracy"), (axes[1], "tpr")):
             vals = [by[(a, n)][key] if (a, n) in by else np.nan for a in attacks]
@@ -1027,7 +1032,7 @@ def plot_attacks(results: Mapping[str, Any], path: Path) -> Path:
                 width,
                 yerr=errs,
                 capsize=2,
-                label="WorldCup (default)" if n == ref else label(n),
+                label=label(n),
             )
     axes[0].set(ylabel="bit accuracy", ylim=(0.4, 1.0))
     axes[1].set(ylabel="TPR at p < 0.01", ylim=(0.0, 1.05))
