@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import resource
 import sys
 import time
 import tomllib
@@ -363,9 +364,10 @@ class Comparison:
         spec = compare_spec(name, self.cfg)
         scheme = build_scheme(self.cfg, spec)
         assert scheme is not None
-        acc, exact, hit, strict = [], [], [], []
+        acc, exact, hit, strict, scored = [], [], [], [], []
         for r in rows:
             res = scheme.decode(list(r["token_ids"][:length]), bits, list_size=1)
+            scored.append(res.detection.num_scored_tokens / max(1, res.detection.num_tokens))
             acc.append(bit_accuracy(res.bits, r["payload"]))
             exact.append(float(res.bits == r["payload"]))
             hit.append(float(res.detection.p_value < c.fpr))
@@ -394,6 +396,8 @@ class Comparison:
             "negatives_fpr": _r(float(np.mean([s > -math.log10(c.fpr) for s in neg]))),
             "negatives_fpr_strict": _r(float(np.mean([s > -math.log10(c.strict) for s in neg]))),
             "n_negatives": len(neg),
+            # tokens scored: not after a repeated context (nor, in v2, the first c tokens)
+            "scored_share": _r(mean(scored), 4),
             **{k: v for k, v in quality.items() if k != "n"},
         }
         values.update({"bit_accuracy": acc, "exact": exact, "tpr": hit, "tpr_strict": strict})
@@ -1168,6 +1172,8 @@ def generate_next(cfg: EvalConfig, ccfg: CompareConfig) -> int:
             f"[{time.strftime('%H:%M:%S')}] {what} {job.path.name}: {data['tokens']} tokens "
             f"in {time.perf_counter() - t0:.0f} s"
         )
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _out(f"{what}: {usage.ru_utime + usage.ru_stime:.0f} s of CPU (this process)")
     return 0
 
 
