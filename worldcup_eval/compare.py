@@ -1038,7 +1038,7 @@ def plot_attacks(results: Mapping[str, Any], path: Path) -> Path:
                 capsize=2,
                 label=label(n),
             )
-    axes[0].set(ylabel="bit accuracy", ylim=(0.4, 1.0))
+    axes[0].set(ylabel="bit accuracy", ylim=(0.4, 1.08))
     axes[1].set(ylabel="TPR at p < 0.01", ylim=(0.0, 1.05))
     axes[1].set_xticks(x, attacks, rotation=20)
     for ax in axes:
