@@ -607,7 +607,7 @@ def add_paired(
     points: list[dict[str, Any]],
     scored: Mapping[str, _Scored],
     reference: str,
-    keys: Sequence[str] = ("bit_accuracy", "tpr", "tpr_strict", "log_ppl", "unlikely"),
+    keys: Sequence[str] = ("bit_accuracy", "exact", "tpr", "tpr_strict", "log_ppl", "unlikely"),
 ) -> None:
     """``<key>_minus_ref`` and its SE on each point: paired on the prompts both have."""
     ref = scored.get(reference)
@@ -643,9 +643,14 @@ def verdict(diff: float | None, se: float | None, tie_se: float) -> str:
     return "ties"
 
 
+# what the standing table compares, and the sign that makes "higher is better"
+VERDICT_KEYS = (("bit_accuracy", 1.0), ("exact", 1.0), ("tpr_strict", 1.0), ("log_ppl", -1.0))
+
+
 def verdicts(results: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """WorldCup's standing against each baseline per grid setting: bit accuracy, TPR at
-    p < 1e-6 and log self-PPL (lower is better), each by its paired difference."""
+    """WorldCup's standing against each baseline per grid setting: bit accuracy, exact
+    match, TPR at p < 1e-6 and log self-PPL (lower is better), each by its paired
+    difference."""
     c = results["compare_config"]
     out = []
     for setting in results["grid"]:
@@ -653,7 +658,7 @@ def verdicts(results: Mapping[str, Any]) -> list[dict[str, Any]]:
             if p["name"] == c["reference"]:
                 continue
             row = {"name": p["name"], "bits": setting["bits"], "length": setting["length"]}
-            for key, sign in (("bit_accuracy", 1.0), ("tpr_strict", 1.0), ("log_ppl", -1.0)):
+            for key, sign in VERDICT_KEYS:
                 d, se = p.get(f"{key}_minus_ref"), p.get(f"{key}_minus_ref_se")
                 row[key] = verdict(None if d is None else sign * d, se, c["tie_se"])
             out.append(row)
@@ -903,8 +908,8 @@ def standing_table(results: Mapping[str, Any]) -> list[str]:
     names = list(dict.fromkeys(r["name"] for r in rows))
     settings = list(dict.fromkeys((r["bits"], r["length"]) for r in rows))
     lines = [
-        "WorldCup's default against each scheme: bit accuracy / TPR at p < 1e-6 / self-PPL "
-        "(paired; `lead` = WorldCup better by more than the tie margin).",
+        "WorldCup's default against each scheme: bit accuracy / exact match / TPR at "
+        "p < 1e-6 / self-PPL (paired; `lead` = WorldCup better by more than the tie margin).",
         "",
         "| setting | " + " | ".join(label(n) for n in names) + " |",
         "|---|" + "---|" * len(names),
@@ -915,11 +920,7 @@ def standing_table(results: Mapping[str, Any]) -> list[str]:
         cells = []
         for n in names:
             r = by.get((n, bits, length))
-            cells.append(
-                "—"
-                if r is None
-                else " / ".join(short[r[k]] for k in ("bit_accuracy", "tpr_strict", "log_ppl"))
-            )
+            cells.append("—" if r is None else " / ".join(short[r[k]] for k, _ in VERDICT_KEYS))
         lines.append(f"| {bits} b / {length} t | " + " | ".join(cells) + " |")
     return lines
 
