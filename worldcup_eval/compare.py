@@ -567,7 +567,8 @@ class Comparison:
                 add_paired([point], {name: values, e.anchor: anchor_values}, e.anchor)
                 points.append(point)
             out["sweeps"][scheme] = points
-            out["matched"].append({"scheme": scheme, **match_strength(points, target)})
+            if scheme != e.anchor:  # the anchor's own sweep shows its frontier, unmatched
+                out["matched"].append({"scheme": scheme, **match_strength(points, target)})
         return out
 
     def masking(self) -> list[dict[str, Any]]:
@@ -770,7 +771,7 @@ def equal_table(results: Mapping[str, Any]) -> list[str]:
     for m in e["matched"]:
         p = m["point"]
         if p is None:
-            lines.append(f"| {LABELS.get(m['scheme'], m['scheme'])} | not measured | " + "— |" * 8)
+            lines.append(f"| {label(m['scheme'])} | not measured | " + "— |" * 8)
             continue
         strength = "paper" if p["strength"] is None else f"{p['strength']:g}"
         lines.append(row(p, strength, "" if m["reached"] else " (target not reached)"))
@@ -864,7 +865,7 @@ def render(results: Mapping[str, Any]) -> str:
             f"PPL {p.get('self_ppl_median', float('nan')):.2f}"
             for p in points
         )
-        lines.append(f"- {LABELS.get(scheme, scheme)}: {cells or 'none measured'}")
+        lines.append(f"- {label(scheme).removesuffix(' (default)')}: {cells or 'none measured'}")
     lines += ["", "![equal strength](equal.png)", ""]
     if results["masking"]:
         lines += [
@@ -1067,7 +1068,7 @@ def plot_equal(results: Mapping[str, Any], path: Path) -> Path:
                 [p["self_ppl_median"] for p in pts],
                 [p[key] for p in pts],
                 yerr=[p[f"{key}_se"] or 0.0 for p in pts],
-                label=LABELS.get(scheme, scheme),
+                label=label(scheme).removesuffix(" (default)"),
                 **_style(i),
             )
             for p in pts:
