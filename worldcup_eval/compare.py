@@ -824,6 +824,9 @@ def render(results: Mapping[str, Any]) -> str:
     ]
     for setting in results["grid"]:
         lines += [f"### {setting['bits']} bits, {setting['length']} tokens", ""]
+        if not setting["points"]:
+            lines += ["Not generated yet (see the status line).", ""]
+            continue
         lines += _grid_table(setting, c)
     a = results["attacks"]
     lines += [
@@ -867,6 +870,18 @@ def render(results: Mapping[str, Any]) -> str:
         )
         lines.append(f"- {label(scheme).removesuffix(' (default)')}: {cells or 'none measured'}")
     lines += ["", "![equal strength](equal.png)", ""]
+    if not results["masking"] and c["masking"]:
+        lines += [
+            "## Repeated-context masking",
+            "",
+            "WorldCup already samples a step whose c-token context occurred earlier in the "
+            "response from the unmodified distribution (since scheme v1, as SynthID and "
+            "vLLM-style samplers do); the grid's `scored_share` in results.json is the share "
+            "of tokens that carry the watermark. The ablation that switches the mask off ("
+            + ", ".join(f"`{a}` against `{b}`" for a, b in c["masking"])
+            + ") is not generated yet.",
+            "",
+        ]
     if results["masking"]:
         lines += [
             "## Repeated-context masking",
