@@ -146,8 +146,8 @@ def test_every_reported_cell_is_in_the_committed_cache(committed: dict[str, Any]
             uncached.append((name, bits))
     measured = {(p["name"], s["bits"]) for s in committed["grid"] for p in s["points"]}
     measured |= {(r["name"], committed["attacks"]["bits"]) for r in committed["attacks"]["rows"]}
-    sweeps = committed["equal"]["sweeps"].values()
-    measured |= {(p["name"], committed["equal"]["bits"]) for pts in sweeps for p in pts}
+    sweeps = committed["equal"]["sweeps"]
+    measured |= {(p["name"], committed["equal"]["bits"]) for w in sweeps for p in w["points"]}
     for pair in committed["masking"]:
         measured |= {(pair[k]["name"], pair[k]["bits"]) for k in ("ablation", "base")}
     assert measured and not measured & set(uncached)

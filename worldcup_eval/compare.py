@@ -547,7 +547,7 @@ class Comparison:
     def equal(self) -> dict[str, Any]:
         e = self.ccfg.equal
         seed = int(stable_hash([self.cfg.seed, "equal", e.bits, e.length], 8), 16)
-        out: dict[str, Any] = {"bits": e.bits, "length": e.length, "sweeps": {}, "matched": []}
+        out: dict[str, Any] = {"bits": e.bits, "length": e.length, "sweeps": [], "matched": []}
         anchor_rows = self.rows(e.anchor, e.bits)
         if anchor_rows is None:
             self.missing.append(f"{e.anchor} {e.bits} (equal-strength anchor)")
@@ -566,7 +566,7 @@ class Comparison:
                 point, values = self.point(name, rows, e.bits, e.length, seed)
                 add_paired([point], {name: values, e.anchor: anchor_values}, e.anchor)
                 points.append(point)
-            out["sweeps"][scheme] = points
+            out["sweeps"].append({"scheme": scheme, "points": points})  # a list: kept in order
             if scheme != e.anchor:  # the anchor's own sweep shows its frontier, unmatched
                 out["matched"].append({"scheme": scheme, **match_strength(points, target)})
         return out
@@ -577,7 +577,9 @@ class Comparison:
         for ablation, base in self.ccfg.masking:
             ra, rb = self.rows(ablation, a.bits), self.rows(base, a.bits)
             if ra is None or rb is None:
-                self.missing.append(f"{ablation} or {base} {a.bits} (masking)")
+                for name, rows in ((ablation, ra), (base, rb)):
+                    if rows is None:
+                        self.missing.append(f"{name} {a.bits} (masking)")
                 continue
             for length in self.ccfg.lengths:
                 seed = int(stable_hash([self.cfg.seed, "masking", length], 8), 16)
@@ -862,7 +864,7 @@ def render(results: Mapping[str, Any]) -> str:
         "Every swept point:",
         "",
     ]
-    for scheme, points in e["sweeps"].items():
+    for scheme, points in ((w["scheme"], w["points"]) for w in e["sweeps"]):
         cells = ", ".join(
             f"{p['label']}: TPR {p['tpr']:.2f}, acc {p['bit_accuracy']:.3f}, "
             f"PPL {p.get('self_ppl_median', float('nan')):.2f}"
@@ -1077,7 +1079,7 @@ def plot_equal(results: Mapping[str, Any], path: Path) -> Path:
     e = results["equal"]
     fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.8))
     for ax, key, ylabel in ((axes[0], "tpr", "TPR at p < 0.01"), (axes[1], "bit_accuracy", "")):
-        for i, (scheme, points) in enumerate(e["sweeps"].items()):
+        for i, (scheme, points) in enumerate((w["scheme"], w["points"]) for w in e["sweeps"]):
             pts = [p for p in points if p.get("self_ppl_median") is not None]
             ax.errorbar(
                 [p["self_ppl_median"] for p in pts],
