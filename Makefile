@@ -1,4 +1,4 @@
-.PHONY: setup setup-vllm run demo test test-vllm test-container lint typecheck pytest bench soak fuzz console-screenshots
+.PHONY: setup setup-vllm run demo test test-vllm test-container test-serve lint typecheck pytest bench soak fuzz console-screenshots
 VENV := .venv/bin
 
 setup:
@@ -41,6 +41,12 @@ test-vllm: setup-vllm
 ## CI runs it after make test-vllm. See scripts/container-test.sh and docs/deployment.md.
 test-container: setup
 	bash scripts/container-test.sh
+
+## The service on Ray Serve (pytest mark `serve`): two local Ray nodes (ports from
+## WORLDCUP_TEST_RAY_PORT_BASE, default 21300-21399), two replicas on the embedded model and
+## Redis; round trips through the proxies, a replica killed under load, a downscale under load.
+test-serve: setup
+	bash scripts/pytest.sh tests/test_serve.py -m serve -p no:cacheprovider -s
 
 bench: setup
 	$(VENV)/worldcup bench

@@ -572,6 +572,16 @@ def _register_scan() -> None:
 _register_scan()
 
 
+def _register_serve_ray() -> None:
+    """``serve-ray``: the service on Ray Serve (worldcup_cli/serve_ray.py)."""
+    from worldcup_cli.serve_ray import serve_ray
+
+    _command("serve-ray")(serve_ray)
+
+
+_register_serve_ray()
+
+
 @_command()
 def serve(
     host: Annotated[str | None, typer.Option("--host", help="Default: WORLDCUP_HOST.")] = None,

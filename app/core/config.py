@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
@@ -172,6 +172,8 @@ class Settings(BaseSettings):
             setattr(self, field, value)
         return self
 
+    _throwaway: set[str] = PrivateAttr(default_factory=set)
+
     @model_validator(mode="after")
     def _load_secrets(self) -> Self:
         self.master_key = self._secret("master_key", self.master_key, self.master_key_file)
@@ -205,7 +207,14 @@ class Settings(BaseSettings):
                     f"(or WORLDCUP_{name.upper()}_FILE), or WORLDCUP_ENV=dev for a throwaway one"
                 )
             raw = secrets.token_hex(32)
+            self._throwaway.add(name)
         return SecretStr(raw)
+
+    @property
+    def throwaway_secrets(self) -> frozenset[str]:
+        """The secrets drawn at random for this process (dev mode): no other process
+        shares them, so replicas cannot run on them (see app/serve.py)."""
+        return frozenset(self._throwaway)
 
     @property
     def master_key_bytes(self) -> bytes:
