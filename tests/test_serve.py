@@ -33,7 +33,11 @@ pytestmark = [pytest.mark.serve, pytest.mark.model]
 REDIS_URL = os.environ.get("WORLDCUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 ADMIN = f"serve-admin-{uuid.uuid4().hex}"
 REPLICA = "x-worldcup-replica"
-TOKENS = 40  # per generated text: enough for /decode to name its registry entry
+# per generated text (news openings as prompts), and the payload length: enough for
+# /decode to name every text's registry entry (short made-up prompts drew recited,
+# near-zero-entropy text from the instruct model, which no watermark can mark)
+TOKENS = 64
+BITS = 16
 
 
 def _redis_or_fail() -> redis.Redis:
@@ -63,6 +67,7 @@ def serve_config(cluster: LocalRayCluster, prefix: str) -> dict[str, Any]:
             "WORLDCUP_REDIS_PREFIX": prefix,  # this run's keys, deleted afterwards
             "WORLDCUP_CPU_WORKERS": "1",
             "WORLDCUP_MAX_BATCH_SIZE": "4",
+            "WORLDCUP_DEFAULT_NUM_BITS": str(BITS),
         },
     )
     options = deployment_options(config)
@@ -74,8 +79,11 @@ def serve_config(cluster: LocalRayCluster, prefix: str) -> dict[str, Any]:
 class Service:
     """The running application: its cluster, its proxies and a tenant."""
 
-    def __init__(self, cluster: LocalRayCluster, config: dict[str, Any]) -> None:
+    def __init__(
+        self, cluster: LocalRayCluster, config: dict[str, Any], prompts: list[str]
+    ) -> None:
         self.cluster = cluster
+        self.prompts = prompts
         self.config = config
         self.url = f"http://127.0.0.1:{cluster.http_port}"
         self.http = httpx.Client(base_url=self.url, timeout=180)
@@ -93,7 +101,7 @@ class Service:
 
     def generate(self, i: int, client: httpx.Client | None = None, **extra: Any) -> httpx.Response:
         body = {
-            "prompt": f"Tell me about harbour number {i} and its boats.",
+            "prompt": self.prompts[i % len(self.prompts)],
             "max_new_tokens": TOKENS,
             "min_new_tokens": TOKENS,
             "metadata": {"req": i},
@@ -107,7 +115,7 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service() -> Iterator[Service]:
+def service(data_dir: Path) -> Iterator[Service]:
     """Two nodes (one CPU each), the application on them, and its Redis keys removed."""
     import ray
 
@@ -135,7 +143,10 @@ def service() -> Iterator[Service]:
         config = serve_config(cluster, prefix)
         deploy(config, timeout_s=600)
         print(f"\n[serve] 2 nodes, 2 replicas running after {time.monotonic() - started:.1f} s")
-        svc = Service(cluster, config)
+        with (data_dir / "cnn_dailymail_test.jsonl").open() as fh:  # news openings as
+            articles = [json.loads(line)["article"] for line in fh][:200]  # prompts: the
+        prompts = [" ".join(a.split()[:30]) for a in articles]  # model continues prose
+        svc = Service(cluster, config, prompts)
         yield svc
         svc.http.close()
         svc.second.close()
@@ -303,10 +314,12 @@ def _load(
 
 def _tally(records: list[dict[str, Any]], service: Service) -> dict[str, Any]:
     """sent, 200s, failed (by status and code), lost: a 200 whose registry entry is
-    missing or whose text does not decode to it (checked again after the load), or a
-    request never answered."""
+    missing or whose text decodes to another entry, or a request never answered;
+    undecided: a 200 whose entry exists but whose text /decode could not name (too
+    little evidence in it: a property of the text, checked again after the load)."""
     ok = [r for r in records if r["status"] == 200]
     lost = [r for r in records if r["status"] is None]
+    undecided: list[dict[str, Any]] = []
     admin = {"Authorization": f"Bearer {ADMIN}"}
     for r in ok:
         issued = r["body"]
@@ -318,17 +331,33 @@ def _tally(records: list[dict[str, Any]], service: Service) -> dict[str, Any]:
             again = service.decode(issued["text"])
             r["decoded"] = again.json()
             match = r["decoded"].get("registry_match") if again.status_code == 200 else None
-        if entry.status_code != 200 or match is None or match["message_id"] != issued["message_id"]:
-            r["entry_status"] = entry.status_code
+        r["entry_status"] = entry.status_code
+        if entry.status_code != 200 or (match and match["message_id"] != issued["message_id"]):
             lost.append(r)
+        elif match is None:
+            undecided.append(r)
     failed = Counter(
         f"{r['status']} {r['body'].get('error', {}).get('code', r['body'])}"
         for r in records
         if r["status"] not in (200, None)
     )
-    for r in lost:  # what a reader of a failure needs
-        print(f"\n[serve] lost: {json.dumps(r)[:1500]}")
-    return {"sent": len(records), "ok": len(ok), "failed": dict(failed), "lost": len(lost)}
+    for r in lost + undecided:  # what a reader of a failure needs
+        decoded = r.get("decoded") or {}
+        detail = {
+            "message_id": r["body"].get("message_id"),
+            "entry_status": r.get("entry_status"),
+            "p_value": decoded.get("p_value"),
+            "registry_match": decoded.get("registry_match"),
+            "text": r["body"].get("text", r["body"])[:200],
+        }
+        print(f"\n[serve] not decoded to its entry: {json.dumps(detail)}")
+    return {
+        "sent": len(records),
+        "ok": len(ok),
+        "failed": dict(failed),
+        "lost": len(lost),
+        "undecided": len(undecided),
+    }
 
 
 def test_replica_killed_during_load(service: Service) -> None:
@@ -340,12 +369,12 @@ def test_replica_killed_during_load(service: Service) -> None:
     killed_at: list[float] = []
 
     def kill_once(done: int) -> None:
-        if done >= 6 and not killed_at:
+        if done >= 5 and not killed_at:
             os.kill(victim, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
     started = time.monotonic()
-    records = _load(service, 32, kill_once)
+    records = _load(service, 24, kill_once)
     elapsed = time.monotonic() - started
     assert killed_at, "the load ended before the kill"
     _replicas_running(2, timeout_s=300)
@@ -356,7 +385,7 @@ def test_replica_killed_during_load(service: Service) -> None:
         f"\n[serve] replica kill: {json.dumps(tally)} in {elapsed:.1f} s; replaced after "
         f"{time.monotonic() - killed_at[0]:.1f} s"
     )
-    assert tally["lost"] == 0, tally
+    assert tally["lost"] == 0 and tally["undecided"] == 0, tally
     assert tally["ok"] + sum(tally["failed"].values()) == tally["sent"]
     assert set(tally["failed"]) <= {"502 replica_unavailable"}, tally
     assert tally["ok"] >= tally["sent"] - 8, tally  # at most one batch in flight died
@@ -389,7 +418,7 @@ def test_downscale_under_load_drains(service: Service) -> None:
         while not stop_at or time.monotonic() < stop_at[0]:
             rec: dict[str, Any] = {"i": i}
             body = {
-                "prompt": f"Tell me about harbour number {i} and its boats.",
+                "prompt": service.prompts[i % len(service.prompts)],
                 "max_new_tokens": TOKENS,
                 "min_new_tokens": TOKENS,
                 "metadata": {"s": i},
@@ -458,5 +487,5 @@ def test_downscale_under_load_drains(service: Service) -> None:
     )
     assert len(service.cluster.replica_pids()) == 1
     assert drained and all(r["status"] == 200 for r in drained), drained
-    assert tally["failed"] == {} and tally["lost"] == 0, tally
+    assert tally["failed"] == {} and tally["lost"] == 0 and tally["undecided"] == 0, tally
     assert tally["ok"] == tally["sent"] >= 4, tally

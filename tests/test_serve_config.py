@@ -312,3 +312,48 @@ def test_ray_dashboard_shows_every_metric_per_replica_and_summed() -> None:
     assert all(
         p["datasource"]["uid"] == "prometheus" for p in dashboard["panels"] if "targets" in p
     )
+
+
+# ------------------------------------------------------------ worldcup serve-ray ---
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--replicas", "3:1"], {}, "MIN:MAX"),
+        (["--replicas", "two"], {}, "MIN:MAX"),
+        (["--detach"], {}, "--detach needs --address"),
+        (["--config", "/nonexistent/serve.yaml"], {}, "no Serve config"),
+        ([], {"WORLDCUP_REDIS_URL": ""}, "WORLDCUP_REDIS_URL"),
+        ([], {"WORLDCUP_ENV": "dev", "WORLDCUP_MASTER_KEY": ""}, "WORLDCUP_MASTER_KEY"),
+        ([], {"WORLDCUP_ADMIN_TOKEN": "changeme"}, "WORLDCUP_ADMIN_TOKEN"),
+    ],
+)
+def test_serve_ray_refuses_before_starting_anything(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bad arguments and settings the replicas could not start under fail here, in one
+    line, before Ray starts (no ray.init: the test would hang or start a cluster)."""
+    import ray
+    from typer.testing import CliRunner
+
+    from worldcup_cli.main import app
+
+    good = {
+        "WORLDCUP_MASTER_KEY": "2b" * 32,
+        "WORLDCUP_ADMIN_TOKEN": "serve-ray-cli-admin",
+        "WORLDCUP_REDIS_URL": "redis://127.0.0.1:6379/13",
+        "WORLDCUP_ENV": "prod",
+    }
+    for name, value in {**good, **env}.items():
+        monkeypatch.setenv(name, value)
+
+    def no_ray(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("ray.init was reached")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.chdir(ROOT / "tests")  # no .env here
+    result = CliRunner().invoke(app, ["serve-ray", *argv])
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output and "ray.init was reached" not in result.output
