@@ -6,11 +6,18 @@ export, the Serve proxies, a worker-port range per node) from one base,
 Redis's 6379 (Ray's default GCS port) or another job's ports. Each node's ``ray start``
 runs in a session of its own: stopping the cluster ends exactly the processes of those
 sessions (never ``ray stop``, which would end every Ray on the machine).
+
+The cluster runs with Ray's token authentication, on a token of its own (not the
+``~/.ray/auth_token`` that any local ``ray.init()`` on this machine may have written, and
+that a ``ray start`` without ``RAY_AUTH_MODE`` would otherwise pick up); the driver joins
+it inside :meth:`LocalRayCluster.driver_env`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -18,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +35,15 @@ REPLICA_TITLE = "ray::ServeReplica:worldcup:WorldCup"
 
 def port_base() -> int:
     return int(os.environ.get("WORLDCUP_TEST_RAY_PORT_BASE", "21300"))
+
+
+def _reload_ray_auth() -> None:
+    """Ray reads RAY_AUTH_MODE and the token once per process and caches them; a process
+    that imported Ray already rereads them this way (as Ray's own auth setup does)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @dataclass
@@ -47,6 +64,28 @@ class LocalRayCluster:
     base: int = field(default_factory=port_base)
     temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rwc", dir="/tmp"))
     nodes: list[Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        token = Path(self.temp_dir) / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+    @contextlib.contextmanager
+    def driver_env(self) -> Iterator[None]:
+        """This process's environment for ``ray.init`` on the cluster (restored after)."""
+        saved = {name: os.environ.get(name) for name in self.auth}
+        os.environ.update(self.auth)
+        _reload_ray_auth()
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            _reload_ray_auth()
 
     @property
     def gcs(self) -> str:
@@ -107,7 +146,7 @@ class LocalRayCluster:
             "--disable-usage-stats",
             *(f"{k}={v}" for k, v in self._ports(index).items()),
         ]
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **self.env, **self.auth}
         if index == 0:
             args += [
                 "--head",

@@ -11,6 +11,7 @@ Marked ``serve``: ``make test-serve`` (CI runs it after ``make test``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -136,9 +137,11 @@ def service(data_dir: Path) -> Iterator[Service]:
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    stack = contextlib.ExitStack()
     started = time.monotonic()
     try:
         cluster.start([1, 1])
+        stack.enter_context(cluster.driver_env())
         ray.init(address=cluster.gcs, namespace="serve", log_to_driver=False)
         config = serve_config(cluster, prefix)
         deploy(config, timeout_s=600)
@@ -153,6 +156,7 @@ def service(data_dir: Path) -> Iterator[Service]:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        stack.close()
         cluster.stop()
         keys = list(client.scan_iter(f"{prefix}:*", count=1000))
         if keys:
