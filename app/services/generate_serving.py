@@ -223,6 +223,9 @@ async def _stream(
         engine.cancel(sample.job)
         yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
     except APIError as exc:
+        if exc.code == gen.WATERMARK_FAILED:  # the receipt: not watermarked, entry voided
+            receipt = {"watermarked": False, "message_id": sample.message_id}
+            yield _sse(json.dumps(receipt), "receipt")
         yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except Exception:
         engine.cancel(sample.job)
