@@ -97,7 +97,9 @@ def _voided(app: FastAPI) -> float:
 
 
 def _entry(client: TestClient, tenant: str, message_id: int) -> int:
-    return client.get(f"/admin/tenants/{tenant}/registry/{message_id}", headers=ADMIN_AUTH).status_code
+    return client.get(
+        f"/admin/tenants/{tenant}/registry/{message_id}", headers=ADMIN_AUTH
+    ).status_code
 
 
 def test_non_streamed_generate_is_a_500_and_its_entry_is_voided(

@@ -50,7 +50,16 @@ from typing import Any
 from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.engines.base import EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
-from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, SOCKET_ENV, KeyServer, RowSpec
+from app.engines.vllm_keys import (
+    EOS_ARGS_KEY,
+    EXTRA_ARGS_KEY,
+    SCORES_ENV,
+    SOCKET_ENV,
+    KeyServer,
+    RowSpec,
+    read_scores,
+    score_summary,
+)
 from worldcup_core.generation import (
     FinishReason,
     GenerationRequest,
@@ -227,6 +236,7 @@ class VLLMEngine:
         engine = cls(llm, keys, eos, metrics, settings.max_batch_size, settings.max_queue)
         engine.watermark = watermark
         engine.runner = runner
+        engine.scores = os.environ.get(SCORES_ENV) if watermark else None
         engine.logprobs_mode = settings.vllm_logprobs_mode
         return engine, tokenizer, settings.model_path or EMBEDDED_MODEL_ID
 
@@ -247,6 +257,7 @@ class VLLMEngine:
         self.max_queue = max_queue
         self.watermark = True
         self.runner = "v1"  # vLLM's model runner (select_runner)
+        self.scores: str | None = None  # debug: the processor's per-position record
         self.logprobs_mode = "sampled"  # the only one a request may ask for (engine-wide)
         self._tasks: dict[GenerationJob, asyncio.Task[None]] = {}
         self._running = False
@@ -372,11 +383,19 @@ class VLLMEngine:
             logger.exception("vLLM generation failed")
             job._push(exc)
         finally:
+            if self.scores is not None:
+                self._log_scores(job, handle, tokens)
             job.done = True
             self._keys.forget(handle)
             self._tasks.pop(job, None)
             self._metrics.queue_depth.set(self.queue_depth)
             self._metrics.active_sequences.set(min(len(self._tasks), self.max_batch))
+
+    def _log_scores(self, job: GenerationJob, handle: str, tokens: list[int]) -> None:
+        """Debug (``WORLDCUP_VLLM_SCORES``): the request's per-position summary (counts
+        only, no token), to tell a weak text from a sync bug (:func:`score_summary`)."""
+        summary = score_summary(read_scores(str(self.scores), handle), tokens)
+        logger.info("WorldCup scores of request %s: %s", job.request_id, summary)
 
     def _check_fault(self, job: GenerationJob, handle: str) -> None:
         """Fail the request whose row a processor guard failed (counted by reason)."""

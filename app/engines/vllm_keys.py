@@ -18,6 +18,7 @@ arrive and fails the request on.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
+from typing import Any
 
 from worldcup_core.config import SamplingConfig
 from worldcup_core.message import Payload
@@ -172,3 +174,41 @@ class KeyClient:
                 if attempt == 2:
                     raise
         return None
+
+
+def read_scores(path: str, handle: str) -> list[dict[str, Any]]:
+    """Debug: the processor's per-position records of one request (``SCORES_ENV``)."""
+    out = []
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            if f'"handle": "{handle}"' in line:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+    return out
+
+
+def score_summary(records: list[dict[str, Any]], tokens: list[int]) -> dict[str, Any]:
+    """What tells a weak text from a sync bug: how many positions the watermark moved
+    (``tv`` > 0: not a first-c or repeated context, and not a near-certain token), the
+    mean entropy of the filtered distribution, and how many steps watermarked on a
+    context that is not the text's (a sync bug: 0 when the processor kept up), and the
+    replays of a preempted request."""
+    replays = [int(r["replay"]) for r in records if "replay" in r]
+    records = [r for r in records if "pos" in r]
+    moved = [r for r in records if r["tv"] > 1e-9]
+    mismatches = [
+        r["pos"]
+        for r in records
+        if r["ctx"] and tokens[max(0, r["pos"] - len(r["ctx"])) : r["pos"]] != r["ctx"]
+    ]
+    entropies = [float(r["entropy"]) for r in records]
+    return {
+        "positions": len(records),
+        "moved": len(moved),
+        "mean_entropy": round(sum(entropies) / len(entropies), 3) if entropies else None,
+        "low_entropy": sum(e < 0.1 for e in entropies),
+        "mean_tv": round(sum(r["tv"] for r in records) / len(records), 4) if records else None,
+        "context_mismatches": len(mismatches),
+        "first_mismatch": mismatches[0] if mismatches else None,
+        "replays": replays,
+    }

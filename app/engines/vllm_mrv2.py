@@ -133,6 +133,8 @@ class WorldCupMRv2Processor(RowBook, LogitsProcessor):  # type: ignore[misc]
         row.prompt = ids[:prompt_len]
         size = row.spec.sampling.no_repeat_ngram_size if row.spec is not None else 0
         row.blocker = NGramBlocker(size, row.prompt)
+        if total > prompt_len:
+            self._note_replay(row.handle, total - prompt_len)
         row.output.extend(ids[prompt_len:])
         self._record(slot, row, ids[prompt_len:])
 

@@ -159,6 +159,14 @@ class RowBook:
         if self._rows.pop(index, None) is not None:
             self._batched.clear_row(index)
 
+    def _note_replay(self, handle: str, tokens: int) -> None:
+        """A preempted request came back with ``tokens`` generated (logged; and recorded
+        in the debug file, as the engine core's INFO logs go nowhere by default)."""
+        logger.info("a re-added row replays %d tokens (preempted)", tokens)
+        if self._scores is not None:
+            self._scores.write(json.dumps({"handle": handle, "replay": tokens}) + "\n")
+            self._scores.flush()
+
     # ------------------------------------------------------------------ guards
     def _fail(self, index: int, row: _Row, fault: Fault) -> None:
         """From now on the row is sampled unwatermarked (bans and filtering stay), and
@@ -340,6 +348,8 @@ class WorldCupLogitsProcessor(RowBook, LogitsProcessor):  # type: ignore[misc]
             self._drop(index)
             handle = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
             if handle is not None:
+                if output_ids:
+                    self._note_replay(str(handle), len(output_ids))
                 eos = [int(t) for t in (params.extra_args or {}).get(EOS_ARGS_KEY, [])]
                 # a re-added (preempted) request replays the tokens it already has
                 self._rows[index] = self._new_row(
