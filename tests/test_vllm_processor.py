@@ -27,6 +27,7 @@ from worldcup_core import Payload, SamplingConfig, WatermarkConfig, WatermarkKey
 from worldcup_core.generation import ContinuousBatch, GenerationRequest
 from worldcup_core.sampling import filter_logits_torch
 from worldcup_core.scheme import WatermarkScheme
+from worldcup_core.step_layout import Column
 
 VOCAB = 400
 EOS = (7,)
@@ -798,7 +799,9 @@ def test_mrv2_processor_under_its_runner(async_scheduling: bool) -> None:
     """The MRv2 processor driven as MRv2's runner drives it, with and without async
     scheduling: rows reordered every step, partial prefills, a request preempted and
     re-added at another slot (its slot reused meanwhile by a request without a handle),
-    a late joiner. The processor sees each committed token exactly once (its record and
+    a late joiner, a request that misses a step, one that finishes (its slot leaves the
+    batched step: MRv2 tells no processor). The processor sees each committed token
+    exactly once (its record and
     the batched step's history equal vLLM's committed tokens), no guard fires, and the
     final step's distribution equals the hf engine's for every row."""
     requests = _requests()
@@ -826,16 +829,22 @@ def test_mrv2_processor_under_its_runner(async_scheduling: bool) -> None:
         if step == 12:
             run.add("r4", list(requests[4].prompt_ids), "r4")
             live.append("r4")
+        if step == 20:  # r3 finishes: its slot is freed, and MRv2 tells no processor
+            finished = run.slot["r3"]
+            run.preempt("r3")
+            live.remove("r3")
         partial = {"r4"} if step in (12, 13) else ({"r1"} if step == 9 else set())
-        logits = torch.from_numpy(rng.normal(0, 3, (len(live), VOCAB))).float()
-        last = run.step(live, logits, partial)
+        batch = [n for n in live if not (step == 16 and n == "r0")]  # r0 misses a step
+        logits = torch.from_numpy(rng.normal(0, 3, (len(batch), VOCAB))).float()
+        last = run.step(batch, logits, partial)
     run.commit()
     # the final step, unsampled: against the hf engine on the histories as committed
     mine = [n for n in live if n != "other"]
     logits = torch.from_numpy(rng.normal(0, 3, (len(mine), VOCAB))).float()
     got = run.step(mine, logits, sample=False)
     assert run.proc._keys.reported == []
-    for n in names:  # each committed token recorded exactly once
+    assert not run.proc._batched._host[finished, Column.LIVE]  # released after a step
+    for n in mine:  # each committed token recorded exactly once
         row = run.proc._rows[run.slot[n]]
         assert row.output == run.committed[n] and row.seen == len(row.output), n
         if row.batched:

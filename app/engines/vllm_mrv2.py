@@ -18,6 +18,8 @@ the bookkeeping differs:
 * the request's handle, EOS ids and spec come through ``extra_args`` in
   :meth:`add_request`; the prompt and any tokens a re-added request already has are
   read at the first step that follows (vLLM writes them to the device after the add);
+  a request that misses a step leaves the batched step and replays from the device
+  when it is back (MRv2 does not tell a processor when a request finishes);
 * each step reads the row's ``total_len`` (one host read for the batch) and the new
   token (one more): after that first sync a row grows by 0 or 1 a step and never
   shrinks, and a new token must have had mass in the row's previous q, else the row
@@ -48,7 +50,6 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 
 from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, Fault
 from app.engines.vllm_processor import RowBook, _Row, validate_handle
-from worldcup_core.sampling import NGramBlocker
 
 
 class WorldCupMRv2Processor(RowBook, LogitsProcessor):  # type: ignore[misc]
@@ -88,11 +89,24 @@ class WorldCupMRv2Processor(RowBook, LogitsProcessor):  # type: ignore[misc]
                 self._fail(s, self._rows[s], Fault.LAYOUT)
             return logits
         mine = [s for _, s in picked]
+        self._park(set(mine))
         self._sync(mine)
         index = torch.tensor([r for r, _ in picked], device=logits.device)
         out = self.process([self._rows[s] for s in mine], mine, logits[index])
         logits[index] = out.to(logits.dtype)
         return logits
+
+    def _park(self, present: set[int]) -> None:
+        """Rows absent from this step: MRv2 tells no processor when a request finishes,
+        so a slot's row leaves the batched step as soon as its request misses a step
+        (else the step's history tables would keep growing for requests long gone);
+        should it come back, it starts afresh from vLLM's device history, the ground
+        truth (:meth:`_replay`)."""
+        for slot, row in self._rows.items():
+            if slot not in present and not row.fresh and row.fault is None:
+                if row.batched:
+                    self._batched.clear_row(slot)
+                row.fresh = True
 
     def _sync(self, slots: list[int]) -> None:
         """Bring each row of this step up to its committed tokens, through the guards."""
@@ -129,14 +143,15 @@ class WorldCupMRv2Processor(RowBook, LogitsProcessor):  # type: ignore[misc]
         self._flush()
 
     def _replay(self, slot: int, row: _Row, prompt_len: int, total: int) -> None:
+        """A row's state from scratch, from vLLM's device history (after an add, or a
+        step the request missed): its prompt, and the tokens it already has."""
         ids = [int(t) for t in self._req.all_token_ids.gpu[slot, :total].tolist()]
-        row.prompt = ids[:prompt_len]
-        size = row.spec.sampling.no_repeat_ngram_size if row.spec is not None else 0
-        row.blocker = NGramBlocker(size, row.prompt)
+        fresh = self._row_of(slot, row.handle, row.spec, ids[:prompt_len], [], row.eos)
+        self._rows[slot] = fresh
         if total > prompt_len:
             self._note_replay(row.handle, total - prompt_len)
-        row.output.extend(ids[prompt_len:])
-        self._record(slot, row, ids[prompt_len:])
+        fresh.output.extend(ids[prompt_len:])
+        self._record(slot, fresh, ids[prompt_len:])
 
     def _catch_up(self, slot: int, row: _Row, prompt_len: int, total: int) -> None:
         """A failed row's tokens, for its (unwatermarked) bans and penalties."""

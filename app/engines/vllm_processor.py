@@ -132,6 +132,17 @@ class RowBook:
         spec = self._keys.fetch(handle)
         if spec is None:
             logger.error("unknown WorldCup handle: the row is ended at once (fail closed)")
+        return self._row_of(index, handle, spec, prompt, output, eos)
+
+    def _row_of(
+        self,
+        index: int,
+        handle: str,
+        spec: RowSpec | None,
+        prompt: list[int],
+        output: list[int],
+        eos: list[int],
+    ) -> _Row:
         wm, batched = None, False
         if spec is not None and spec.scheme is not None and spec.payload is not None:
             if BatchedWorldCup.supports(spec.scheme):
@@ -160,9 +171,10 @@ class RowBook:
             self._batched.clear_row(index)
 
     def _note_replay(self, handle: str, tokens: int) -> None:
-        """A preempted request came back with ``tokens`` generated (logged; and recorded
-        in the debug file, as the engine core's INFO logs go nowhere by default)."""
-        logger.info("a re-added row replays %d tokens (preempted)", tokens)
+        """A request came back with ``tokens`` generated (preempted; on MRv2 also after a
+        missed step): logged, and recorded in the debug file (the engine core's INFO logs
+        go nowhere by default)."""
+        logger.info("a row replays the %d tokens it already has", tokens)
         if self._scores is not None:
             self._scores.write(json.dumps({"handle": handle, "replay": tokens}) + "\n")
             self._scores.flush()
