@@ -146,7 +146,7 @@ class RowBook:
         wm, batched = None, False
         if spec is not None and spec.scheme is not None and spec.payload is not None:
             if BatchedWorldCup.supports(spec.scheme):
-                self._batched.set_row(index, spec.scheme, spec.payload)
+                self._batched.set_row(index, spec.scheme, spec.payload)  # type: ignore[arg-type]
                 batched = True
             else:
                 wm = spec.scheme.sequence(spec.payload)
