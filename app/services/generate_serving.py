@@ -2,7 +2,7 @@
 metadata, and answer in JSON or as Server-Sent Events.
 
 The /generate protocol over :mod:`app.services.generation`, the generation path
-it shares with the OpenAI routes (:mod:`app.services.openai_serving`).
+it shares with the OpenAI routes (:mod:`app.services.openai`).
 """
 
 from __future__ import annotations
