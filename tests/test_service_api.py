@@ -740,6 +740,40 @@ def test_streaming_deltas_keep_multibyte_characters_whole(
     assert "".join(deltas) == json.loads(events[-2][1])["text"] == text
 
 
+def test_generate_timeouts_are_counted_streamed_or_not(
+    app: FastAPI,
+    client: TestClient,
+    tenant: tuple[str, dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A generation past the request deadline is a 504 (an ``event: error`` when
+    streamed), its job is cancelled, and both forms count in the timeout metric."""
+    _, auth = tenant
+    runtime = app.state.runtime
+    jobs: list[GenerationJob] = []
+
+    def silent_submit(request: Any) -> GenerationJob:  # an engine that never answers
+        jobs.append(GenerationJob(request=request, loop=asyncio.get_running_loop()))
+        return jobs[-1]
+
+    monkeypatch.setattr(runtime.engine, "submit", silent_submit)
+    monkeypatch.setattr(runtime.settings, "request_timeout_s", 0.2)
+    before = metric_value(
+        metrics_text(client), "worldcup_request_rejections_total", reason="timeout"
+    )
+    r = client.post("/generate", json=gen_body(max_new_tokens=4), headers=auth)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    r = client.post("/generate", json=gen_body(stream=True, max_new_tokens=4), headers=auth)
+    assert r.status_code == 200  # the stream had started: the error is an event
+    events = sse_events(r.text)
+    assert events[-2][0] == "error" and json.loads(events[-2][1])["error"]["code"] == "timeout"
+    after = metric_value(
+        metrics_text(client), "worldcup_request_rejections_total", reason="timeout"
+    )
+    assert after - before == 2
+    assert len(jobs) == 2 and all(job.cancelled for job in jobs)
+
+
 def test_streaming_idempotent_replay(client: TestClient) -> None:
     _, auth = new_tenant(client)
     headers = {**auth, "Idempotency-Key": "stream-1"}

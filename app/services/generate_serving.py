@@ -220,8 +220,8 @@ async def _stream(
                 continue  # the closing EOS is not part of the text
             yield _sse(json.dumps({"token_id": item.token, "text": deltas.push(item.token)}))
     except TimeoutError:
-        engine.cancel(sample.job)
-        yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
+        exc = gen.timed_out(sample, engine)  # cancels the job and counts the timeout
+        yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except APIError as exc:
         yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except Exception:
