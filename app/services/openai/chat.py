@@ -32,6 +32,8 @@ from app.services.openai.stream import Chunks
 from app.services.openai.tools import ToolMode, call_text, parse_calls, tool_prompt
 from app.services.runtime import Runtime
 
+PREFIX = "chatcmpl"  # of a chat completion's id
+
 
 async def plan(runtime: Runtime, body: ChatCompletionRequest) -> Pending:
     """Check the model and the limits, tokenise; 400 naming the field otherwise."""
@@ -115,12 +117,8 @@ def chat_choice(run: Run, index: int, outcome: Outcome) -> ChatChoice:
 
 
 def response(run: Run, outcomes: list[Outcome]) -> ChatCompletion:
-    pending = run.pending
     return ChatCompletion(
-        id=f"chatcmpl-{pending.id}",
-        created=pending.created,
-        model=run.model,
-        system_fingerprint=run.fingerprint,
+        **core.head(run, PREFIX),
         choices=[chat_choice(run, i, o) for i, o in enumerate(outcomes)],
         usage=core.usage(run, outcomes),
     )
@@ -138,7 +136,7 @@ class ChatChunks(Chunks):
     (and any text beside it) when the choice ends. With ``logprobs`` each delta
     carries its tokens' entries."""
 
-    prefix = "chatcmpl"
+    prefix = PREFIX
 
     def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self.head, choices=choices, usage=usage)

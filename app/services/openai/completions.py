@@ -31,6 +31,8 @@ from app.services.openai.stream import Chunks
 from app.services.runtime import Runtime
 from worldcup_core.generation import PromptLogprobs, TokenLogprobs
 
+PREFIX = "cmpl"  # of a completion's id
+
 
 async def plan(runtime: Runtime, body: CompletionRequest) -> Pending:
     """Check the model and the limits, tokenise; 400 naming the field otherwise."""
@@ -91,12 +93,8 @@ def completion_choice(run: Run, index: int, outcome: Outcome) -> CompletionChoic
 
 
 def response(run: Run, outcomes: list[Outcome]) -> Completion:
-    pending = run.pending
     return Completion(
-        id=f"cmpl-{pending.id}",
-        created=pending.created,
-        model=run.model,
-        system_fingerprint=run.fingerprint,
+        **core.head(run, PREFIX),
         choices=[completion_choice(run, i, o) for i, o in enumerate(outcomes)],
         usage=core.usage(run, outcomes),
     )
@@ -106,7 +104,7 @@ class CompletionChunks(Chunks):
     """Completions' chunks: text deltas, each with its tokens' logprobs when asked for;
     with ``echo`` a choice's first chunk starts with its prompt (scored, with logprobs)."""
 
-    prefix = "cmpl"
+    prefix = PREFIX
 
     def __init__(self, run: Run, include_usage: bool) -> None:
         super().__init__(run, include_usage)

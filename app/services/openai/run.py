@@ -243,6 +243,17 @@ async def start(runtime: Runtime, engine: Engine, tenant_id: str, pending: Pendi
     return Run(pending, samples, model_name(runtime), fingerprint(runtime))
 
 
+def head(run: Run, prefix: str) -> dict[str, Any]:
+    """What a run's response and each of its chunks start with; ``prefix`` is the API's
+    (``chatcmpl``, ``cmpl``)."""
+    return {
+        "id": f"{prefix}-{run.pending.id}",
+        "created": run.pending.created,
+        "model": run.model,
+        "system_fingerprint": run.fingerprint,
+    }
+
+
 def usage(run: Run, outcomes: list[Outcome]) -> UsageInfo:
     prompt = sum(len(p) for p in run.pending.prompts)
     completion = sum(o.tokens for o in outcomes)

@@ -26,7 +26,7 @@ from app.schemas.openai.completions import Completion
 from app.services import generation as gen
 from app.services import receipt
 from app.services.openai.logprobs import Entries
-from app.services.openai.run import Outcome, Piece, Run, choice_watermark, follow
+from app.services.openai.run import Outcome, Piece, Run, choice_watermark, follow, head
 from app.stores.base import IdempotencyRecord
 from worldcup_core.generation import PromptLogprobs
 
@@ -55,12 +55,7 @@ class Chunks:
 
     def __init__(self, run: Run, include_usage: bool) -> None:
         self.run, self.include_usage = run, include_usage
-        self.head: dict[str, Any] = {
-            "id": f"{self.prefix}-{run.pending.id}",
-            "created": run.pending.created,
-            "model": run.model,
-            "system_fingerprint": run.fingerprint,
-        }
+        self.head = head(run, self.prefix)
 
     def chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> BaseModel:
         raise NotImplementedError
