@@ -19,9 +19,10 @@ from app.schemas.openai.chat import ChatCompletion, ChatCompletionChunk, ChatCom
 from app.schemas.openai.common import OPENAI_ERROR_RESPONSES, ModelCard, ModelList
 from app.schemas.openai.completions import Completion, CompletionChunk, CompletionRequest
 from app.services import receipt
-from app.services.openai import chat as chat_api
-from app.services.openai import completions as completions_api
 from app.services.openai import models
+from app.services.openai.chat import CHAT
+from app.services.openai.completions import COMPLETIONS
+from app.services.openai.serve import serve
 from app.services.runtime import charge
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -59,9 +60,7 @@ async def chat_completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, body.n or 1)  # one token per sample
-    return await chat_api.serve_chat(
-        runtime, engine, tenant.tenant_id, body, request, idempotency_key
-    )
+    return await serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key, CHAT)
 
 
 @router.post(
@@ -82,8 +81,8 @@ async def completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
-    return await completions_api.serve_completion(
-        runtime, engine, tenant.tenant_id, body, request, idempotency_key
+    return await serve(
+        runtime, engine, tenant.tenant_id, body, request, idempotency_key, COMPLETIONS
     )
 
 

@@ -27,7 +27,7 @@ from app.services.openai import run as core
 from app.services.openai.constraints import format_specs, one_constraint, tool_use
 from app.services.openai.logprobs import Entries, chat_logprobs
 from app.services.openai.run import Outcome, Pending, Piece, Run
-from app.services.openai.serve import Dialect, serve
+from app.services.openai.serve import Dialect
 from app.services.openai.stream import Chunks
 from app.services.openai.tools import ToolMode, call_text, parse_calls, tool_prompt
 from app.services.runtime import Runtime
@@ -221,17 +221,4 @@ def _replayed(choice: dict[str, Any]) -> dict[str, Any]:
     return {"delta": delta}
 
 
-CHAT = Dialect(response, ChatChunks, "chat.completion.chunk", _replayed)
-
-
-async def serve_chat(
-    runtime: Runtime,
-    engine: Engine,
-    tenant_id: str,
-    body: ChatCompletionRequest,
-    request: Request,
-    idempotency_key: str | None,
-) -> Any:
-    """A chat completion, as JSON or SSE (see :func:`.serve.serve`)."""
-    pending = await plan(runtime, body)
-    return await serve(runtime, engine, tenant_id, pending, request, idempotency_key, CHAT)
+CHAT = Dialect(plan, response, ChatChunks, "chat.completion.chunk", _replayed)

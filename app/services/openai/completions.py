@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import Request
-
 from app.core.errors import APIError
-from app.engines.base import Engine
 from app.schemas.openai.common import FinishReason, UsageInfo, WatermarkInfo
 from app.schemas.openai.completions import (
     Completion,
@@ -26,7 +23,7 @@ from app.services.openai import run as core
 from app.services.openai.constraints import format_specs, one_constraint
 from app.services.openai.logprobs import Entries, completion_logprobs
 from app.services.openai.run import Outcome, Pending, Piece, Run
-from app.services.openai.serve import Dialect, serve
+from app.services.openai.serve import Dialect
 from app.services.openai.stream import Chunks
 from app.services.runtime import Runtime
 from worldcup_core.generation import PromptLogprobs, TokenLogprobs
@@ -160,17 +157,6 @@ class CompletionChunks(Chunks):
         return [self.choice(index, None, finish=outcome.finish, watermark=watermark)]
 
 
-COMPLETIONS = Dialect(response, CompletionChunks, "text_completion", lambda c: {"text": c["text"]})
-
-
-async def serve_completion(
-    runtime: Runtime,
-    engine: Engine,
-    tenant_id: str,
-    body: CompletionRequest,
-    request: Request,
-    idempotency_key: str | None,
-) -> Any:
-    """A completion, as JSON or SSE (see :func:`.serve.serve`)."""
-    pending = await plan(runtime, body)
-    return await serve(runtime, engine, tenant_id, pending, request, idempotency_key, COMPLETIONS)
+COMPLETIONS = Dialect(
+    plan, response, CompletionChunks, "text_completion", lambda c: {"text": c["text"]}
+)

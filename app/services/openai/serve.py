@@ -4,16 +4,16 @@ true, as Server-Sent Events. An API gives its shapes as a :class:`Dialect`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.engines.base import Engine
-from app.schemas.openai.chat import ChatCompletion
-from app.schemas.openai.completions import Completion
+from app.schemas.openai.chat import ChatCompletion, ChatCompletionRequest
+from app.schemas.openai.completions import Completion, CompletionRequest
 from app.services import generation as gen
 from app.services import receipt
 from app.services.openai.run import Outcome, Pending, Run, outcomes, start
@@ -21,12 +21,15 @@ from app.services.openai.stream import Chunks, replay, stream
 from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
+
 
 @dataclass(frozen=True)
-class Dialect:
-    """What one API gives the shared path: its response, its chunks, and a stored
-    choice's content as a replayed chunk carries it."""
+class Dialect(Generic[Body]):
+    """What one API gives the shared path: its plan, its response, its chunks, and a
+    stored choice's content as a replayed chunk carries it."""
 
+    plan: Callable[[Runtime, Body], Awaitable[Pending]]
     respond: Callable[[Run, list[Outcome]], ChatCompletion | Completion]
     chunks: Callable[[Run, bool], Chunks]
     chunk_object: str
@@ -37,14 +40,14 @@ async def serve(
     runtime: Runtime,
     engine: Engine,
     tenant_id: str,
-    pending: Pending,
+    body: Body,
     request: Request,
     idempotency_key: str | None,
-    dialect: Dialect,
+    dialect: Dialect[Body],
 ) -> Any:
     """A replayed response for a known Idempotency-Key; else the completion, as JSON
     or, when ``stream`` is true, as OpenAI's Server-Sent Events."""
-    body = pending.body
+    pending = await dialect.plan(runtime, body)
     digest = pending.body_hash()
     if idempotency_key is not None:
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
@@ -79,7 +82,7 @@ def _include_usage(pending: Pending) -> bool:
 
 
 def _replay(
-    stored: IdempotencyRecord, pending: Pending, dialect: Dialect
+    stored: IdempotencyRecord, pending: Pending, dialect: Dialect[Any]
 ) -> JSONResponse | StreamingResponse:
     """A stored response again (same Idempotency-Key and body), as it was asked for."""
     if pending.body.stream:
