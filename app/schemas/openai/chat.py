@@ -14,6 +14,7 @@ from app.schemas.openai.common import (
     JsonSchema,
     OpenAIModel,
     OpenAIRequestModel,
+    ResponseHead,
     SamplingRequest,
     UsageInfo,
     WatermarkInfo,
@@ -246,12 +247,8 @@ class ChatChoice(OpenAIModel):
     watermark: WatermarkInfo
 
 
-class ChatCompletion(OpenAIModel):
-    id: str
+class ChatCompletion(ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -282,13 +279,9 @@ class ChatChunkChoice(OpenAIModel):
     watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
 
 
-class ChatCompletionChunk(OpenAIModel):
+class ChatCompletionChunk(ResponseHead):
     """One ``data:`` event of a streamed chat completion."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None

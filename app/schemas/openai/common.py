@@ -430,6 +430,16 @@ class SamplingRequest(OpenAIRequestModel):
 
 
 # --------------------------------------------------------------------------- responses
+class ResponseHead(OpenAIModel):
+    """What a completion and each of its chunks start with (``object`` is each one's)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int
     completion_tokens: int

@@ -13,6 +13,7 @@ from app.schemas.openai.common import (
     VLLM_UNSUPPORTED,
     FinishReason,
     OpenAIModel,
+    ResponseHead,
     SamplingRequest,
     UsageInfo,
     WatermarkInfo,
@@ -111,12 +112,8 @@ class CompletionChoice(OpenAIModel):
     )
 
 
-class Completion(OpenAIModel):
-    id: str
+class Completion(ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -129,13 +126,9 @@ class CompletionChunkChoice(OpenAIModel):
     watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
 
 
-class CompletionChunk(OpenAIModel):
+class CompletionChunk(ResponseHead):
     """One ``data:`` event of a streamed completion (``object`` as OpenAI sends it)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[CompletionChunkChoice]
     usage: UsageInfo | None = None
