@@ -19,8 +19,9 @@ from app.schemas.openai.chat import ChatCompletion, ChatCompletionChunk, ChatCom
 from app.schemas.openai.common import OPENAI_ERROR_RESPONSES, ModelCard, ModelList
 from app.schemas.openai.completions import Completion, CompletionChunk, CompletionRequest
 from app.services import receipt
+from app.services.openai import chat as chat_api
+from app.services.openai import completions as completions_api
 from app.services.openai import models
-from app.services.openai.chat import CHAT
 from app.services.openai.completions import COMPLETIONS
 from app.services.openai.serve import serve
 from app.services.runtime import charge
@@ -60,7 +61,10 @@ async def chat_completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, body.n or 1)  # one token per sample
-    return await serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key, CHAT)
+    pending = await chat_api.plan(runtime, body)
+    return await serve(
+        runtime, engine, tenant.tenant_id, pending, request, idempotency_key, chat_api.CHAT
+    )
 
 
 @router.post(
@@ -81,8 +85,9 @@ async def completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
+    pending = await completions_api.plan(runtime, body)
     return await serve(
-        runtime, engine, tenant.tenant_id, body, request, idempotency_key, COMPLETIONS
+        runtime, engine, tenant.tenant_id, pending, request, idempotency_key, COMPLETIONS
     )
 
 

@@ -221,4 +221,4 @@ def _replayed(choice: dict[str, Any]) -> dict[str, Any]:
     return {"delta": delta}
 
 
-CHAT = Dialect(plan, response, ChatChunks, "chat.completion.chunk", _replayed)
+CHAT = Dialect(response, ChatChunks, "chat.completion.chunk", _replayed)

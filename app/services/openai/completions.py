@@ -157,6 +157,4 @@ class CompletionChunks(Chunks):
         return [self.choice(index, None, finish=outcome.finish, watermark=watermark)]
 
 
-COMPLETIONS = Dialect(
-    plan, response, CompletionChunks, "text_completion", lambda c: {"text": c["text"]}
-)
+COMPLETIONS = Dialect(response, CompletionChunks, "text_completion", lambda c: {"text": c["text"]})

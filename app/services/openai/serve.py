@@ -4,16 +4,16 @@ true, as Server-Sent Events. An API gives its shapes as a :class:`Dialect`."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.engines.base import Engine
-from app.schemas.openai.chat import ChatCompletion, ChatCompletionRequest
-from app.schemas.openai.completions import Completion, CompletionRequest
+from app.schemas.openai.chat import ChatCompletion
+from app.schemas.openai.completions import Completion
 from app.services import generation as gen
 from app.services import receipt
 from app.services.openai.run import Outcome, Pending, Run, outcomes, start
@@ -21,15 +21,12 @@ from app.services.openai.stream import Chunks, replay, stream
 from app.services.runtime import Runtime
 from app.stores.base import IdempotencyRecord
 
-Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
-
 
 @dataclass(frozen=True)
-class Dialect(Generic[Body]):
-    """What one API gives the shared path: its plan, its response, its chunks, and a
-    stored choice's content as a replayed chunk carries it."""
+class Dialect:
+    """What one API gives the shared path: its response, its chunks, and a stored
+    choice's content as a replayed chunk carries it."""
 
-    plan: Callable[[Runtime, Body], Awaitable[Pending]]
     respond: Callable[[Run, list[Outcome]], ChatCompletion | Completion]
     chunks: Callable[[Run, bool], Chunks]
     chunk_object: str
@@ -40,14 +37,15 @@ async def serve(
     runtime: Runtime,
     engine: Engine,
     tenant_id: str,
-    body: Body,
+    pending: Pending,
     request: Request,
     idempotency_key: str | None,
-    dialect: Dialect[Body],
+    dialect: Dialect,
 ) -> Any:
     """A replayed response for a known Idempotency-Key; else the completion, as JSON
-    or, when ``stream`` is true, as OpenAI's Server-Sent Events."""
-    pending = await dialect.plan(runtime, body)
+    or, when ``stream`` is true, as OpenAI's Server-Sent Events. ``pending``: the
+    request as its API planned it (``chat.plan``, ``completions.plan``)."""
+    body = pending.body
     digest = pending.body_hash()
     if idempotency_key is not None:
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
@@ -82,7 +80,7 @@ def _include_usage(pending: Pending) -> bool:
 
 
 def _replay(
-    stored: IdempotencyRecord, pending: Pending, dialect: Dialect[Any]
+    stored: IdempotencyRecord, pending: Pending, dialect: Dialect
 ) -> JSONResponse | StreamingResponse:
     """A stored response again (same Idempotency-Key and body), as it was asked for."""
     if pending.body.stream:
