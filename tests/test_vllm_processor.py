@@ -247,18 +247,34 @@ def test_engine_args_map_the_logprobs_mode_setting() -> None:
     assert Settings(_env_file=None, env="dev").vllm_logprobs_mode == "sampled"  # type: ignore[call-arg]
 
 
-def test_json_bans_are_the_constraints_control_character_tokens() -> None:
-    """A JSON spec's constraint carries the printable-token mask; the engine hands the
-    processor the other ids (cached per mask); other specs ban nothing."""
+@pytest.mark.vllm
+def test_every_grammar_kind_reaches_vllm_through_the_one_table() -> None:
+    """The vllm engine reads a request's grammar from its constraint's ``spec`` and
+    ``GRAMMARS`` (the table the hf engine compiles from): each kind sets its own field
+    of ``StructuredOutputsParams``, JSON kinds as the same schema xgrammar compiles."""
     from types import SimpleNamespace
 
-    from app.engines.vllm import json_bans
+    from app.engines.grammar import ANY_OBJECT, GRAMMARS, GrammarSpec
+    from app.engines.vllm import structured_outputs
 
-    printable = torch.ones(VOCAB, dtype=torch.bool)
-    printable[[3, 10, 399]] = False
-    assert json_bans(SimpleNamespace(printable=printable)) == (3, 10, 399)
-    assert json_bans(SimpleNamespace(printable=None)) == ()
-    assert json_bans(None) == ()
+    values = {
+        "json_schema": ({"type": "object"}, "json", {"type": "object"}),
+        "json_object": (None, "json", ANY_OBJECT),
+        "regex": ("[ab]+", "regex", "[ab]+"),
+        "choice": (["north", "south"], "choice", ["north", "south"]),
+        "grammar": ('root ::= "x"', "grammar", 'root ::= "x"'),
+        "structural_tag": (
+            {"type": "structural_tag"},
+            "structural_tag",
+            '{"type": "structural_tag"}',
+        ),
+    }
+    assert set(values) == set(GRAMMARS)
+    for kind, (value, field, expected) in values.items():
+        constraint = SimpleNamespace(spec=GrammarSpec(kind, value, "x"), banned=())  # type: ignore[arg-type]
+        params = structured_outputs(GenerationRequest([1], constraint=constraint))  # type: ignore[arg-type]
+        assert getattr(params, field) == expected, kind
+    assert structured_outputs(GenerationRequest([1])) is None
 
 
 class _Reports(_Keys):

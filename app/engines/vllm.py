@@ -50,6 +50,7 @@ from typing import Any
 from app.core.config import Settings
 from app.core.metrics import Metrics
 from app.engines.base import EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
+from app.engines.grammar import GRAMMARS
 from app.engines.vllm_keys import (
     EOS_ARGS_KEY,
     EXTRA_ARGS_KEY,
@@ -309,9 +310,9 @@ class VLLMEngine:
                 min_tokens=s.min_new_tokens,
                 **common,
             )
-        spec = RowSpec(
-            s, tuple(self.eos), request.scheme, request.payload, json_bans(request.constraint)
-        )
+        # a JSON spec's bans (raw control characters), which the hf engine's mask holds too
+        banned = request.constraint.banned if request.constraint is not None else ()
+        spec = RowSpec(s, tuple(self.eos), request.scheme, request.payload, banned)
         self._keys.register(handle, spec)
         # the processor has applied penalties, logit_bias, temperature, min-p, top-k and
         # top-p: vLLM must sample q as is (its own penalties would come after the processor)
@@ -431,26 +432,14 @@ class VLLMEngine:
 
 
 def structured_outputs(request: GenerationRequest) -> Any:
-    """vLLM's ``StructuredOutputsParams`` for a request's grammar (the service's
-    :class:`~app.services.grammar.GrammarSpec`, carried by its constraint), or None."""
-    spec = getattr(request.constraint, "spec", None)
-    if spec is None:
+    """vLLM's ``StructuredOutputsParams`` for a request's grammar (its constraint's
+    :class:`~app.engines.grammar.GrammarSpec`, looked up in ``GRAMMARS``), or None."""
+    if request.constraint is None:
         return None
-    import json
-
     from vllm.sampling_params import StructuredOutputsParams
 
-    if spec.kind in ("json_schema", "json_object"):
-        from app.services.grammar import json_schema_of
-
-        return StructuredOutputsParams(json=json_schema_of(spec))
-    if spec.kind == "regex":
-        return StructuredOutputsParams(regex=spec.value)
-    if spec.kind == "choice":
-        return StructuredOutputsParams(choice=list(spec.value))
-    if spec.kind == "grammar":
-        return StructuredOutputsParams(grammar=spec.value)
-    return StructuredOutputsParams(structural_tag=json.dumps(spec.value))
+    spec = request.constraint.spec
+    return StructuredOutputsParams(**GRAMMARS[spec.kind].vllm(spec.value))
 
 
 def _logprobs(entry: Any, token: int) -> TokenLogprobs:
@@ -471,27 +460,6 @@ def _prompt_logprobs(entries: Any, prompt_ids: list[int]) -> PromptLogprobs:
         None if entry is None else _logprobs(entry, token)
         for entry, token in zip(entries, prompt_ids, strict=False)
     )
-
-
-def json_bans(constraint: Any) -> tuple[int, ...]:
-    """The token ids a JSON spec masks on the hf engine (their text holds a raw control
-    character, which xgrammar's JSON grammar lets into strings: invalid JSON); the
-    processor bans them too, unless that would leave the grammar nothing."""
-    printable = getattr(constraint, "printable", None)
-    if printable is None:
-        return ()
-    return _banned_ids(printable)
-
-
-_bans: dict[int, tuple[Any, tuple[int, ...]]] = {}
-
-
-def _banned_ids(printable: Any) -> tuple[int, ...]:
-    entry = _bans.get(id(printable))
-    if entry is None or entry[0] is not printable:
-        entry = (printable, tuple(int(i) for i in (~printable).nonzero().flatten().tolist()))
-        _bans[id(printable)] = entry
-    return entry[1]
 
 
 def _eos_ids(directory: str, tokenizer: Any) -> list[int]:
