@@ -44,18 +44,10 @@ import numpy.typing as npt
 from scipy import special
 
 from worldcup_core.config import MAX_PAYLOAD_BITS, WatermarkConfig
-from worldcup_core.prf import (
-    PRF,
-    PRFV2,
-    SCHEME_V2,
-    splitmix64,
-    uniforms_from_u64,
-    v2_tiebreak_seeds,
-)
+from worldcup_core.prf import PRF, splitmix64, uniforms_from_u64
 from worldcup_core.scoring import (
     TokenEvidence,
     fisher_log_sf,
-    grouped_log_pvalues,
     randomized_log_pvalues,
     sidak_log_p,
 )
@@ -175,7 +167,7 @@ def stacked_grouping_log_pvalues(
 
 
 def detect(
-    prf: PRF | PRFV2,
+    prf: PRF,
     config: WatermarkConfig,
     evidence: TokenEvidence,
     num_bits: int | None = None,
@@ -187,8 +179,6 @@ def detect(
     num_symbols = config.symbols_for(num_bits) if num_bits is not None else None
     if evidence.num_scored == 0:
         log_p, paper_z = 0.0, 0.0
-    elif isinstance(prf, PRFV2):
-        log_p, paper_z = _v2_log_p(prf, config, evidence, num_symbols)
     elif num_symbols is not None:
         log_ps, zs = grouping_log_pvalues(prf, evidence, [num_symbols])
         log_p, paper_z = float(log_ps[0]), float(zs[0])
@@ -214,21 +204,3 @@ def detect(
 def slot_count(config: WatermarkConfig) -> int:
     """S = ceil(64 / k): the symbol count of the longest payload, v2's unknown-length grouping."""
     return config.symbols_for(MAX_PAYLOAD_BITS)
-
-
-def _v2_log_p(
-    prf: PRFV2, config: WatermarkConfig, evidence: TokenEvidence, num_symbols: int | None
-) -> tuple[float, float]:
-    groups = num_symbols if num_symbols is not None else slot_count(config)
-    if evidence.version != SCHEME_V2:
-        raise ValueError("worldcup-v2 detection needs worldcup-v2 evidence")
-    cells = grouped_log_pvalues(
-        np.zeros(evidence.num_scored, dtype=np.int64),
-        1,
-        evidence.positions(groups),
-        evidence.ones,
-        evidence.trials_per_token,
-        groups,
-        v2_tiebreak_seeds(prf.tiebreak_key, [evidence.text_digest]),
-    )
-    return float(cells.log_p[0]), float(cells.paper_z[0])

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     # (vLLM's processed_logprobs, the watermarked q) or "model" (raw_logprobs); a request
     # whose logprobs_mode names the other one gets a 400
     vllm_logprobs_mode: Literal["sampled", "model"] = "sampled"
+    # vLLM's model runner, each with its processor: "v1" (the legacy runner, pinned: the
+    # only one the pinned vLLM has run live with the processor), "v2" (Model Runner V2,
+    # opt-in until it has run live on a GPU), "auto" (v2 where vLLM can run it, i.e. with
+    # Triton; see docs/vllm.md)
+    vllm_model_runner: Literal["auto", "v1", "v2"] = "v1"
 
     # model
     model_path: str | None = None  # None: the embedded SmolLM2
