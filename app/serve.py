@@ -254,9 +254,10 @@ class WorldCup:
             return
         raise RuntimeError(f"not ready: {problem.code}: {problem.message}")
 
-    def __del__(self) -> None:
-        if self._mirror is not None:
-            self._mirror.stop()
+    def __del__(self) -> None:  # Serve calls it after the app's lifespan shut down
+        mirror = getattr(self, "_mirror", None)  # None if __init__ refused the settings
+        if mirror is not None:
+            mirror.stop()
 
 
 # The Serve deployment (ingress: the app this class builds), and the application that

@@ -240,6 +240,7 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("scan", ["{tmp}/t.jsonl", "--out", "{tmp}/o.jsonl", "--key-file", "{bin}"], b"", "key"),
         ("bench-scan", ["--keys", "abc"], b"", "comma-separated"),
         ("serve", ["--port", "abc"], b"", "--port"),
+        ("serve-ray", ["--replicas", "3:1"], b"", "MIN:MAX"),
         ("bench-service", ["--detect-seconds", "0"], b"", "positive"),
         ("bench-attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
         ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),

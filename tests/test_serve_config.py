@@ -354,6 +354,6 @@ def test_serve_ray_refuses_before_starting_anything(
     monkeypatch.setattr(ray, "init", no_ray)
     monkeypatch.chdir(ROOT / "tests")  # no .env here
     result = CliRunner().invoke(app, ["serve-ray", *argv])
-    assert result.exit_code != 0
+    assert result.exit_code == 2, result.output
     assert message in result.output, result.output
     assert "Traceback" not in result.output and "ray.init was reached" not in result.output
