@@ -8,9 +8,15 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
+
+
+def fail(message: str) -> NoReturn:
+    """One line, exit code 2: the CLI's contract for bad input (as worldcup_cli.main's)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 def serve_ray(
@@ -47,8 +53,6 @@ def serve_ray(
     ] = False,
 ) -> None:
     """Run the service on Ray Serve: replicas that scale, heal and share one Redis."""
-    from worldcup_cli.main import fail
-
     try:
         import ray
         from ray import serve
