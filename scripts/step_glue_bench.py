@@ -11,6 +11,9 @@ allocation, the launch call):
   on a GPU add the launch itself, which ``scripts/gpu_bench.py`` times);
 * ``fused, list slots``: the same with the slots given as a Python list (copied to the
   device each step: the one per-row cost a caller can avoid by passing a tensor);
+* ``fused, preallocated out``: the same with the output buffer passed in (``out=``, as a
+  CUDA-graph capture or a caller with a per-shape workspace does): the launch and
+  nothing else;
 * for reference, the full steps: ``compiled`` (the numba loop itself, which grows
   with B by design) and ``tensor`` (torch ops, whose count is fixed; their compute
   grows with B).
@@ -47,8 +50,11 @@ def _stub(*args: Any) -> None:
 class Case:
     """One configuration: a path, whether its kernel runs, how slots are given."""
 
-    def __init__(self, name: str, path: StepPath, stubbed: bool, list_slots: bool) -> None:
+    def __init__(
+        self, name: str, path: StepPath, stubbed: bool, list_slots: bool, out: bool = False
+    ) -> None:
         self.name, self.path, self.stubbed, self.list_slots = name, path, stubbed, list_slots
+        self.out = out
 
     def __enter__(self) -> None:
         batched.FORCE_PATH = self.path
@@ -66,12 +72,13 @@ CASES = [
     Case("compiled: glue (kernel stubbed)", StepPath.COMPILED, True, False),
     Case("fused: glue (launch stubbed)", StepPath.FUSED, True, False),
     Case("fused: glue, slots as a list", StepPath.FUSED, True, True),
+    Case("fused: glue, preallocated out", StepPath.FUSED, True, False, out=True),
     Case("compiled: full step", StepPath.COMPILED, False, False),
     Case("tensor: full step", StepPath.TENSOR, False, False),
 ]
 
 
-def batch_of(rows: int, n: int, rng: np.random.Generator) -> Callable[[bool], None]:
+def batch_of(rows: int, n: int, rng: np.random.Generator) -> Callable[[Case], None]:
     """A batch of ``rows`` default-configured v2 rows past their first c tokens; returns
     a function that runs one step (slots as a tensor, or as a list)."""
     step = BatchedWorldCup("cpu", capacity=rows)
@@ -84,9 +91,10 @@ def batch_of(rows: int, n: int, rng: np.random.Generator) -> Callable[[bool], No
     cand = torch.from_numpy(rng.integers(0, 50_000, (rows, n)))
     probs = torch.from_numpy(rng.dirichlet(np.full(n, 0.5), size=rows))
     listed = list(range(rows))
+    buffer = torch.empty_like(probs)
 
-    def run(list_slots: bool) -> None:
-        step.step(listed if list_slots else slots, cand, probs)
+    def run(case: Case) -> None:
+        step.step(listed if case.list_slots else slots, cand, probs, buffer if case.out else None)
 
     return run
 
@@ -98,14 +106,14 @@ def measure(repeats: int, candidates: int) -> dict[str, dict[int, float]]:
     for case in CASES:  # compile and warm every path first
         with case:
             for rows in BATCHES:
-                runs[rows](case.list_slots)
+                runs[rows](case)
     order = [(case, rows) for case in CASES for rows in BATCHES]
     for _ in range(repeats):  # interleaved: every configuration once a round, shuffled
         for i in rng.permutation(len(order)):
             case, rows = order[i]
             with case:
                 start = time.perf_counter_ns()
-                runs[rows](case.list_slots)
+                runs[rows](case)
                 times[case.name][rows].append((time.perf_counter_ns() - start) / 1e3)
     return {
         name: {rows: statistics.median(ts) for rows, ts in by_rows.items()}

@@ -366,6 +366,33 @@ def test_the_step_issues_the_same_work_at_any_batch(
         assert len(launches) == 3  # one kernel call a step
 
 
+def test_the_fused_step_is_one_launch_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the fused path's caller can hand over as the kernel reads it (int64 device
+    slots, contiguous candidates, probs in the step's dtype, a preallocated ``out``)
+    costs one launch and not a single other dispatched op; ``out`` of the wrong shape
+    is refused, and the other paths write into ``out`` too."""
+    monkeypatch.setattr(batched, "FORCE_PATH", StepPath.FUSED)
+    launches: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(batched, "_fused_kernel", lambda: lambda *a: launches.append(a))
+    rng = np.random.default_rng(4)
+    batch = BatchedWorldCup(capacity=4)
+    for slot in range(4):
+        batch.set_row(slot, random_scheme(rng), Payload("0110"))
+    slots = torch.arange(4)
+    cand, probs = (torch.from_numpy(a) for a in random_step(rng, 4, 10, 100))
+    out = torch.empty_like(probs)
+    with OpCounter() as counter:
+        got = batch.step(slots, cand, probs, out)
+    assert counter.ops == [] and len(launches) == 1 and got is out
+    assert launches[0][3] is out
+    with pytest.raises(ValueError, match="contiguous"):
+        batch.step(slots, cand, probs, torch.empty(4, 9, dtype=probs.dtype))
+    monkeypatch.setattr(batched, "FORCE_PATH", StepPath.TENSOR)
+    written = torch.empty_like(probs)
+    assert batch.step(slots, cand, probs, written) is written
+    assert torch.equal(written, batch.step(slots, cand, probs))
+
+
 def test_the_fused_kernel_compiles_for_cuda() -> None:
     """Without a GPU, the kernel still goes through Triton's CUDA compiler (and its ptxas)
     for the A100 (sm_80) and the H100 (sm_90), in both dtypes and for wide rows: a GPU

@@ -115,6 +115,19 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     human = runner.invoke(app, ["detect", "--key-file", str(key_file)], input=text)
     assert human.exit_code == 0 and human.stdout.startswith("Watermarked (p = ")
 
+    # without --json decode prints each bit's confidence too (the README promises it)
+    plain = runner.invoke(
+        app, ["decode", "--key-file", str(key_file), "--num-bits", "16"], input=text
+    )
+    lines = plain.stdout.splitlines()
+    assert plain.exit_code == 0 and lines[0].startswith(f"bits {decoded['bits']}")
+    assert lines[1].startswith("per-bit confidence") and len(lines) == 2 + 16 // 4
+    cells = [c.split() for line in lines[2:] for c in line.split(" | ")]
+    assert [int(c[0]) for c in cells] == list(range(16))
+    assert "".join(c[1] for c in cells) == decoded["bits"]
+    zs = [entry["z"] for entry in decoded["bit_confidence"]]
+    assert [float(c[3]) for c in cells] == pytest.approx(zs, abs=0.006)
+
 
 @pytest.mark.parametrize(
     ("args", "needle"),
@@ -227,6 +240,7 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("scan", ["{tmp}/t.jsonl", "--out", "{tmp}/o.jsonl", "--key-file", "{bin}"], b"", "key"),
         ("bench-scan", ["--keys", "abc"], b"", "comma-separated"),
         ("serve", ["--port", "abc"], b"", "--port"),
+        ("serve-ray", ["--replicas", "3:1"], b"", "MIN:MAX"),
         ("bench-service", ["--detect-seconds", "0"], b"", "positive"),
         ("bench-attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
         ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),

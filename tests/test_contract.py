@@ -269,9 +269,21 @@ def test_z_score_reads_as_a_standard_normal_on_null_text(
     assert math.isclose(one["z_score"], float(stats.norm.isf(one["p_value"])), abs_tol=1e-9)
 
 
-@pytest.mark.parametrize("text", [" ", "\r", " \n\t ", "x"])
-def test_blank_text_is_an_ordinary_answer(client: TestClient, text: str) -> None:
-    """The schema says only "non-empty", so the server does not refuse whitespace."""
+@pytest.mark.parametrize("text", [" ", "\r", " \n\t ", "\u00a0\u3000", ""])
+def test_blank_text_is_refused_as_empty_text_is(client: TestClient, text: str) -> None:
+    """Only whitespace is nothing to score: a 422 naming the field, as for empty text
+    (the schema says so too: a pattern that needs one non-whitespace character)."""
+    _, auth = new_tenant(client)
+    for route in ("/detect", "/decode"):
+        r = client.post(route, json={"text": text}, headers=auth)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["message"].startswith("text: "), r.text
+    pattern = client.get("/openapi.json").json()["components"]["schemas"]["DetectRequest"]
+    assert re.search(pattern["properties"]["text"]["pattern"], text) is None
+
+
+@pytest.mark.parametrize("text", ["x", " x ", "\x1c"])
+def test_text_with_a_character_is_an_ordinary_answer(client: TestClient, text: str) -> None:
     _, auth = new_tenant(client)
     r = client.post("/detect", json={"text": text}, headers=auth)
     assert r.status_code == 200, r.text

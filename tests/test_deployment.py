@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import setuptools.build_meta
 import yaml
 from servers import SERVICE_METRICS
 
@@ -555,3 +558,18 @@ def test_service_settings_take_a_model_id(
         assert tokenizer.encode("hi")
     finally:
         engine.stop()
+
+
+def test_the_package_metadata_builds_without_a_deprecated_license_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``project.license`` is the SPDX string (PEP 639): setuptools deprecates the table
+    form, and builds that use it stop working after 2027-02-18."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["license"] == "Apache-2.0"
+    monkeypatch.chdir(ROOT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecation here fails the test
+        built = setuptools.build_meta.prepare_metadata_for_build_wheel(str(tmp_path))
+    metadata = (tmp_path / built / "METADATA").read_text(encoding="utf-8")
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()

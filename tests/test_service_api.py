@@ -183,6 +183,42 @@ def metric_value(text: str, sample_name: str, **labels: str) -> float:
 
 
 # --------------------------------------------------------------------------- 1. admin
+def test_the_admin_token_on_a_tenant_route_says_what_it_is(
+    client: TestClient, tenant: tuple[str, dict[str, str]]
+) -> None:
+    """The admin token is not an API key: a tenant route says so, instead of the 401 a
+    wrong key gets; the admin token itself never appears in the answer."""
+    for route, body in (("/detect", {"text": "x"}), ("/generate", gen_body())):
+        r = client.post(route, json=body, headers=ADMIN)
+        err = assert_error(r, 401, "invalid_api_key")
+        assert "admin token, not an API key" in err["message"] and ADMIN_TOKEN not in r.text
+        wrong = client.post(route, json=body, headers={"Authorization": "Bearer wc_wrong"})
+        assert assert_error(wrong, 401, "invalid_api_key")["message"] == (
+            "invalid or revoked API key"
+        )
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "a"}, headers=ADMIN)
+    assert r.status_code == 401 and "admin token" in r.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_gets_told_how_to_send_it(
+    client: TestClient, tenant: tuple[str, dict[str, str]]
+) -> None:
+    """``curl -d`` sends a form, and a body without a content type is not read as JSON:
+    the answer says to send JSON with its content type (not pydantic's "a valid
+    dictionary or object")."""
+    _, auth = tenant
+    for content_type in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8", None):
+        headers = {**auth, "Content-Type": content_type} if content_type else auth
+        r = client.post("/detect", content=b'{"text": "x"}', headers=headers)
+        err = assert_error(r, 422, "invalid_request")
+        assert "Content-Type: application/json" in err["message"], err
+        assert (content_type or "no Content-Type").split(";")[0] in err["message"]
+    r = client.post("/v1/completions", content=b"{}", headers=auth)
+    assert r.status_code == 400 and "Content-Type" in r.json()["error"]["message"]
+    r = client.post("/detect", content=b"[1]", headers={**auth, "Content-Type": "application/json"})
+    assert "Content-Type" not in assert_error(r, 422, "invalid_request")["message"]
+
+
 def test_admin_tenants_keys_and_registry(client: TestClient) -> None:
     name = f"acme-{uuid.uuid4().hex[:8]}"
     r = client.post("/admin/tenants", json={"name": name}, headers=ADMIN)
@@ -354,8 +390,9 @@ BAD_JSON_CASES: list[tuple[str, Any, int, str | None, str]] = [
         "invalid_request",
         "sizes hex and int",
     ),
-    ("/generate", gen_body(max_new_tokens=10**9), 422, "invalid_request", "max_new_tokens"),
-    ("/generate", gen_body(max_new_tokens=10**30), 422, "invalid_request", "max_new_tokens"),
+    # one limit, the server's, however far over it a request goes
+    ("/generate", gen_body(max_new_tokens=10**9), 422, "max_new_tokens_too_large", "at most 256"),
+    ("/generate", gen_body(max_new_tokens=10**30), 422, "max_new_tokens_too_large", "at most 256"),
     ("/generate", gen_body(max_new_tokens=0), 422, "invalid_request", "max_new_tokens"),
     ("/generate", gen_body(max_new_tokens=300), 422, "max_new_tokens_too_large", "at most 256"),
     ("/generate", gen_body(temperature=0), 422, "invalid_request", "temperature"),
@@ -738,6 +775,34 @@ def test_streaming_deltas_keep_multibyte_characters_whole(
     deltas = [json.loads(data)["text"] for name, data in events[:-2]]
     assert all("\ufffd" not in d for d in deltas), deltas
     assert "".join(deltas) == json.loads(events[-2][1])["text"] == text
+
+
+def test_generate_timeouts_are_counted_streamed_or_not(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation past the request deadline is a 504 (an ``event: error`` when
+    streamed), its job is cancelled, and both forms count in the timeout metric.
+    (An app of its own: this module's app must never answer a 5xx.)"""
+    app = create_app(make_settings(model_dir, tmp_path, request_timeout_s=0.2))
+    jobs: list[GenerationJob] = []
+
+    def silent_submit(request: Any) -> GenerationJob:  # an engine that never answers
+        jobs.append(GenerationJob(request=request, loop=asyncio.get_running_loop()))
+        return jobs[-1]
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        _, auth = new_tenant(client)
+        monkeypatch.setattr(app.state.runtime.engine, "submit", silent_submit)
+        r = client.post("/generate", json=gen_body(max_new_tokens=4), headers=auth)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        r = client.post("/generate", json=gen_body(stream=True, max_new_tokens=4), headers=auth)
+        assert r.status_code == 200  # the stream had started: the error is an event
+        events = sse_events(r.text)
+        assert events[-2][0] == "error"
+        assert json.loads(events[-2][1])["error"]["code"] == "timeout"
+        text = metrics_text(client)
+    assert metric_value(text, "worldcup_request_rejections_total", reason="timeout") == 2
+    assert len(jobs) == 2 and all(job.cancelled for job in jobs)
 
 
 def test_streaming_idempotent_replay(client: TestClient) -> None:

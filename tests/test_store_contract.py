@@ -305,6 +305,24 @@ async def test_message_ids_filter_by_key_version_and_bits(store: Store) -> None:
     assert await store.message_ids(tid, 3, 32) == []
 
 
+async def test_void_message_withdraws_the_entry_and_never_reuses_its_id(store: Store) -> None:
+    """A generation that could not be watermarked voids its entry: no longer read nor
+    matched, and the next allocation does not hand its id out again (the last id too)."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    for _ in range(3):
+        await store.allocate_message(tid, 1, 32, {"m": 1}, 0.0)
+    assert await store.void_message(tid, 3, "growth")
+    assert await store.void_message(tid, 2, "growth")
+    assert not await store.void_message(tid, 2, "growth")  # already void
+    assert not await store.void_message(tid, 9, "growth")  # never issued
+    assert await store.registry_entry(tid, 2) is None
+    assert await store.message_ids(tid, 1, 32) == [1]
+    assert (await store.allocate_message(tid, 1, 32, {}, 0.0)).message_id == 4
+    assert await store.message_ids(tid, 1, 32) == [1, 4]
+
+
 async def test_tenant_isolation(store: Store) -> None:
     a, ka = tenant_records("alpha")
     b, kb = tenant_records("beta")

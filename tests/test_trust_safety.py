@@ -177,9 +177,8 @@ def test_every_provenance_query_is_audited_without_the_text(client: TestClient) 
 
 
 def test_provenance_refuses_bad_text(client: TestClient) -> None:
-    # whitespace is text like any other (the schema cannot say "not only whitespace")
-    blank = client.post("/provenance", json={"text": " "}, headers=ADMIN)
-    assert blank.status_code == 200 and blank.json()["found"] is False, blank.text
+    # only whitespace is nothing to search, as empty text is
+    assert_error(client.post("/provenance", json={"text": " \n"}, headers=ADMIN), 422)
     coerced = {"text": "x", "include_token_scores": "true"}
     r = client.post("/provenance", json=coerced, headers=ADMIN)
     assert_error(r, 422, "invalid_request")  # no string-to-bool coercion
@@ -192,7 +191,12 @@ def test_batch_decode_and_detect(client: TestClient) -> None:
     with fixed_watermark_keys(47):
         _, auth = new_tenant(client)
     gens = [generate(client, auth, seed=s) for s in (11, 12)]
-    texts = [gens[0]["text"], HUMAN, "   ", gens[1]["text"], "y" * 2001]
+    texts = [gens[0]["text"], HUMAN, ".", gens[1]["text"], "y" * 2001]
+    # a text of only whitespace is refused as an empty one is: the whole request, by index
+    blank = {"texts": [*texts[:2], "   "], "num_bits": 16}
+    r = client.post("/decode/batch", json=blank, headers=auth)
+    assert_error(r, 422, "invalid_request")
+    assert r.json()["error"]["message"].startswith("texts.2: only whitespace")
     r = client.post("/decode/batch", json={"texts": texts, "num_bits": 16}, headers=auth)
     assert r.status_code == 200, r.text
     body = r.json()

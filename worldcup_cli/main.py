@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -409,8 +409,23 @@ def decode(
         f"bits {result.bits}  p={det.p_value:.3g}  z={det.z_score:.2f}  "
         f"scored {det.num_scored_tokens}/{det.num_tokens} tokens"
         + (f"  erasures {list(result.erasures)}" if result.erasures else "")
+        + "\n"
+        + bit_confidence_table(result.bits, result.bit_z, result.bit_p_values)
     )
     _emit(as_json, out, human)
+
+
+def bit_confidence_table(
+    bits: str, bit_z: Sequence[float], bit_p: Sequence[float], per_line: int = 4
+) -> str:
+    """Per-bit confidence, four bits a line: position, value (``?`` an erasure), the
+    bit's z (its sign is the value, its size the confidence) and its p-value."""
+    cells = [
+        f"{i:>3} {b}  z {z:+6.2f}  p {p:<8.2g}"
+        for i, (b, z, p) in enumerate(zip(bits, bit_z, bit_p, strict=True))
+    ]
+    rows = [" | ".join(cells[i : i + per_line]) for i in range(0, len(cells), per_line)]
+    return "per-bit confidence (bit, value, z, p):\n" + "\n".join(r.rstrip() for r in rows)
 
 
 @_command()
@@ -570,6 +585,16 @@ def _register_scan() -> None:
 
 
 _register_scan()
+
+
+def _register_serve_ray() -> None:
+    """``serve-ray``: the service on Ray Serve (worldcup_cli/serve_ray.py)."""
+    from worldcup_cli.serve_ray import serve_ray
+
+    _command("serve-ray")(serve_ray)
+
+
+_register_serve_ray()
 
 
 @_command()

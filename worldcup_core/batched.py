@@ -201,6 +201,7 @@ class BatchedWorldCup:
         self._host = np.zeros((0, CONFIG_COLUMNS + 1), dtype=np.int64)
         self._live: _Live | None = _EMPTY_LIVE
         self._ranges: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._device_path: tuple[bool, StepPath] | None = None
         empty = torch.zeros(0, device=self.device)
         self._keys: torch.Tensor = empty  # (C, 3, 2) SipHash subkeys: position, g, alt
         self._config: torch.Tensor = empty  # (C, CONFIG_COLUMNS): Column's columns
@@ -221,7 +222,11 @@ class BatchedWorldCup:
 
     @property
     def path(self) -> StepPath:
-        return step_path(self.device)
+        if FORCE_PATH is not None:
+            return FORCE_PATH
+        if self._device_path is None or self._device_path[0] != JIT_ENABLED:
+            self._device_path = (JIT_ENABLED, step_path(self.device))  # once, not per step
+        return self._device_path[1]
 
     # ------------------------------------------------------------------ slots
     def _alloc(self, capacity: int, history: int) -> None:
@@ -248,6 +253,14 @@ class BatchedWorldCup:
         host[: self._host.shape[0]] = self._host
         self._host = host
         self._views: tuple[npt.NDArray[Any], ...] | None = None
+        self._table_tuple = (
+            self._keys,
+            self._config,
+            self._alpha,
+            self._bits,
+            self._history,
+            self._length,
+        )
         self.layout_version += 1
 
     def reserve(self, capacity: int, history: int | None = None) -> None:
@@ -302,7 +315,7 @@ class BatchedWorldCup:
             self._live = None
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
-        return self._keys, self._config, self._alpha, self._bits, self._history, self._length
+        return self._table_tuple  # made once per allocation (the step's launch reads it)
 
     def move_row(self, src: int, dst: int) -> None:
         """vLLM's one-way move: ``dst`` takes over ``src``'s row; ``src`` is emptied."""
@@ -328,6 +341,8 @@ class BatchedWorldCup:
         """The step's slots as an int64 tensor on the device. A device tensor is used as
         it is; a ``range`` (the HF processor's) is cached; a list is copied over."""
         if isinstance(slots, torch.Tensor):
+            if slots.dtype == torch.int64 and slots.device == self.device:
+                return slots  # no dispatch at all for the usual caller
             return slots.to(self.device, torch.int64)
         if isinstance(slots, range):
             key = (slots.start, slots.stop, slots.step)
@@ -408,47 +423,65 @@ class BatchedWorldCup:
                 q[i, :live] = torch.from_numpy(reweighted).to(q.device, q.dtype)
         return q
 
-    @torch.inference_mode()
     def step(
         self,
         slots: Sequence[int] | torch.Tensor,
         candidates: torch.Tensor,
         probs: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The watermarked distribution q (B, n) over ``candidates`` (B, n) int64 token ids,
         given the filtered probabilities ``probs`` (B, n) (0 marks padding). Slots without
         a row (a negative slot, one past the tables, a cleared one), first-c and
-        repeated-context steps get ``probs`` back.
+        repeated-context steps get ``probs`` back. ``out``: a preallocated (B, n)
+        contiguous tensor of this object's dtype to write q into (and return).
 
-        The step's Python work does not depend on B. On the fused path (CUDA) it never
-        synchronises with the host nor allocates by data, so it can be captured in a CUDA
-        graph for a fixed (B, n) bucket, provided that: ``slots`` is a device tensor (a
-        list is copied from the host), ``candidates`` and ``probs`` are device tensors
-        with their last dimension contiguous (``probs`` in this object's dtype, else a
-        conversion runs), and the tables do not grow while the graph is in use:
-        :meth:`reserve` them first, and re-capture whenever ``layout_version`` changes.
+        The step's Python work does not depend on B. On the fused path (CUDA) it is one
+        kernel launch and nothing else when the caller hands over what the kernel reads
+        as it is: ``slots`` an int64 device tensor (a list is copied from the host),
+        ``candidates`` and ``probs`` device tensors with their last dimension contiguous
+        (``probs`` in this object's dtype, else a conversion runs) and ``out``
+        preallocated (else one allocation). It never synchronises with the host nor
+        allocates by data, so it can be captured in a CUDA graph for a fixed (B, n)
+        bucket, provided the tables do not grow while the graph is in use: :meth:`reserve`
+        them first, and re-capture whenever ``layout_version`` changes.
         """
         idx = self._index(slots)
         path = self.path
         if path is StepPath.FUSED and candidates.shape[1] <= _max_fused_candidates():
-            return self._step_fused(idx, candidates, probs)
-        if path is StepPath.COMPILED:
-            return self._step_compiled(idx, candidates, probs)
-        return self._step_tensor(idx, candidates, probs)
+            return self._step_fused(idx, candidates, probs, out)
+        with torch.inference_mode():
+            if path is StepPath.COMPILED:
+                q = self._step_compiled(idx, candidates, probs)
+            else:
+                q = self._step_tensor(idx, candidates, probs)
+        if out is None:
+            return q
+        out.copy_(q)
+        return out
 
     def _step_fused(
-        self, idx: torch.Tensor, candidates: torch.Tensor, probs: torch.Tensor
+        self,
+        idx: torch.Tensor,
+        candidates: torch.Tensor,
+        probs: torch.Tensor,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         kernel = _fused_kernel()
         assert kernel is not None
-        p = probs.to(self.device, self.dtype)
+        p = probs
+        if p.dtype != self.dtype or p.device != self.device:
+            p = p.to(self.device, self.dtype)
         if p.stride(-1) != 1:
             p = p.contiguous()
-        cand = candidates.to(self.device)
+        cand = candidates if candidates.device == self.device else candidates.to(self.device)
         if cand.stride(-1) != 1:
             cand = cand.contiguous()
-        out = torch.empty_like(p, memory_format=torch.contiguous_format)
-        kernel(idx, cand, p, out, self._tables())
+        if out is None:
+            out = torch.empty_like(p, memory_format=torch.contiguous_format)
+        elif out.shape != p.shape or out.dtype != p.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {tuple(p.shape)} {p.dtype} tensor")
+        kernel(idx, cand, p, out, self._table_tuple)
         return out
 
     def _step_compiled(

@@ -64,6 +64,10 @@ WATERMARK_PRESETS: dict[str, WatermarkPreset] = {
 SERVICE_PRESET = "frontier"
 
 
+# Below this the sampler's float32 logits / temperature overflow to inf and the
+# softmax turns NaN: the batch step fails, and with it every generation in the
+# batch (found by schemathesis: temperature 2e-89 gave a 500). 0.01 is already
+# all but greedy; the service reads a requested 0 as this.
 MIN_TEMPERATURE = 0.01
 # "sampled": the distribution each token was drawn from (after penalties, grammar,
 # filters and the watermark); "model": the model's own log-softmax, before all of them

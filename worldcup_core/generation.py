@@ -44,11 +44,21 @@ FinishReason = Literal["eos", "length", "cancelled"]
 class TokenConstraint(Protocol):
     """A structured-output constraint (a grammar matcher), one per row.
 
-    The engine asks it for the allowed ids before each step (a bool tensor of
-    the tokenizer's vocabulary, or None for no restriction) and tells it the
-    token that was sampled. Implementations live outside this package (the
-    service's :mod:`app.services.grammar` wraps xgrammar).
+    An engine that samples itself (:class:`ContinuousBatch`) asks it for the allowed
+    ids before each step (a bool tensor of the tokenizer's vocabulary, or None for no
+    restriction) and tells it the token that was sampled. An engine with a grammar
+    backend of its own (vLLM's structured outputs) is handed ``spec`` instead, what
+    the output must match as the constraint's maker describes it, and also bans
+    ``banned``: ids the constraint refuses in every state (``allowed`` leaves them out
+    too, unless nothing else would be left). Implementations live outside this
+    package (:mod:`app.engines.grammar` wraps xgrammar).
     """
+
+    @property
+    def spec(self) -> Any: ...
+
+    @property
+    def banned(self) -> tuple[int, ...]: ...
 
     def allowed(self) -> torch.Tensor | None: ...
 

@@ -13,7 +13,7 @@ of a batch, in this order:
 3. **bans** -- the row's banned ids (repeated n-grams, and EOS before
    ``min_new_tokens``: :func:`row_bans`) get ``-inf``;
 4. **grammar** -- a structured-output row's allowed-token mask (``allowed``:
-   the grammar engine's bitmask, see ``app/services/grammar.py``) sets every
+   the grammar engine's bitmask, see ``app/engines/grammar.py``) sets every
    other id to ``-inf``. Should bans leave a row nothing (with a grammar that
    allows only banned ids), the bans are lifted for that step: the grammar wins;
 5. **scheme logit bias** -- a scheme that biases full-vocabulary logits

@@ -41,6 +41,11 @@ async def get_principal(runtime: RuntimeDep, credentials: Credentials) -> Princi
     if credentials is None:
         raise _unauthorized("missing Authorization: Bearer <api key>")
     principal = await runtime.tenants.authenticate(credentials.credentials)
+    if principal is None and _admin_token(runtime, credentials):
+        raise _unauthorized(
+            "this is the admin token, not an API key: tenant routes take one of a tenant's "
+            "API keys (POST /admin/tenants creates a tenant and returns its first key)"
+        )
     if principal is None:
         raise _unauthorized("invalid or revoked API key")
     set_share(principal.tenant.tenant_id)  # this request's share of the CPU pool
@@ -71,31 +76,24 @@ def scoped_key(scope: str, charged: bool = True) -> Callable[..., Awaitable[Prin
     return dependency
 
 
-async def get_current_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
-    return (await get_principal(runtime, credentials)).tenant
-
-
-CurrentTenantDep = Annotated[TenantRecord, Depends(get_current_tenant)]
-
-
-def _is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
+def _admin_token(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
     token = runtime.settings.admin_token
     assert token is not None
-    admin = credentials is not None and tokens_equal(
+    return credentials is not None and tokens_equal(
         credentials.credentials, token.get_secret_value()
     )
+
+
+def is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether the credentials are the admin token (constant-time compare)."""
+    admin = _admin_token(runtime, credentials)
     if admin:
         set_share(ADMIN_SHARE)  # admin work has its own share of the CPU pool
     return admin
 
 
-def is_admin(runtime: Runtime, credentials: HTTPAuthorizationCredentials | None) -> bool:
-    """Whether the credentials are the admin token (constant-time compare)."""
-    return _is_admin(runtime, credentials)
-
-
 async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
-    if not _is_admin(runtime, credentials):
+    if not is_admin(runtime, credentials):
         raise APIError(
             401, "admin token required", "invalid_admin_token", {"WWW-Authenticate": "Bearer"}
         )
@@ -118,7 +116,7 @@ async def generating_tenant(runtime: RuntimeDep, credentials: Credentials) -> Te
 
 
 async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> Investigator:
-    if _is_admin(runtime, credentials):
+    if is_admin(runtime, credentials):
         return Investigator("admin", True)
     principal = await get_principal(runtime, credentials)
     _check_scope(principal, PROVENANCE_SCOPE)

@@ -86,6 +86,17 @@ def _describe(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _not_json(request: Request, exc: RequestValidationError) -> str | None:
+    """What was declared instead, when a body was not read as JSON because its content
+    type is not JSON's (or missing), or None."""
+    if any(tuple(e.get("loc", ())) != ("body",) for e in exc.errors()[:1]):
+        return None
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return None
+    return f"got {media}" if media else "no Content-Type was sent"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
@@ -97,6 +108,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         path = request.url.path
+        if (wrong := _not_json(request, exc)) is not None:  # curl -d sends a form
+            message = f"body: send JSON, with the header Content-Type: application/json ({wrong})"
+            return error_response(422, message, "invalid_request", path=path)
         return error_response(422, _describe(exc), "invalid_request", path=path, param=_param(exc))
 
     @app.exception_handler(StarletteHTTPException)

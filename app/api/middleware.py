@@ -17,7 +17,15 @@ from app.core.metrics import Metrics
 logger = logging.getLogger("worldcup.access")
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, path: str = "") -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    path: str = "",
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """The error envelope (OpenAI's on ``/v1``) as a whole ASGI response."""
     openai = path.startswith(OPENAI_PREFIX)
     error = (
         openai_envelope(status, message, code, None) if openai else envelope(status, message, code)
@@ -27,7 +35,11 @@ async def _send_error(send: Send, status: int, message: str, code: str, path: st
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"connection", b"close"),
+                *(headers or []),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})
@@ -48,7 +60,7 @@ class SingleAuthorization:
         if scope["type"] == "http":
             count = sum(1 for name, _ in scope.get("headers", []) if name == b"authorization")
             if count > 1:
-                await _send_error(
+                await send_error(
                     send, 400, "more than one Authorization header", "duplicate_authorization",
                     str(scope.get("path", "")),
                 )  # fmt: skip
@@ -83,7 +95,7 @@ class BodySizeLimit:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await _send_error(
+                    await send_error(
                         send, 413, self._message(limit), "request_too_large", scope["path"]
                     )
                     return
@@ -101,7 +113,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > limit:
-                await _send_error(
+                await send_error(
                     send, 413, self._message(limit), "request_too_large", scope["path"]
                 )
                 return

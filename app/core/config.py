@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     # (vLLM's processed_logprobs, the watermarked q) or "model" (raw_logprobs); a request
     # whose logprobs_mode names the other one gets a 400
     vllm_logprobs_mode: Literal["sampled", "model"] = "sampled"
+    # vLLM's model runner, each with its processor: "v1" (the legacy runner, pinned: the
+    # only one the pinned vLLM has run live with the processor), "v2" (Model Runner V2,
+    # opt-in until it has run live on a GPU), "auto" (v2 where vLLM can run it, i.e. with
+    # Triton; see docs/vllm.md)
+    vllm_model_runner: Literal["auto", "v1", "v2"] = "v1"
 
     # model
     model_path: str | None = None  # None: the embedded SmolLM2
@@ -172,6 +177,8 @@ class Settings(BaseSettings):
             setattr(self, field, value)
         return self
 
+    _throwaway: set[str] = PrivateAttr(default_factory=set)
+
     @model_validator(mode="after")
     def _load_secrets(self) -> Self:
         self.master_key = self._secret("master_key", self.master_key, self.master_key_file)
@@ -205,7 +212,14 @@ class Settings(BaseSettings):
                     f"(or WORLDCUP_{name.upper()}_FILE), or WORLDCUP_ENV=dev for a throwaway one"
                 )
             raw = secrets.token_hex(32)
+            self._throwaway.add(name)
         return SecretStr(raw)
+
+    @property
+    def throwaway_secrets(self) -> frozenset[str]:
+        """The secrets drawn at random for this process (dev mode): no other process
+        shares them, so replicas cannot run on them (see app/serve.py)."""
+        return frozenset(self._throwaway)
 
     @property
     def master_key_bytes(self) -> bytes:

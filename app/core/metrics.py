@@ -69,8 +69,20 @@ class Metrics:
         )
         self.unwatermarked = Counter(
             "worldcup_unwatermarked_rows",
-            "Rows the vLLM step could not watermark (a token placeholder reached it); "
+            "Rows the vLLM step could not watermark (a processor guard failed); "
             "their requests fail rather than return unwatermarked text.",
+            registry=r,
+        )
+        self.watermark_faults = Counter(
+            "worldcup_watermark_faults",
+            "vLLM rows failed closed, by the processor guard that failed (placeholder, "
+            "skipped_row, growth, shrink, outside_candidates, batch_layout).",
+            ["reason"],
+            registry=r,
+        )
+        self.voided_entries = Counter(
+            "worldcup_registry_voided",
+            "Registry entries voided because their generation could not be watermarked.",
             registry=r,
         )
         self.batch_size = Histogram(

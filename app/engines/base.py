@@ -32,6 +32,17 @@ class EngineStopped(Exception):
     """The engine is shutting down and takes no new work (or dropped this job)."""
 
 
+class UnwatermarkedError(RuntimeError):
+    """A watermarked request's row was sampled without its watermark (a guard of the
+    vLLM processor failed: ``reason``); its text must never be returned as watermarked."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"the vLLM step could not watermark this request ({reason}); the text is withheld"
+        )
+        self.reason = reason
+
+
 @dataclass(eq=False)
 class GenerationJob:
     """One submitted request; the engine pushes its events, the route reads them."""

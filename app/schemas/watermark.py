@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
+    AfterValidator,
     ConfigDict,
     Field,
     WithJsonSchema,
@@ -19,6 +20,7 @@ from pydantic import (
 
 from app.schemas.common import StrictModel, StrictRequest
 from app.schemas.exposure import DecodeVerdict, DetectVerdict
+from worldcup_core.config import MIN_TEMPERATURE
 from worldcup_core.verdict import Statistic, Verdict, verdict_of
 
 VERDICT_DESCRIPTION = (
@@ -35,12 +37,7 @@ MAX_PROMPT_CHARS = 100_000  # a prompt, or one chat message's content (within th
 MAX_METADATA_DEPTH = 4
 MAX_METADATA_ITEMS = 32  # keys of one object, items of one array
 MAX_METADATA_STRING = 512
-# Below this the sampler's float32 logits / temperature overflow to inf and the
-# softmax turns NaN: the batch step fails, and with it every generation in the
-# batch (found by schemathesis: temperature 2e-89 gave a 500). 0.01 is already
-# all but greedy.
 DEFAULT_NO_REPEAT_NGRAM = 4  # as in docs/results (the paper, Sec. 4.1)
-MIN_TEMPERATURE = 0.01
 BITS_PATTERN = r"^[01]{1,64}$"
 HEX_PATTERN = r"^(0x)?[0-9a-fA-F]{1,16}$"
 
@@ -224,7 +221,8 @@ class GenerateRequest(StrictRequest):
         description="Chat turns, rendered with the model's chat template; the same token "
         "limit applies to the rendered chat.",
     )
-    max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = Field(
+    # one limit, the server's (published as this field's maximum): no second, fixed one
+    max_new_tokens: Annotated[int, Field(ge=1)] = Field(
         128, description="At most the server's `WORLDCUP_MAX_NEW_TOKENS_LIMIT`."
     )
     min_new_tokens: Annotated[int, Field(ge=0, le=4096)] = Field(
@@ -331,11 +329,26 @@ def prompt_chars_limit(settings: Settings) -> int:
 
 TEXT_DESCRIPTION = (
     "The text to score, at most the server's `WORLDCUP_MAX_TEXT_CHARS` characters (the "
-    "schema states the limit). Whitespace-only text is scored like any other: with no "
-    "scored tokens the answer is `is_watermarked: false`, `p_value` 1, `z_score` 0."
+    "schema states the limit). Text that is only whitespace is refused, as empty text is."
 )
-Text = Annotated[str, Field(min_length=1, description=TEXT_DESCRIPTION)]
-BatchText = Annotated[str, Field(min_length=1)]
+# a character that is not whitespace, as JSON Schema's (ECMA-262) \s counts whitespace,
+# spelt out so that the schema's pattern and the server's check agree on every character
+NOT_BLANK = r"[^\t\n\v\f\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+_NOT_BLANK = re.compile(NOT_BLANK)
+
+
+def _not_blank(text: str) -> str:
+    if _NOT_BLANK.search(text) is None:
+        raise ValueError("only whitespace: there is nothing to score")
+    return text
+
+
+_TEXT_RULES = (
+    Field(min_length=1, json_schema_extra={"pattern": NOT_BLANK}),
+    AfterValidator(_not_blank),
+)
+Text = Annotated[str, *_TEXT_RULES, Field(description=TEXT_DESCRIPTION)]
+BatchText = Annotated[str, *_TEXT_RULES]
 P_VALUE_DESCRIPTION = (
     "Probability of evidence at least this strong in text without this tenant's "
     "watermark: exact under the null, Šidák-corrected for the key versions tried."

@@ -43,10 +43,7 @@ from worldcup_core.verdict import verdict_of
 
 def check_text(runtime: Runtime, text: str) -> None:
     """Raise a 422 if a text to score is over the (published) limit (cheap: no tokenising).
-
-    Whitespace-only text is scored like any other (JSON Schema cannot say "not only
-    whitespace", and the schema says "non-empty"): an ordinary answer, not a 422.
-    """
+    Empty and whitespace-only texts are refused before (the schemas, the corpus reader)."""
     limit = runtime.settings.text_chars_limit
     if len(text) > limit:
         raise APIError(

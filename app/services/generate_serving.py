@@ -2,7 +2,7 @@
 metadata, and answer in JSON or as Server-Sent Events.
 
 The /generate protocol over :mod:`app.services.generation`, the generation path
-it shares with the OpenAI routes (:mod:`app.services.openai_serving`).
+it shares with the OpenAI routes (:mod:`app.services.openai`).
 """
 
 from __future__ import annotations
@@ -220,9 +220,12 @@ async def _stream(
                 continue  # the closing EOS is not part of the text
             yield _sse(json.dumps({"token_id": item.token, "text": deltas.push(item.token)}))
     except TimeoutError:
-        engine.cancel(sample.job)
-        yield _sse(json.dumps(envelope(504, "generation timed out", "timeout")), "error")
+        exc = gen.timed_out(sample, engine)  # cancels the job and counts the timeout
+        yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except APIError as exc:
+        if exc.code == gen.WATERMARK_FAILED:  # the receipt: not watermarked, entry voided
+            receipt = {"watermarked": False, "message_id": sample.message_id}
+            yield _sse(json.dumps(receipt), "receipt")
         yield _sse(json.dumps(envelope(exc.status, exc.message, exc.code)), "error")
     except Exception:
         engine.cancel(sample.job)

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 
 from app.core.errors import APIError
-from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull
+from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
@@ -231,9 +231,31 @@ async def next_event(sample: Sample) -> StepEvent | GenerationResult:
     item = await asyncio.wait_for(sample.job.events.get(), timeout=remaining)
     if isinstance(item, EngineStopped):
         raise APIError(503, "the server is shutting down", "draining", {"Retry-After": "5"})
+    if isinstance(item, UnwatermarkedError):
+        raise await watermark_failed(sample, item.reason)
     if isinstance(item, BaseException):
         raise APIError(500, "generation failed; it has been logged", "generation_failed")
     return item
+
+
+WATERMARK_FAILED = "watermark_failed"
+
+
+async def watermark_failed(sample: Sample, reason: str) -> APIError:
+    """The engine could not watermark this sample (a guard failed closed): its registry
+    entry is voided, so that it never claims a watermark the text lacks, and the client
+    gets a 500 (or a stream's error event) saying the text is not watermarked."""
+    voided = ""
+    if sample.message_id is not None:
+        await sample.runtime.store.void_message(sample.tenant_id, sample.message_id, reason)
+        sample.runtime.metrics.voided_entries.inc()
+        voided = f"; registry entry {sample.message_id} is voided"
+    return APIError(
+        500,
+        f"the text could not be watermarked ({reason}) and is withheld: what was streamed "
+        f"of it is NOT watermarked{voided}",
+        WATERMARK_FAILED,
+    )
 
 
 def timed_out(sample: Sample, engine: Engine) -> APIError:

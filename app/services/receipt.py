@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from app.schemas.openai import WatermarkInfo
+from app.schemas.openai.common import WatermarkInfo
 
 MESSAGE_ID = "X-Watermark-Message-Id"
 KEY_VERSION = "X-Watermark-Key-Version"
 SCHEME = "X-Watermark-Scheme"
-HEADERS = (MESSAGE_ID, KEY_VERSION, SCHEME)
 
 
 def _fields(info: WatermarkInfo | Mapping[str, Any]) -> tuple[int | None, int, str]:

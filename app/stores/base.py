@@ -309,6 +309,11 @@ class Store(Protocol):
     async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
         """The payload lengths the registry has entries for under this key version."""
 
+    async def void_message(self, tenant_id: str, message_id: int, reason: str) -> bool:
+        """Withdraw an entry whose text could not be watermarked: it is no longer read
+        nor matched (``registry_entry`` None, out of ``message_ids``), and its id is
+        never handed out again. False if there was no such entry."""
+
     # audit log
     async def append_audit(self, record: AuditRecord) -> None:
         """Durably append; the caller answers only after this returned."""

@@ -530,6 +530,18 @@ class RedisStore:
             bits = cast("set[str]", await self._redis.smembers(key))
         return sorted(int(b) for b in bits)
 
+    async def void_message(self, tenant_id: str, message_id: int, reason: str) -> bool:
+        entry = await self.registry_entry(tenant_id, message_id)
+        if entry is None:
+            return False
+        index = self._t(tenant_id, "msgidx", entry.key_version, entry.num_bits)
+        async with self._guard():  # msgseq is untouched: the id is never handed out again
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hdel(self._t(tenant_id, "msgs"), str(int(message_id)))
+                pipe.zrem(index, str(int(message_id)))
+                removed, _ = await pipe.execute()
+        return bool(removed)
+
     # -- audit log ------------------------------------------------------------
 
     async def append_audit(self, record: AuditRecord) -> None:

@@ -169,6 +169,9 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row["name"] for row in conn.execute("PRAGMA table_info(keys)")}
     if "scheme" not in columns:  # key versions created before scheme worldcup-v2 existed
         conn.execute("ALTER TABLE keys ADD COLUMN scheme TEXT NOT NULL DEFAULT 'worldcup-v1'")
+    columns = {row["name"] for row in conn.execute("PRAGMA table_info(messages)")}
+    if "voided" not in columns:  # void_message: the row stays, so its id is never reused
+        conn.execute("ALTER TABLE messages ADD COLUMN voided TEXT")
 
 
 def _tenant(row: sqlite3.Row | None) -> TenantRecord | None:
@@ -451,7 +454,8 @@ class SQLiteStore:
                 if max_id is not None and next_id > max_id:
                     raise RegistryFull(f"no message id left below {max_id}")
                 c.execute(
-                    "INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO messages (tenant_id, message_id, key_version, num_bits,"
+                    " metadata, issued_at) VALUES (?, ?, ?, ?, ?, ?)",
                     (tenant_id, next_id, key_version, num_bits, meta, issued_at),
                 )
             return int(next_id)
@@ -470,7 +474,7 @@ class SQLiteStore:
         check_tenant_id(tenant_id)
         row = await self._run(
             lambda c: c.execute(
-                "SELECT * FROM messages WHERE tenant_id = ? AND message_id = ?",
+                "SELECT * FROM messages WHERE tenant_id = ? AND message_id = ? AND voided IS NULL",
                 (tenant_id, int(message_id)),
             ).fetchone()
         )
@@ -489,8 +493,8 @@ class SQLiteStore:
         check_tenant_id(tenant_id)
         rows = await self._run(
             lambda c: c.execute(
-                "SELECT message_id FROM messages"
-                " WHERE tenant_id = ? AND key_version = ? AND num_bits = ? ORDER BY message_id",
+                "SELECT message_id FROM messages WHERE tenant_id = ? AND key_version = ?"
+                " AND num_bits = ? AND voided IS NULL ORDER BY message_id",
                 (tenant_id, int(key_version), int(num_bits)),
             ).fetchall()
         )
@@ -506,6 +510,20 @@ class SQLiteStore:
             ).fetchall()
         )
         return [int(r[0]) for r in rows]
+
+    async def void_message(self, tenant_id: str, message_id: int, reason: str) -> bool:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> bool:
+            with _transaction(c):
+                cur = c.execute(
+                    "UPDATE messages SET voided = ?"
+                    " WHERE tenant_id = ? AND message_id = ? AND voided IS NULL",
+                    (reason, tenant_id, int(message_id)),
+                )
+            return cur.rowcount > 0
+
+        return bool(await self._run(op))
 
     # -- audit log ------------------------------------------------------------
 

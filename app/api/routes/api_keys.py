@@ -11,8 +11,8 @@ from fastapi import APIRouter, Path
 from app.api.deps import AdminDep, RuntimeDep
 from app.api.routes.admin import TenantId
 from app.core.errors import APIError
+from app.schemas.api_keys import ApiKeyCreated, ApiKeyList, ApiKeyOut, CreateApiKey
 from app.schemas.common import ERROR_RESPONSES
-from app.schemas.exposure import ApiKeyCreated, ApiKeyList, ApiKeyOut, CreateApiKey
 from app.services.tenants import UnknownApiKey, UnknownTenant
 from app.stores.base import ApiKeyRecord
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -11,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from app.api.deps import RuntimeDep
 from app.api.errors import error_response
 from app.schemas.common import ErrorEnvelope
-from app.stores.base import StoreUnavailable
+from app.services.readiness import not_ready
 from worldcup_core import SCHEME_VERSIONS, __version__
 
 router = APIRouter(tags=["ops"])
@@ -36,23 +34,9 @@ async def health() -> dict[str, str]:
 async def ready(runtime: RuntimeDep) -> JSONResponse:
     """200 only when the model is warm and the store answers with this service's marker;
     503 while draining."""
-    if runtime.draining:
-        return error_response(503, "draining for shutdown", "draining")
-    if not runtime.warm:
-        return error_response(503, "model is loading", "warming_up")
-    try:
-        await runtime.store.ping()
-        if runtime.marker is None:  # the store was down at startup: first contact now
-            runtime.marker = await runtime.store.ensure_marker(uuid.uuid4().hex)
-        elif await runtime.store.marker() != runtime.marker:
-            return error_response(
-                503,
-                "the store has lost this service's marker: it was wiped or replaced, so "
-                "tenants and registries are gone; restore it (or restart to start afresh)",
-                "store_marker_lost",
-            )
-    except StoreUnavailable:
-        return error_response(503, "the registry store is unreachable", "store_unavailable")
+    problem = await not_ready(runtime)
+    if problem is not None:
+        return error_response(503, problem.message, problem.code)
     return JSONResponse({"status": "ready"})
 
 

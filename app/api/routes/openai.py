@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-The router only wires HTTP to :mod:`app.services.openai_serving` (the adapter),
+The router only wires HTTP to :mod:`app.services.openai` (the adapter),
 which runs on the same machinery as ``/generate``. Errors here use OpenAI's
 envelope (``app.api.errors``); auth is the tenant API key as a bearer token,
 exactly what the SDKs send.
@@ -15,20 +15,15 @@ from fastapi import APIRouter, Request
 
 from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
 from app.api.routes.generate import IdempotencyKey
-from app.core.errors import APIError
-from app.schemas.openai import (
-    OPENAI_ERROR_RESPONSES,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionChunk,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
-from app.services import openai_serving as serving
+from app.schemas.openai.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from app.schemas.openai.common import OPENAI_ERROR_RESPONSES, ModelCard, ModelList
+from app.schemas.openai.completions import Completion, CompletionChunk, CompletionRequest
 from app.services import receipt
+from app.services.openai import chat as chat_api
+from app.services.openai import completions as completions_api
+from app.services.openai import models
+from app.services.openai.completions import COMPLETIONS
+from app.services.openai.serve import serve
 from app.services.runtime import charge
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -66,7 +61,10 @@ async def chat_completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, body.n or 1)  # one token per sample
-    return await serving.serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key)
+    pending = await chat_api.plan(runtime, body)
+    return await serve(
+        runtime, engine, tenant.tenant_id, pending, request, idempotency_key, chat_api.CHAT
+    )
 
 
 @router.post(
@@ -87,7 +85,10 @@ async def completions(
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
     await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
-    return await serving.serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key)
+    pending = await completions_api.plan(runtime, body)
+    return await serve(
+        runtime, engine, tenant.tenant_id, pending, request, idempotency_key, COMPLETIONS
+    )
 
 
 @router.get(
@@ -97,7 +98,7 @@ async def completions(
     summary="The model this server generates with",
 )
 async def list_models(runtime: RuntimeDep, tenant: CurrentTenant) -> ModelList:
-    return serving.model_list(runtime, _STARTED)
+    return models.model_list(runtime, _STARTED)
 
 
 @router.get(
@@ -107,7 +108,4 @@ async def list_models(runtime: RuntimeDep, tenant: CurrentTenant) -> ModelList:
     summary="One model",
 )
 async def retrieve_model(model: str, runtime: RuntimeDep, tenant: CurrentTenant) -> ModelCard:
-    for card in serving.model_list(runtime, _STARTED).data:
-        if model in (card.id, runtime.model_id):
-            return card
-    raise APIError(404, f"the model '{model}' does not exist", "model_not_found", param="model")
+    return models.model_card(runtime, _STARTED, model)

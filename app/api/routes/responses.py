@@ -1,6 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses`` and ``GET /v1/responses/{response_id}``.
 
-The router only wires HTTP to :mod:`app.services.responses_serving`, which
+The router only wires HTTP to :mod:`app.services.openai.responses`, which
 translates a Responses request onto the chat route's machinery. Errors use
 OpenAI's envelope; auth is the tenant API key (``generate`` scope) as a bearer.
 """
@@ -13,10 +13,10 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 
 from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
-from app.schemas.openai import OPENAI_ERROR_RESPONSES
-from app.schemas.responses import ResponseObject, ResponsesRequest
+from app.schemas.openai.common import OPENAI_ERROR_RESPONSES
+from app.schemas.openai.responses import ResponseObject, ResponsesRequest
 from app.services import receipt
-from app.services import responses_serving as serving
+from app.services.openai import responses as serving
 from app.services.runtime import charge
 
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -4,20 +4,22 @@ A request's structure (``response_format``, vLLM's ``structured_outputs`` /
 ``guided_*`` fields, or a forced tool call) becomes a :class:`GrammarSpec`. The
 service compiles it with xgrammar (the grammar engine vLLM uses) for the
 served tokenizer, off the event loop, so that an invalid schema or regex is a
-400 before anything is allocated. Then:
+400 before anything is allocated. Each choice then carries a
+:class:`GrammarConstraint` (:class:`worldcup_core.generation.TokenConstraint`):
 
-- on the ``hf`` engine each choice gets a :class:`GrammarConstraint` (an
-  xgrammar ``GrammarMatcher``): before every step it hands the sampling
-  pipeline (:mod:`worldcup_core.pipeline`) the grammar's allowed-token mask,
-  which is applied before the filters and the watermark, and it is told every
-  sampled token;
-- on the ``vllm`` engine the spec becomes vLLM's own ``StructuredOutputsParams``
+- the ``hf`` engine asks it for the grammar's allowed-token mask before every
+  step (an xgrammar ``GrammarMatcher``), which the sampling pipeline
+  (:mod:`worldcup_core.pipeline`) applies before the filters and the watermark,
+  and tells it every sampled token;
+- the ``vllm`` engine hands its ``spec`` to vLLM's own ``StructuredOutputsParams``
   (its xgrammar backend applies the bitmask before any logits processor, so
-  again before the WorldCup step).
+  again before the WorldCup step), and its ``banned`` ids to the processor.
 
-Either way the watermark chooses among the tokens the grammar allows, never
-one it forbids. Nothing here matches JSON Schema by hand: xgrammar compiles
-the schema into a grammar over the tokenizer's vocabulary.
+Both engines read one table, :data:`GRAMMARS`, keyed by the spec's kind: how
+xgrammar compiles it, what vLLM is given for it, and whether it masks raw
+control characters. Either way the watermark chooses among the tokens the
+grammar allows, never one it forbids. Nothing here matches JSON Schema by hand:
+xgrammar compiles the schema into a grammar over the tokenizer's vocabulary.
 
 JSON is generated without free whitespace (``any_whitespace=False``, compact
 separators; vLLM: ``disable_any_whitespace``): a small model left free to emit
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,10 +41,6 @@ from app.core.errors import APIError
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or grammar, serialised
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-
-
 SEPARATORS = (",", ":")  # as vLLM's xgrammar backend with disable_any_whitespace
 ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 
@@ -58,13 +57,46 @@ class GrammarSpec:
         return json.dumps([self.kind, self.value], sort_keys=True)
 
 
-def json_schema_of(spec: GrammarSpec) -> Any:
-    """The JSON Schema a json_schema/json_object spec compiles (the same on both engines).
+@dataclass(frozen=True)
+class Grammar:
+    """How one kind of spec reaches each engine."""
 
-    Compiled in xgrammar's strict mode, as vLLM compiles every schema: properties and
-    items the schema does not declare are not generated (``"strict": false`` in a
-    ``response_format`` changes nothing); ``json_object`` is any object."""
-    return ANY_OBJECT if spec.kind == "json_object" else spec.value
+    compile: Callable[[xgr.GrammarCompiler, Any], xgr.CompiledGrammar]  # hf, and validation
+    vllm: Callable[[Any], dict[str, Any]]  # vLLM's StructuredOutputsParams keywords
+    printable: bool = False  # also mask tokens holding a raw control character (JSON)
+
+
+def _json(compiler: xgr.GrammarCompiler, schema: Any) -> xgr.CompiledGrammar:
+    """A JSON Schema in xgrammar's strict mode, as vLLM compiles every schema: properties
+    and items the schema does not declare are not generated (``"strict": false`` in a
+    ``response_format`` changes nothing)."""
+    return compiler.compile_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=SEPARATORS
+    )
+
+
+def _choice_tag(choices: list[str]) -> dict[str, Any]:
+    """``choice`` as xgrammar's structural tag (an "or" of constant strings)."""
+    elements = [{"type": "const_string", "value": c} for c in choices]
+    return {"type": "structural_tag", "format": {"type": "or", "elements": elements}}
+
+
+GRAMMARS: dict[GrammarKind, Grammar] = {
+    "json_schema": Grammar(_json, lambda schema: {"json": schema}, printable=True),
+    # json_object: any object, the same on both engines
+    "json_object": Grammar(
+        lambda c, _: _json(c, ANY_OBJECT), lambda _: {"json": ANY_OBJECT}, printable=True
+    ),
+    "regex": Grammar(lambda c, v: c.compile_regex(v), lambda v: {"regex": v}),
+    "choice": Grammar(
+        lambda c, v: c.compile_structural_tag(_choice_tag(v)), lambda v: {"choice": list(v)}
+    ),
+    "grammar": Grammar(lambda c, v: c.compile_grammar(v), lambda v: {"grammar": v}),
+    "structural_tag": Grammar(
+        lambda c, v: c.compile_structural_tag(v), lambda v: {"structural_tag": json.dumps(v)}
+    ),
+}
+"""Every grammar kind, by name: the one place both engines look a spec up."""
 
 
 _compilers: dict[int, tuple[Any, xgr.GrammarCompiler]] = {}
@@ -82,12 +114,6 @@ def _compiler(tokenizer: Any) -> xgr.GrammarCompiler:
         return entry[1]
 
 
-def structural_tag_json(spec: GrammarSpec) -> dict[str, Any]:
-    """``choice`` as xgrammar's structural tag (an "or" of constant strings)."""
-    elements = [{"type": "const_string", "value": c} for c in spec.value]
-    return {"type": "structural_tag", "format": {"type": "or", "elements": elements}}
-
-
 def compile_spec(tokenizer: Any, spec: GrammarSpec) -> xgr.CompiledGrammar:
     """Compile ``spec`` for ``tokenizer`` (cached); a 400 naming the field if invalid."""
     if len(spec.canonical().encode()) > MAX_GRAMMAR_BYTES:
@@ -95,19 +121,8 @@ def compile_spec(tokenizer: Any, spec: GrammarSpec) -> xgr.CompiledGrammar:
             400, f"{spec.param} may serialise to at most {MAX_GRAMMAR_BYTES} bytes",
             "grammar_too_large", param=spec.param,
         )  # fmt: skip
-    compiler = _compiler(tokenizer)
     try:
-        if spec.kind in ("json_schema", "json_object"):
-            return compiler.compile_json_schema(
-                json.dumps(json_schema_of(spec)), any_whitespace=False, separators=SEPARATORS
-            )
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            return compiler.compile_structural_tag(structural_tag_json(spec))
-        if spec.kind == "grammar":
-            return compiler.compile_grammar(spec.value)
-        return compiler.compile_structural_tag(spec.value)
+        return GRAMMARS[spec.kind].compile(_compiler(tokenizer), spec.value)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError on bad input
         message = (
             str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
@@ -118,11 +133,12 @@ def compile_spec(tokenizer: Any, spec: GrammarSpec) -> xgr.CompiledGrammar:
         ) from None  # fmt: skip
 
 
-_printable: dict[int, tuple[Any, torch.Tensor]] = {}
+_printable: dict[int, tuple[Any, torch.Tensor, tuple[int, ...]]] = {}
 
 
-def _printable_tokens(info: xgr.TokenizerInfo) -> torch.Tensor:
-    """The tokens whose text holds no control character (below 0x20, or 0x7f).
+def _printable_tokens(info: xgr.TokenizerInfo) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tokens whose text holds no control character (below 0x20, or 0x7f), as a
+    mask, and the others' ids.
 
     Compact JSON never needs one (inside a string a control character must be escaped
     as ``\\u00XX``, in printable characters), yet xgrammar's JSON grammar lets some
@@ -133,9 +149,11 @@ def _printable_tokens(info: xgr.TokenizerInfo) -> torch.Tensor:
         if entry is None or entry[0] is not info:
             ok = [not any(b < 0x20 or b == 0x7F for b in t) for t in info.decoded_vocab]
             ok = (ok + [True] * info.vocab_size)[: info.vocab_size]  # padded ids: the grammar's
-            entry = (info, torch.tensor(ok, dtype=torch.bool))
+            mask = torch.tensor(ok, dtype=torch.bool)
+            banned = tuple(int(i) for i in (~mask).nonzero().flatten().tolist())
+            entry = (info, mask, banned)
             _printable[id(info)] = entry
-        return entry[1]
+        return entry[1], entry[2]
 
 
 class GrammarConstraint:
@@ -143,8 +161,8 @@ class GrammarConstraint:
 
     Used by the generation thread only: ``allowed`` before a step, ``accept``
     after it. ``spec`` travels along for engines with their own backend (vLLM), and
-    so does ``printable`` (JSON specs: the tokens without a control character), which
-    the vLLM processor enforces the same way (:func:`app.engines.vllm.json_bans`).
+    so does ``banned`` (JSON specs: the tokens with a control character), which the
+    vLLM processor enforces as ``allowed`` does here: unless nothing else is left.
     """
 
     def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
@@ -153,11 +171,10 @@ class GrammarConstraint:
         self._vocab = compiled.tokenizer_info.vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, self._vocab)
         self._shifts = torch.arange(32, dtype=torch.int32)
-        self.printable = (
-            _printable_tokens(compiled.tokenizer_info)
-            if spec.kind in ("json_schema", "json_object")
-            else None
-        )
+        self.printable: torch.Tensor | None = None
+        self.banned: tuple[int, ...] = ()
+        if GRAMMARS[spec.kind].printable:
+            self.printable, self.banned = _printable_tokens(compiled.tokenizer_info)
         self.rejected = 0  # tokens the matcher refused (never expected: the mask forbids them)
 
     def __repr__(self) -> str:
@@ -182,65 +199,3 @@ class GrammarConstraint:
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
-
-
-# --------------------------------------------------------------------------- tools
-def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """``tool_choice: "required"``: one call to any of ``tools``, as
-    ``{"name": ..., "arguments": {...}}``."""
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t["name"]},
-                    "arguments": parameters(t),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
-    }
-
-
-def parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    params = tool.get("parameters")
-    return params if isinstance(params, dict) and params else {"type": "object"}
-
-
-def auto_tool_tag(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """``tool_choice: "auto"``: free text, in which ``<tool_call>`` opens one call
-    whose name and arguments the grammar then constrains (xgrammar's triggered tags)."""
-    tags = [
-        {
-            "type": "tag",
-            "begin": f'{TOOL_OPEN}{{"name": {json.dumps(t["name"])}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": parameters(t)},
-            "end": f"}}{TOOL_CLOSE}",
-        }
-        for t in tools
-    ]
-    return {
-        "type": "structural_tag",
-        "format": {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": tags},
-    }
-
-
-def tool_prompt(tools: list[dict[str, Any]], choice: str) -> str:
-    """The system text that shows the model its tools (the embedded model's chat
-    template has no tool syntax of its own)."""
-    lines = ["You can call these functions:"]
-    for t in tools:
-        entry = {"name": t["name"], "parameters": parameters(t)}
-        if t.get("description"):
-            entry["description"] = t["description"]
-        lines.append(json.dumps(entry))
-    if choice == "auto":
-        lines.append(
-            f'To call one, write {TOOL_OPEN}{{"name": <name>, "arguments": <JSON object>}}'
-            f"{TOOL_CLOSE}; otherwise answer in plain text."
-        )
-    else:
-        lines.append('Answer with the call as JSON: {"name": <name>, "arguments": <object>}.')
-    return "\n".join(lines)

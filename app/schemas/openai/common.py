@@ -1,11 +1,14 @@
-"""The OpenAI protocol: request and response models of ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/models``, plus the ``watermark`` extension.
+"""What the OpenAI APIs share: strictness, the ``watermark`` extension, the sampling
+and structured-output fields, usage, models and the error envelope.
 
 Requests are strict (no lax coercion: ``"5"`` is not an integer) but ignore
 unknown top-level fields, as the OpenAI SDKs and gateways expect. Fields we know
 and cannot honour are declared, so that a request using them gets a 400 naming
 the field instead of silence. The ``watermark`` extension forbids unknown keys:
 it is ours, and a misspelt key must not silently fall back to the default.
+
+Each API's own protocol is beside this one: :mod:`.chat`, :mod:`.completions`
+and :mod:`.responses`.
 """
 
 from __future__ import annotations
@@ -56,33 +59,6 @@ VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
     "logits_processors": (None,),
 }
-CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "audio": (None,),
-    "modalities": (None, ["text"]),
-    "prediction": (None,),
-    "web_search_options": (None,),
-    "reasoning_effort": (None,),
-    "echo": (None, False),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "documents": (None,),
-    "mm_processor_kwargs": (None,),
-    **VLLM_UNSUPPORTED,
-}
-COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-    **VLLM_UNSUPPORTED,
-}
-# the sampling fields applied (before the watermark, in this order on every engine)
-SAMPLING_FIELDS = (
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-    "min_p", "temperature", "top_k", "top_p",
-)  # fmt: skip
 MAX_LOGIT_BIAS = 300
 # The /v1 rules the schema cannot state (a 400 with this code): each needs the served
 # tokenizer, the grammar engine, or a comparison between two fields' values.
@@ -102,7 +78,6 @@ OPENAI_UNSTATED_RULES = {
     "logprobs_mode_unavailable": "on the vllm engine, a logprobs_mode other than the "
     "engine-wide one (WORLDCUP_VLLM_LOGPROBS_MODE, default sampled)",
 }
-MAX_TOOLS = 64
 MAX_TOP_LOGPROBS = 20
 
 
@@ -124,18 +99,18 @@ def _depth(value: Any, level: int = 0) -> int:
     return level
 
 
-def _unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> Any:
+def unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> Any:
     """``value`` if it is one of the no-op ``accepted`` values (``False`` is not ``0``)."""
     if any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
         return value
     raise ValueError(f"'{name}' is not supported by this server")
 
 
-def _unsupported_field() -> Any:
+def unsupported_field() -> Any:
     return Field(None, description="Not supported: 400 unless absent, null or its no-op value.")
 
 
-def _schema_rules(
+def schema_rules(
     table: dict[str, tuple[Any, ...]], examples: list[Any], rules: tuple[Any, ...] = ()
 ) -> Any:
     """``json_schema_extra`` stating what the validators enforce: an unsupported field
@@ -244,76 +219,6 @@ class WatermarkInfo(OpenAIModel):
     payload_bits: str
 
 
-# --------------------------------------------------------------------------- requests
-class StreamOptions(OpenAIRequestModel):
-    include_usage: bool | None = None
-
-
-class TextPart(OpenAIRequestModel):
-    type: Literal["text"]
-    text: Annotated[str, Field(max_length=100_000)]
-
-
-class ToolCallFunction(OpenAIRequestModel):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
-    arguments: Annotated[str, Field(max_length=100_000)] = Field(
-        description="The arguments, a JSON string."
-    )
-
-
-class ToolCallIn(OpenAIRequestModel):
-    """A tool call of an earlier assistant turn (sent back in a multi-turn chat)."""
-
-    id: Annotated[str, Field(min_length=1, max_length=256)]
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessageIn(OpenAIRequestModel):
-    model_config = ConfigDict(
-        extra="ignore",
-        strict=True,
-        json_schema_extra={
-            "if": {"required": ["role"], "properties": {"role": {"not": {"const": "assistant"}}}},
-            "then": {
-                "properties": {
-                    "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
-                }
-            },
-        },
-    )
-
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
-        description="'developer' is read as 'system'; 'tool' answers an earlier tool call "
-        "(the 'function' role is unsupported)."
-    )
-    content: (
-        Annotated[str, Field(max_length=100_000)]
-        | Annotated[list[TextPart], Field(min_length=1, max_length=64)]
-        | None
-    ) = Field(
-        None,
-        description="A string, or text parts (other part types are unsupported); "
-        "null (read as empty) beside an assistant turn's tool_calls.",
-    )
-    name: Annotated[str | None, Field(max_length=256)] = None
-    tool_calls: Annotated[list[ToolCallIn] | None, Field(max_length=MAX_TOOLS)] = None
-    tool_call_id: Annotated[str | None, Field(max_length=256)] = None
-
-    @model_validator(mode="after")
-    def _roles(self) -> Self:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 # ------------------------------------------------------------------ structured outputs
 JsonSchema = dict[str, Any]
 
@@ -406,32 +311,16 @@ class StructuredOutputs(OpenAIRequestModel):
         return self
 
 
-class FunctionDef(OpenAIRequestModel):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-    description: Annotated[str | None, Field(max_length=10_000)] = None
-    parameters: JsonSchema | None = None
-    strict: bool | None = None
-
-
-class ToolDef(OpenAIRequestModel):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(OpenAIRequestModel):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
-
-
-class NamedToolChoice(OpenAIRequestModel):
-    type: Literal["function"]
-    function: NamedFunction
+# --------------------------------------------------------------------------- requests
+class StreamOptions(OpenAIRequestModel):
+    include_usage: bool | None = None
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 Stop = StopString | Annotated[list[StopString], Field(min_length=1, max_length=MAX_STOP)]
 
 
-class _Sampling(OpenAIRequestModel):
+class SamplingRequest(OpenAIRequestModel):
     model: Annotated[str, Field(min_length=1, max_length=256)] = Field(
         description="A model id from GET /v1/models."
     )
@@ -495,23 +384,23 @@ class _Sampling(OpenAIRequestModel):
         Field(min_length=1, max_length=256),
     ] = None
     guided_grammar: Annotated[str | None, Field(min_length=1, max_length=65_536)] = None
-    use_beam_search: Any = _unsupported_field()
-    length_penalty: Any = _unsupported_field()
-    ignore_eos: Any = _unsupported_field()
-    stop_token_ids: Any = _unsupported_field()
-    bad_words: Any = _unsupported_field()
-    allowed_token_ids: Any = _unsupported_field()
-    prompt_logprobs: Any = _unsupported_field()
-    truncate_prompt_tokens: Any = _unsupported_field()
-    include_stop_str_in_output: Any = _unsupported_field()
-    skip_special_tokens: Any = _unsupported_field()
-    spaces_between_special_tokens: Any = _unsupported_field()
-    guided_decoding_backend: Any = _unsupported_field()
-    guided_whitespace_pattern: Any = _unsupported_field()
-    return_tokens_as_token_ids: Any = _unsupported_field()
-    vllm_xargs: Any = _unsupported_field()
-    priority: Any = _unsupported_field()
-    logits_processors: Any = _unsupported_field()
+    use_beam_search: Any = unsupported_field()
+    length_penalty: Any = unsupported_field()
+    ignore_eos: Any = unsupported_field()
+    stop_token_ids: Any = unsupported_field()
+    bad_words: Any = unsupported_field()
+    allowed_token_ids: Any = unsupported_field()
+    prompt_logprobs: Any = unsupported_field()
+    truncate_prompt_tokens: Any = unsupported_field()
+    include_stop_str_in_output: Any = unsupported_field()
+    skip_special_tokens: Any = unsupported_field()
+    spaces_between_special_tokens: Any = unsupported_field()
+    guided_decoding_backend: Any = unsupported_field()
+    guided_whitespace_pattern: Any = unsupported_field()
+    return_tokens_as_token_ids: Any = unsupported_field()
+    vllm_xargs: Any = unsupported_field()
+    priority: Any = unsupported_field()
+    logits_processors: Any = unsupported_field()
     logprobs_mode: Literal["sampled", "model"] | None = Field(
         None,
         description="Our extension: which distribution logprobs report: 'sampled' (default), "
@@ -525,7 +414,7 @@ class _Sampling(OpenAIRequestModel):
     @classmethod
     def _vllm_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
-        return _unsupported(info.field_name, value, VLLM_UNSUPPORTED[info.field_name])
+        return unsupported(info.field_name, value, VLLM_UNSUPPORTED[info.field_name])
 
     @field_validator("stream_options")
     @classmethod
@@ -540,142 +429,17 @@ class _Sampling(OpenAIRequestModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``; unknown fields are ignored."""
-
-    model_config = ConfigDict(
-        extra="ignore",
-        strict=True,
-        json_schema_extra=_schema_rules(
-            CHAT_UNSUPPORTED,
-            [
-                {
-                    "model": "SmolLM2-135M-Instruct",
-                    "messages": [{"role": "user", "content": "Write a note about tides."}],
-                    "max_tokens": 64,
-                    "watermark": {"metadata": {"user_id": "u-17"}},
-                }
-            ],
-            (
-                {
-                    "if": {
-                        "required": ["top_logprobs"],
-                        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
-                    },
-                    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-                },
-            ),
-        ),
-    )
-
-    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=64)]
-    max_completion_tokens: Annotated[int | None, Field(ge=1)] = Field(
-        None, description="Preferred over max_tokens when both are given."
-    )
-    tools: Annotated[list[ToolDef] | None, Field(max_length=MAX_TOOLS)] = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="Default 'auto' with tools, 'none' without."
-    )
-    parallel_tool_calls: bool | None = Field(
-        None, description="Accepted; a turn makes at most one tool call."
-    )
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
-    functions: Any = _unsupported_field()
-    function_call: Any = _unsupported_field()
-    audio: Any = _unsupported_field()
-    modalities: Any = _unsupported_field()
-    prediction: Any = _unsupported_field()
-    web_search_options: Any = _unsupported_field()
-    reasoning_effort: Any = _unsupported_field()
-    echo: Any = _unsupported_field()
-    add_generation_prompt: Any = _unsupported_field()
-    continue_final_message: Any = _unsupported_field()
-    chat_template: Any = _unsupported_field()
-    chat_template_kwargs: Any = _unsupported_field()
-    documents: Any = _unsupported_field()
-    mm_processor_kwargs: Any = _unsupported_field()
-
-    @field_validator(*(k for k in CHAT_UNSUPPORTED if k not in VLLM_UNSUPPORTED))
-    @classmethod
-    def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
-        assert info.field_name is not None
-        return _unsupported(info.field_name, value, CHAT_UNSUPPORTED[info.field_name])
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and not info.data.get("logprobs"):  # logprobs is declared before
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
-
-    @property
-    def new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-class CompletionRequest(_Sampling):
-    """``POST /v1/completions``; unknown fields are ignored."""
-
-    model_config = ConfigDict(
-        extra="ignore",
-        strict=True,
-        json_schema_extra=_schema_rules(
-            COMPLETION_UNSUPPORTED,
-            [{"model": "SmolLM2-135M-Instruct", "prompt": "The tide", "max_tokens": 32}],
-            (  # max_tokens 0 scores the prompt: it needs echo and logprobs (a 400 otherwise)
-                {
-                    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
-                    "then": {
-                        "required": ["echo", "logprobs"],
-                        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
-                    },
-                },
-            ),
-        ),
-    )
-
-    prompt: (
-        Annotated[str, Field(min_length=1, max_length=100_000)]
-        | Annotated[
-            list[Annotated[str, Field(min_length=1, max_length=100_000)]],
-            Field(min_length=1, max_length=MAX_CHOICES),
-        ]
-    ) = Field(description="A string or a list of strings (token-id prompts are unsupported).")
-    max_tokens: Annotated[int | None, Field(ge=0)] = Field(
-        None,
-        description="0 only with echo and logprobs: the prompt scored, nothing generated "
-        "(finish_reason length, watermark null, no registry entry).",
-    )
-    logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = Field(
-        None,
-        description="Log-probabilities of the sampled tokens and this many alternatives; "
-        "with echo, of the prompt's tokens first (the first one null; the model's own "
-        "distribution there, as nothing is sampled).",
-    )
-    echo: bool | None = Field(
-        None,
-        description="Return the prompt before the completion (with logprobs: scored; "
-        "with max_tokens 0 too: only the prompt, scored).",
-    )
-    suffix: Any = _unsupported_field()
-    best_of: Any = _unsupported_field()
-
-    @field_validator("suffix", "best_of")
-    @classmethod
-    def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
-        assert info.field_name is not None
-        return _unsupported(info.field_name, value, COMPLETION_UNSUPPORTED[info.field_name])
-
-    @property
-    def new_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-
-
 # --------------------------------------------------------------------------- responses
+class ResponseHead(OpenAIModel):
+    """What a completion and each of its chunks start with (``object`` is each one's)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int
     completion_tokens: int
@@ -683,148 +447,6 @@ class UsageInfo(OpenAIModel):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class TopLogprob(OpenAIModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(OpenAIModel):
-    """Chat: one entry per generated token, under the distribution ``logprobs_mode``
-    names (default ``sampled``: the watermarked one each token was drawn from)."""
-
-    content: list[TokenLogprob] | None
-    refusal: list[TokenLogprob] | None = None
-
-
-class CompletionLogprobs(OpenAIModel):
-    """Completions' legacy shape; with ``echo`` the prompt's tokens come first (the
-    first with a null logprob, the rest from the model's own distribution)."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class FunctionCall(OpenAIModel):
-    name: str
-    arguments: str = Field(description="The arguments as a JSON string.")
-
-
-class ToolCall(OpenAIModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(OpenAIModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(OpenAIModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason
-    watermark: WatermarkInfo
-
-
-class ChatCompletion(OpenAIModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class CompletionChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason
-    watermark: WatermarkInfo | None = Field(
-        description="The receipt; null only for max_tokens 0 (the prompt scored, nothing "
-        "generated, nothing watermarked)."
-    )
-
-
-class Completion(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
-class FunctionCallDelta(OpenAIModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(OpenAIModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta | None = None
-
-
-class DeltaMessage(OpenAIModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(OpenAIModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
-
-
-class ChatCompletionChunk(OpenAIModel):
-    """One ``data:`` event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunkChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    watermark: WatermarkInfo | None = Field(None, description="Only in the choice's last chunk.")
-
-
-class CompletionChunk(OpenAIModel):
-    """One ``data:`` event of a streamed completion (``object`` as OpenAI sends it)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChunkChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(OpenAIModel):

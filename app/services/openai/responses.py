@@ -1,7 +1,7 @@
 """The Responses API (``/v1/responses``) as a translation onto the chat route's machinery.
 
 A Responses request becomes the internal chat request the chat route runs
-(:mod:`app.services.openai_serving`: planning, allocation, the engine, stop
+(:mod:`.chat` over :mod:`.run`: planning, allocation, the engine, stop
 handling, cancellation), so what it gets is exactly what chat gets: the
 watermark, the receipt, the sampling fields, and (where the chat route supports
 them) structured outputs and function tools. What is added here is protocol:
@@ -33,8 +33,9 @@ from pydantic import ValidationError
 
 from app.core.errors import APIError
 from app.engines.base import Engine
-from app.schemas.openai import ChatCompletion, ChatCompletionRequest, WatermarkInfo
-from app.schemas.responses import (
+from app.schemas.openai.chat import ChatCompletion, ChatCompletionRequest
+from app.schemas.openai.common import WatermarkInfo
+from app.schemas.openai.responses import (
     ContentPartEvent,
     ErrorEvent,
     FunctionCallArgumentsDeltaEvent,
@@ -56,12 +57,13 @@ from app.schemas.responses import (
     ResponseUsage,
 )
 from app.services import generation as gen
-from app.services import openai_serving as serving
 from app.services import receipt
+from app.services.openai import chat as chat_api
+from app.services.openai import run as core
+from app.services.openai.stream import SSE_HEADERS
 from app.services.runtime import Runtime
 
 MAX_MESSAGES = 64  # the chat route's limit
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # a chat field's name -> the Responses field it came from (for the 400's param)
 _PARAMS = {
@@ -226,7 +228,7 @@ class Turn:
 
     body: ResponsesRequest
     chat: ChatCompletionRequest
-    run: serving.Run
+    run: core.Run
     messages: list[dict[str, Any]]  # the conversation up to this turn's output
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
@@ -235,7 +237,7 @@ class Turn:
 
     @property
     def watermark(self) -> WatermarkInfo:
-        return serving.watermark_info(self.run.samples[0])
+        return core.watermark_info(self.run.samples[0])
 
     def response(
         self,
@@ -287,7 +289,7 @@ class Turn:
 
 def _function_calls(completion: ChatCompletion) -> list[OutputFunctionCall]:
     """The chat answer's tool calls (once the chat route makes them) as output items."""
-    calls = getattr(completion.choices[0].message, "tool_calls", None) or []
+    calls = completion.choices[0].message.tool_calls or []
     return [
         OutputFunctionCall(
             id=f"fc_{uuid.uuid4().hex}",
@@ -336,11 +338,11 @@ async def serve(
     previous = await history(runtime, tenant_id, body.previous_response_id)
     chat = to_chat(body, previous)
     try:
-        pending = await serving.plan(runtime, chat)
+        pending = await chat_api.plan(runtime, chat)
     except APIError as exc:  # named as the client named it
         raise renamed(exc) from None
     gen.ensure_queue_room(runtime, engine, pending.choices)
-    run = await serving.start(runtime, engine, tenant_id, pending)
+    run = await core.start(runtime, engine, tenant_id, pending)
     # what a follow-up continues from: instructions are this request's only
     turn = Turn(body, chat, run, previous + input_messages(body))
     headers = receipt.headers([turn.watermark])
@@ -350,8 +352,7 @@ async def serve(
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
-    completion = await serving.complete(run, request, engine)
-    assert isinstance(completion, ChatCompletion)
+    completion = await chat_api.complete(run, request, engine)
     response, _ = finished(turn, completion)
     await remember(runtime, tenant_id, turn, response)
     return JSONResponse(response.model_dump(mode="json"), headers=headers)
@@ -400,8 +401,7 @@ async def events(
                 else:
                     yield chunk
         else:
-            completion = await serving.complete(run, request, engine)
-            assert isinstance(completion, ChatCompletion)
+            completion = await chat_api.complete(run, request, engine)
             response, output = finished(turn, completion)
             for index, item in enumerate(output):
                 for event in _item_events(turn, index, item):
@@ -497,7 +497,7 @@ async def _stream_text(
     for event in _message_opening(turn, 0):
         yield event
     text: list[str] = []
-    async for piece in serving.follow(sample, engine, turn.chat.stops()):
+    async for piece in core.follow(sample, engine, turn.chat.stops()):
         if await request.is_disconnected():
             engine.cancel(sample.job)
             yield None

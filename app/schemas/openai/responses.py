@@ -1,7 +1,7 @@
 """The OpenAI Responses protocol (``POST /v1/responses``, ``GET /v1/responses/{id}``).
 
 A Responses request is read here and translated, in
-:mod:`app.services.responses_serving`, into the chat request the chat route runs:
+:mod:`app.services.openai.responses`, into the chat request the chat route runs:
 ``instructions`` and the stored conversation of ``previous_response_id`` become
 messages, ``text.format`` becomes ``response_format``, function ``tools`` and
 ``tool_choice`` become the chat ones. What the chat route refuses is refused here
@@ -26,12 +26,14 @@ from pydantic import (
     field_validator,
 )
 
-from app.schemas.openai import (
+from app.schemas.openai.common import (
     OpenAIModel,
     OpenAIRequestModel,
     WatermarkInfo,
     WatermarkRequest,
-    _schema_rules,
+    schema_rules,
+    unsupported,
+    unsupported_field,
 )
 
 # field -> the values that mean "not used", accepted silently
@@ -54,12 +56,6 @@ RESPONSES_UNSTATED_RULES = {
     "input make more than 64 messages",
 }
 Text = Annotated[str, Field(max_length=100_000)]
-
-
-def _unsupported(name: str, value: Any, accepted: tuple[Any, ...]) -> Any:
-    if any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
-        return value
-    raise ValueError(f"'{name}' is not supported by this server")
 
 
 # --------------------------------------------------------------------------- input
@@ -159,17 +155,13 @@ class TextConfig(OpenAIRequestModel):
     @field_validator("verbosity")
     @classmethod
     def _no_verbosity(cls, value: Any) -> Any:
-        return _unsupported("text.verbosity", value, (None,))
+        return unsupported("text.verbosity", value, (None,))
 
 
 class ResponsesStreamOptions(OpenAIRequestModel):
     include_obfuscation: bool | None = Field(
         None, description="Accepted; no obfuscation padding is ever sent."
     )
-
-
-def _unsupported_field() -> Any:
-    return Field(None, description="Not supported: 400 unless absent, null or its no-op value.")
 
 
 # --------------------------------------------------------------------------- request
@@ -179,7 +171,7 @@ class ResponsesRequest(OpenAIRequestModel):
     model_config = ConfigDict(
         extra="ignore",
         strict=True,
-        json_schema_extra=_schema_rules(
+        json_schema_extra=schema_rules(
             RESPONSES_UNSUPPORTED,
             [
                 {
@@ -234,22 +226,22 @@ class ResponsesRequest(OpenAIRequestModel):
     tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     watermark: WatermarkRequest | None = None
-    background: Any = _unsupported_field()
-    conversation: Any = _unsupported_field()
-    include: Any = _unsupported_field()
-    prompt: Any = _unsupported_field()
-    reasoning: Any = _unsupported_field()
-    max_tool_calls: Any = _unsupported_field()
-    top_logprobs: Any = _unsupported_field()
-    truncation: Any = _unsupported_field()
-    service_tier: Any = _unsupported_field()
-    context_management: Any = _unsupported_field()
+    background: Any = unsupported_field()
+    conversation: Any = unsupported_field()
+    include: Any = unsupported_field()
+    prompt: Any = unsupported_field()
+    reasoning: Any = unsupported_field()
+    max_tool_calls: Any = unsupported_field()
+    top_logprobs: Any = unsupported_field()
+    truncation: Any = unsupported_field()
+    service_tier: Any = unsupported_field()
+    context_management: Any = unsupported_field()
 
     @field_validator(*RESPONSES_UNSUPPORTED)
     @classmethod
     def _unsupported_fields(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
-        return _unsupported(info.field_name, value, RESPONSES_UNSUPPORTED[info.field_name])
+        return unsupported(info.field_name, value, RESPONSES_UNSUPPORTED[info.field_name])
 
     @field_validator("tools", mode="before")
     @classmethod

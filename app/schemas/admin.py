@@ -1,0 +1,73 @@
+"""Schemas of the admin routes: tenants and their scopes, key rotation, master-key
+rotation, the registry lookup and the provenance audit log (API keys:
+:mod:`app.schemas.api_keys`)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from app.schemas.common import StrictModel
+
+Scope = Literal["provenance"]
+
+
+class CreateTenant(StrictModel):
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w .@-]+$")]
+    scopes: Annotated[list[Scope], Field(max_length=8)] = Field(
+        default_factory=list,
+        description="'provenance' lets this API key search every tenant (POST /provenance).",
+    )
+
+
+class TenantCreated(StrictModel):
+    tenant_id: str
+    name: str
+    api_key: str = Field(description="Shown once; only its hash is stored.")
+    key_version: int
+    scopes: list[str]
+
+
+class SetScopes(StrictModel):
+    scopes: Annotated[list[Scope], Field(max_length=8)]
+
+
+class TenantOut(StrictModel):
+    tenant_id: str
+    name: str
+    scopes: list[str]
+    created_at: dt.datetime
+
+
+class Rewrapped(StrictModel):
+    rewrapped: int = Field(description="Keys re-encrypted under the current master key.")
+    already_current: int
+
+
+class AuditEntry(StrictModel):
+    id: str
+    at: dt.datetime
+    actor: str
+    action: str
+    request_id: str
+    outcome: dict[str, Any]
+
+
+class AuditLog(StrictModel):
+    entries: list[AuditEntry]
+
+
+class KeyRotated(StrictModel):
+    tenant_id: str
+    key_version: int
+
+
+class RegistryEntryOut(StrictModel):
+    tenant_id: str
+    message_id: int
+    key_version: int
+    num_bits: int
+    metadata: dict[str, Any]
+    issued_at: dt.datetime
