@@ -6,7 +6,7 @@ accounting's worst case. The store is Redis (``--redis``) or SQLite.
 
 Run it once per checkout to compare, e.g. before/after, alternating:
 
-    PYTHONPATH=/work/main python scripts/detect_accounting_bench.py --label main
+    PYTHONPATH=. python scripts/detect_accounting_bench.py --label main
     PYTHONPATH=.          python scripts/detect_accounting_bench.py --label branch
 
 ``--budgets off`` measures the same without accounting.

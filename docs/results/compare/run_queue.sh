@@ -3,7 +3,7 @@
 # one per process, so new code and an edited compare.toml are picked up between cells.
 # Optional $1: a pid to wait for first (a generation already running). Log: stdout.
 cd "$(dirname "$0")/../../.." || exit 1
-export PYTHONPATH=$PWD WORLDCUP_DATA_DIR=${WORLDCUP_DATA_DIR:-/work/shared/data}
+export PYTHONPATH=$PWD WORLDCUP_DATA_DIR=${WORLDCUP_DATA_DIR:-$(cd .. && pwd)/shared/data}
 # one thread: on shared, busy cores a multi-threaded forward waits for descheduled threads
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 PY=${PY:-.venv/bin/python}
