@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from test_service_api import make_settings, new_tenant
 
-import app.services.detection as detection_module
+import app.services.intake as intake_module
 from app.services.cpu import ADMIN_SHARE, CpuPool, Overloaded, current_share, set_share
 
 T = TypeVar("T")
@@ -373,8 +373,8 @@ def test_another_tenants_detect_overtakes_a_bulk_batch(
     """One worker. Tenant A's first request holds it; A's /detect/batch of 30 texts
     queues 30 chunks; tenant B's /detect, sent after, is tokenised after at most one
     of them. The share is the tenant of the API key (set by the auth dependency)."""
-    gate = OrderedGate(detection_module.encode_texts)
-    monkeypatch.setattr(detection_module, "encode_texts", gate)
+    gate = OrderedGate(intake_module.encode_texts)
+    monkeypatch.setattr(intake_module, "encode_texts", gate)
     _, auth_a = new_tenant(client)
     _, auth_b = new_tenant(client)
     pool = app.state.runtime.cpu
@@ -413,8 +413,8 @@ def test_one_tenant_at_its_bound_gets_503_while_another_is_admitted(
     named), B's is admitted and answered once the worker frees."""
     from test_service_api import assert_error
 
-    gate = OrderedGate(detection_module.encode_texts)
-    monkeypatch.setattr(detection_module, "encode_texts", gate)
+    gate = OrderedGate(intake_module.encode_texts)
+    monkeypatch.setattr(intake_module, "encode_texts", gate)
     monkeypatch.setattr(app.state.runtime.cpu, "max_pending_per_share", 1)
     _, auth_a = new_tenant(client)
     _, auth_b = new_tenant(client)

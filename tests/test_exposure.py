@@ -29,7 +29,7 @@ from test_service_api import (
     new_tenant,
 )
 
-import app.services.detection as detection_module
+import app.services.intake as intake_module
 from app.main import create_app
 from app.schemas.exposure import verdict_of
 from app.services.probes import (
@@ -97,8 +97,8 @@ class Gate:
 
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
-    g = Gate(detection_module.encode_texts)
-    monkeypatch.setattr(detection_module, "encode_texts", g)
+    g = Gate(intake_module.encode_texts)
+    monkeypatch.setattr(intake_module, "encode_texts", g)
     yield g
     g.release.set()
 
@@ -162,7 +162,25 @@ def test_batch_encoding_equals_the_tokenizer_call(smollm2_tokenizer: Any) -> Non
         "日本語のテキストと English mixed",
     ]
     expected = [smollm2_tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-    assert detection_module.encode_texts(smollm2_tokenizer, texts) == expected
+    assert intake_module.encode_texts(smollm2_tokenizer, texts) == expected
+
+
+@pytest.mark.anyio
+async def test_accounting_off_allows_every_item_of_a_batch() -> None:
+    """With no fingerprints (a detail level without a probe budget) or no probe store,
+    every query of a batch is allowed, one decision per item: the accounting once
+    answered an empty list here, which its callers had to patch."""
+    from types import SimpleNamespace
+
+    principal: Any = SimpleNamespace()
+    for probes in (None, SimpleNamespace()):
+        runtime: Any = SimpleNamespace(probes=probes)
+        decisions = await intake_module.account_sketches(runtime, principal, "x", None, 3)
+        assert [d.allowed for d in decisions] == [True, True, True]
+    runtime = SimpleNamespace(probes=None)
+    sketches: list[Sketch | None] = [None, None]
+    decisions = await intake_module.account_sketches(runtime, principal, "x", sketches, 2)
+    assert len(decisions) == 2 and all(d.allowed for d in decisions)
 
 
 # --------------------------------------------------------------------------- API keys

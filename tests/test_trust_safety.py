@@ -370,7 +370,7 @@ def test_registry_match_needs_significance_and_confidence(
     """A close runner-up withholds the match rather than risk naming the wrong entry."""
     from types import SimpleNamespace
 
-    from app.services.detection import registry_match
+    from app.services.intake import registry_match
     from app.services.watermark import DecodeOutcome
     from app.stores.base import RegistryEntry
     from worldcup_core import WatermarkKey, WorldCup

@@ -28,15 +28,15 @@ from app.schemas.watermark import (
     ProvenanceResponse,
     TokenScore,
 )
-from app.services.detection import (
-    _admit_one,
-    _sketcher,
+from app.services.evidence import evidence_block, unmatched_evidence
+from app.services.intake import (
+    admit_one,
     check_text,
     encode_texts,
     registry_match,
+    sketcher,
     token_pieces,
 )
-from app.services.evidence import evidence_block, unmatched_evidence
 from app.services.probes import Sketch
 from app.services.runtime import Runtime
 from app.services.tenants import Principal
@@ -92,15 +92,15 @@ async def _tenant_ids(runtime: Runtime, who: Investigator, text: str) -> list[in
     query is then counted against the tenant's probe budget, or refused with a 429."""
     check_text(runtime, text)
     principal = who.principal
-    sketcher = _sketcher(runtime, principal) if principal is not None else None
+    sketch = sketcher(runtime, principal) if principal is not None else None
 
     def work() -> tuple[list[int], list[Sketch | None] | None]:
         ids = encode_texts(runtime.tokenizer, [text])
-        return ids[0], (sketcher(ids) if sketcher else None)
+        return ids[0], (sketch(ids) if sketch else None)
 
     ids, sketches = await runtime.offload(work)
     if principal is not None:
-        await _admit_one(runtime, principal, "provenance", sketches)
+        await admit_one(runtime, principal, "provenance", sketches)
     return ids
 
 

@@ -11,7 +11,6 @@ from fastapi import APIRouter, Path, Query
 from app.api.deps import AdminDep, RuntimeDep
 from app.core.errors import APIError
 from app.schemas.admin import (
-    AuditEntry,
     AuditLog,
     CreateTenant,
     KeyRotated,
@@ -22,7 +21,7 @@ from app.schemas.admin import (
     TenantOut,
 )
 from app.schemas.common import ERROR_RESPONSES
-from app.services.detection import readable_metadata
+from app.services import admin
 from app.services.tenants import UnknownTenant
 from app.stores.base import Conflict
 
@@ -78,20 +77,7 @@ async def audit_log(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> AuditLog:
     """Provenance queries, newest first: who asked, when, and what was found."""
-    records = await runtime.store.audit_log(limit)
-    return AuditLog(
-        entries=[
-            AuditEntry(
-                id=r.id,
-                at=dt.datetime.fromtimestamp(r.at, tz=dt.UTC),
-                actor=r.actor,
-                action=r.action,
-                request_id=r.request_id,
-                outcome=r.outcome,
-            )
-            for r in records
-        ]
-    )
+    return await admin.audit_log(runtime, limit)
 
 
 @router.post(
@@ -117,14 +103,4 @@ async def registry_entry(
     runtime: RuntimeDep,
     _: AdminDep,
 ) -> RegistryEntryOut:
-    entry = await runtime.store.registry_entry(tenant_id, message_id)
-    if entry is None:
-        raise APIError(404, "no such registry entry", "unknown_message")
-    return RegistryEntryOut(
-        tenant_id=entry.tenant_id,
-        message_id=entry.message_id,
-        key_version=entry.key_version,
-        num_bits=entry.num_bits,
-        metadata=readable_metadata(entry.metadata, entry.message_id),
-        issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
-    )
+    return await admin.registry_entry(runtime, tenant_id, message_id)
