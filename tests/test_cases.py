@@ -364,6 +364,46 @@ def test_a_batch_makes_one_case_per_row_and_has_a_limit(
     assert r.status_code == 422 and r.json()["error"]["code"] == "unsupported_batch_format"
 
 
+def test_a_batchs_rows_answer_as_single_checks_of_their_texts(
+    client: TestClient, world: dict[str, Any]
+) -> None:
+    """A batch is scored through the bulk services, not row by row: every row's case
+    holds the verdict, statistic, p-value and evidence summary that a single check of
+    its text gives (what each row went through before), in every mode, for a tenant's
+    key, an analyst's, a verdict key and the admin. The single decode check of an
+    analyst's key adds per-token evidence; a batch, like /decode/batch, has none."""
+    words = world["text"].split(" ")
+    texts = [world["text"], HUMAN, " ".join(words[:12]), " ".join(words[:40])]
+    verdict_key = _key(client, world["acme_id"], ["provenance", "decode", "detect"], "verdict")
+    askers = {
+        "tenant": (world["acme"], ["provenance"]),
+        "analyst": (world["analyst"], ["provenance", "decode", "detect"]),
+        "verdict": (verdict_key, ["provenance", "decode", "detect"]),
+        "admin": (ADMIN, ["provenance"]),
+    }
+    fields = ("verdict", "statistic", "p_value", "sentence", "mode")
+    verdicts = set()
+    for who, (auth, modes) in askers.items():
+        for mode in modes:
+            body = {"filename": "b.jsonl", "mode": mode, "field": "text"}
+            body["content"] = "\n".join(json.dumps({"text": t}) for t in texts)
+            r = client.post("/console/api/cases/batch", json=body, headers=auth)
+            assert r.status_code == 200, (who, mode, r.text)
+            rows = r.json()["rows"]
+            assert [row["error"] for row in rows] == [None] * len(texts), (who, mode)
+            for text, row in zip(texts, rows, strict=True):
+                single = _check(client, auth, text, mode=mode)["case"]
+                case = row["case"]
+                assert {f: case[f] for f in fields} == {f: single[f] for f in fields}, (who, mode)
+                summary, alone = dict(case["summary"]), dict(single["summary"])
+                if mode == "decode" and who == "analyst":
+                    alone.pop("islands")
+                    assert summary.pop("islands") == []
+                assert summary == alone, (who, mode, text[:20])
+                verdicts.add(case["verdict"])
+    assert {"watermarked", "not_watermarked"} <= verdicts  # the texts span the verdicts
+
+
 def test_the_one_verdict_function_and_its_words() -> None:
     """worldcup_core.verdict: the levels, NaN, and wording with and without a p-value."""
     assert [verdict_of(p) for p in (0.0, 9.99e-7, 1e-6, 0.0499, 0.05, 1.0)] == [

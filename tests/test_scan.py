@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import datetime as dt
+import io
 import json
 import os
 import signal
@@ -28,8 +29,8 @@ import pytest
 from scipy import stats
 from typer.testing import CliRunner
 
-from app.core.corpus import Fields, discover, plan, read_part
 from app.core.security import KeyWrapper
+from app.services.corpus import Fields, InputError, discover, plan, read_bytes, read_part
 from app.stores.base import KeyRecord, TenantRecord
 from app.stores.sqlite import SQLiteStore
 from worldcup_cli.main import app as cli_app
@@ -391,6 +392,42 @@ def test_parts_read_exactly_the_rows_of_each_file(tmp_path: Path) -> None:
         for index in range(3):
             got = [r.text for p in parts if p.file_index == index for r in read_part(p, Fields())]
             assert got == texts, (size, index)
+
+
+def test_an_upload_in_memory_reads_as_the_same_file_on_disk(tmp_path: Path) -> None:
+    """The console's uploads are read in memory (no temporary file): the same rows,
+    texts and per-row errors as the scan's reader gives for that file on disk."""
+    jsonl = [
+        json.dumps({"text": "first", "id": "a"}),
+        "",
+        "not json",
+        json.dumps({"text": "  "}),
+        json.dumps({"other": 1}),
+        json.dumps([1, 2]),
+        json.dumps({"text": "x" * 41}),
+        json.dumps({"text": "two\nlines"}),
+    ]
+    out = io.StringIO()
+    csv.writer(out).writerows([["text", "n"], ["plain", 1], ['multi\nline, "quoted"', 2], ["", 3]])
+    uploads = {
+        "up.jsonl": "\n".join(jsonl).encode() + b'\n{"text": "bad \xff byte"}\n',
+        "up.csv": out.getvalue().encode() + b"bad \xff byte,4\r\n",
+    }
+    fields = Fields(max_chars=40)
+    for name, data in uploads.items():
+        (tmp_path / name).write_bytes(data)
+        disk = [r for p in plan(discover([str(tmp_path / name)]), 3) for r in read_part(p, fields)]
+        memory = read_bytes(name, data, fields)
+        assert len(memory) == len(disk) >= 4
+        assert [(r.row, r.text, r.error) for r in memory] == [
+            (r.row, r.text, r.error) for r in disk
+        ]
+        assert {r.source for r in memory} == {name} and memory[-1].id == f"{name}:{len(disk) - 1}"
+        assert any(r.error for r in memory) and any(r.text for r in memory)
+        with pytest.raises(InputError, match=f"'body' is not a field of {name}"):
+            read_bytes(name, data, Fields(text="body"))
+    with pytest.raises(InputError, match="use .jsonl or .csv"):
+        read_bytes("up.parquet", b"PAR1", fields)
 
 
 def test_cli_usage_errors_are_one_line(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from app.core.corpus import Fields, Part, discover, plan, read_part
+from app.services.corpus import Fields, Part, discover, plan, read_part
 from worldcup_core import Payload, WorldCup
 from worldcup_scan.keys import KeySpec, ScanKeys
 from worldcup_scan.run import ScanOptions, _write_part, run_scan

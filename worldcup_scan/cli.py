@@ -14,7 +14,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from app.core.corpus import Fields, InputError
+from app.services.corpus import Fields, InputError
 from worldcup_scan.keys import (
     KeySourceError,
     ScanKeys,

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
-from app.core.corpus import Part
+from app.services.corpus import Part
 from worldcup_scan.scanner import COLUMNS, Scanner, ScanSpec, arrow_schema
 
 ENGINES = ("local", "ray")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.core.corpus import InputError, Part, check_fields, discover, plan
+from app.services.corpus import InputError, Part, check_fields, discover, plan
 from worldcup_scan.keys import StoreSession
 from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema, iso_utc
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from app.core.corpus import Fields, Part, RawRow, read_part
+from app.services.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult, RegistryMatch
 from worldcup_core.message import MessageIdCodec

@@ -15,10 +15,11 @@ case. Any other caller gets the same 404 as for a case that does not exist. Case
 expire after ``console_case_retention_days`` (0: kept until deleted); deleting one
 deletes its text.
 
-A batch (CSV or JSONL) is read with :mod:`app.core.corpus`, the reader of
-``worldcup scan`` (same formats, same ``--text-field`` check, same per-row errors),
-and each good row is checked as above; beyond ``console_batch_limit`` texts the
-answer points to ``worldcup scan``.
+A batch (CSV or JSONL) is read in memory with :mod:`app.services.corpus`, the reader
+of ``worldcup scan`` (same formats, same ``--text-field`` check, same per-row errors),
+and its good rows are checked together through the bulk services (``decode_batch``,
+``detect_batch``, ``provenance_batch``), each with a single check's verdict; beyond
+``console_batch_limit`` texts the answer points to ``worldcup scan``.
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ import hashlib
 import io
 import re
 import secrets
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from app.core.corpus import Fields, InputError, RawRow, check_fields, discover, plan, read_part
 from app.core.errors import APIError
 from app.schemas.exposure import DecodeVerdict, DetectVerdict, ProvenanceVerdict
 from app.schemas.watermark import (
+    BatchItemError,
+    DecodeBatchRequest,
+    DecodeBatchResponse,
     DecodeRequest,
     DecodeResponse,
+    DetectBatchRequest,
+    DetectBatchResponse,
     DetectRequest,
     DetectResponse,
     ProvenanceRequest,
@@ -49,6 +53,7 @@ from app.schemas.watermark import (
 )
 from app.services import detection
 from app.services import provenance as search
+from app.services.corpus import Fields, InputError, RawRow, read_bytes
 from app.services.provenance import Investigator
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal
@@ -148,33 +153,39 @@ def _not_found(case_id: str) -> APIError:
 
 
 # --------------------------------------------------------------------------- checking
+def _check_mode(analyst: Analyst, mode: Mode) -> None:
+    """The checks the mode's API route makes of the key (the admin searches only)."""
+    p = analyst.principal
+    if p is None:
+        if mode != "provenance":
+            raise APIError(
+                403,
+                f"{mode} checks a tenant's own keys: use an API key (the admin token "
+                "searches every tenant with provenance)",
+                "admin_has_no_tenant",
+            )
+    elif mode not in p.scopes:
+        raise _missing_scope(mode)
+
+
+def _investigator(analyst: Analyst) -> Investigator:
+    p = analyst.principal
+    if p is None:
+        return Investigator("admin", True)
+    return Investigator(f"tenant:{p.tenant.tenant_id}", False, p)
+
+
 async def _answer(runtime: Runtime, analyst: Analyst, mode: Mode, text: str) -> Answer:
     """The mode's service call, with the checks its API route's dependencies make
     (scope, then one rate token for a tenant key; the admin is unmetered)."""
+    _check_mode(analyst, mode)
     p = analyst.principal
+    if p is not None:
+        await charge(runtime, p.tenant)
     if mode == "provenance":
-        if p is None:
-            who = Investigator("admin", True)
-        else:
-            if "provenance" not in p.scopes:
-                raise _missing_scope("provenance")
-            await charge(runtime, p.tenant)
-            who = Investigator(f"tenant:{p.tenant.tenant_id}", False, p)
-        return await search.provenance(
-            runtime,
-            who,
-            ProvenanceRequest(text=text, include_token_scores=False, evidence=p is None),
-        )
-    if p is None:
-        raise APIError(
-            403,
-            f"{mode} checks a tenant's own keys: use an API key (the admin token "
-            "searches every tenant with provenance)",
-            "admin_has_no_tenant",
-        )
-    if mode not in p.scopes:
-        raise _missing_scope(mode)
-    await charge(runtime, p.tenant)
+        body = ProvenanceRequest(text=text, include_token_scores=False, evidence=p is None)
+        return await search.provenance(runtime, _investigator(analyst), body)
+    assert p is not None  # _check_mode: the admin has no decode or detect
     if mode == "decode":
         analyst_key = p.key.detail == "full" and "provenance" in p.scopes
         return await detection.decode(runtime, p, DecodeRequest(text=text, evidence=analyst_key))
@@ -404,32 +415,73 @@ def _suffix(filename: str) -> str:
 
 
 def read_rows(runtime: Runtime, filename: str, content: str, field: str) -> list[RawRow]:
-    """The rows of an uploaded file, through ``worldcup scan``'s reader; a 422 for a
-    field the file does not have, or more rows than ``console_batch_limit``."""
+    """The rows of an uploaded file, read in memory by ``worldcup scan``'s reader; a 422
+    for a field the file does not have, or more rows than ``console_batch_limit``."""
     limit = runtime.settings.console_batch_limit
-    suffix = _suffix(filename)
+    _suffix(filename)
     fields = Fields(text=field, max_chars=runtime.settings.text_chars_limit)
-    with tempfile.TemporaryDirectory(prefix="wc-batch-") as folder:
-        path = Path(folder) / f"upload{suffix}"
-        path.write_text(content, encoding="utf-8", errors="surrogateescape")
+    data = content.encode("utf-8", errors="surrogateescape")
+    try:
+        rows = read_bytes(Path(filename).name, data, fields)
+    except InputError as exc:
+        message = str(exc).replace("--text-field", "column")
+        raise APIError(422, message, "bad_batch_file") from None
+    if len(rows) > limit:
+        raise APIError(
+            422,
+            f"{filename} has {len(rows)} rows; the console checks at most {limit} at once. "
+            "For more, run `worldcup scan` (see docs/scans.md).",
+            "batch_too_large",
+        )
+    return rows
+
+
+async def _score_rows(
+    runtime: Runtime, analyst: Analyst, mode: Mode, texts: list[str]
+) -> list[Answer | str]:
+    """Every text's answer, or its error as ``code: message``, through the bulk
+    services (``/decode/batch``, ``/detect/batch``, and the provenance search's bulk
+    form): one rate token and one probe count per text, as there, in bulk worker
+    jobs. A key that cannot run the mode at all gets one 403 for the whole batch."""
+    if not texts:
+        return []
+    _check_mode(analyst, mode)
+    out: list[Answer | str] = []
+    size = runtime.settings.max_batch_texts
+    for start in range(0, len(texts), size):
+        chunk = texts[start : start + size]
         try:
-            files = discover([str(path)])
-            check_fields(files, fields)
-            parts = plan(files, limit + 1)
-        except InputError as exc:
-            message = str(exc).replace(str(path), filename).replace("--text-field", "column")
-            raise APIError(422, message, "bad_batch_file") from None
-        count = sum(len(p) for p in parts)
-        if count > limit:
-            raise APIError(
-                422,
-                f"{filename} has {count} rows; the console checks at most {limit} at once. "
-                "For more, run `worldcup scan` (see docs/scans.md).",
-                "batch_too_large",
-            )
-        rows = [row for part in parts for row in read_part(part, fields)]
-    name = Path(filename).name
-    return [RawRow(r.id.replace(str(path), name), name, r.row, r.text, r.error) for r in rows]
+            items = await _bulk(runtime, analyst, mode, chunk)
+        except APIError as exc:  # the rate limit: the chunk's texts fail, each with it
+            if exc.status in (401, 403):
+                raise
+            items = [BatchItemError(code=exc.code, message=exc.message)] * len(chunk)
+        out += [f"{i.code}: {i.message}" if isinstance(i, BatchItemError) else i for i in items]
+    return out
+
+
+async def _bulk(
+    runtime: Runtime, analyst: Analyst, mode: Mode, texts: list[str]
+) -> Sequence[Answer | BatchItemError]:
+    p = analyst.principal
+    if mode == "provenance":
+        if p is not None:
+            await charge(runtime, p.tenant, len(texts))
+        return await search.provenance_batch(runtime, _investigator(analyst), texts, p is None)
+    assert p is not None  # _check_mode: the admin has no decode or detect
+    found: DecodeBatchResponse | DetectBatchResponse
+    if mode == "decode":
+        found = await detection.decode_batch(runtime, p, DecodeBatchRequest(texts=texts))
+    else:
+        found = await detection.detect_batch(runtime, p, DetectBatchRequest(texts=texts))
+    return [_item(i.result, i.error) for i in found.results]
+
+
+def _item(result: Answer | None, error: BatchItemError | None) -> Answer | BatchItemError:
+    if error is not None:
+        return error
+    assert result is not None  # a bulk item holds its result or its error
+    return result
 
 
 async def batch(
@@ -446,32 +498,31 @@ async def batch(
     rate limit) carries its error code instead of a case."""
     rows = read_rows(runtime, filename, content, field)
     batch_id = secrets.token_urlsafe(9)
+    texts = {row.row: row.text for row in rows if row.text is not None}
+    answers = await _score_rows(runtime, analyst, mode, list(texts.values()))
+    answer_of = dict(zip(texts, answers, strict=True))
     out: list[dict[str, Any]] = []
     for row in rows:
         item: dict[str, Any] = {"row": row.row, "id": row.id, "error": row.error, "case": None}
-        if row.text is not None:
-            try:
-                answer = await _answer(runtime, analyst, mode, row.text)
-            except APIError as exc:
-                if exc.status in (401, 403):
-                    raise  # the key cannot run this mode at all: one clear answer
-                item["error"] = f"{exc.code}: {exc.message}"
-            else:
-                verdict, summary = summarise(mode, answer)
-                source = {"file": row.source, "row": row.row, "id": row.id}
-                case = new_case(
-                    runtime,
-                    analyst,
-                    mode,
-                    row.text,
-                    keep_text,
-                    verdict,
-                    summary,
-                    batch_id=batch_id,
-                    source=source,
-                )
-                await runtime.store.put_case(case)
-                item["case"] = case_view(case)
+        answer = answer_of.get(row.row)
+        if isinstance(answer, str):
+            item["error"] = answer
+        elif answer is not None:
+            verdict, summary = summarise(mode, answer)
+            source = {"file": row.source, "row": row.row, "id": row.id}
+            case = new_case(
+                runtime,
+                analyst,
+                mode,
+                texts[row.row],
+                keep_text,
+                verdict,
+                summary,
+                batch_id=batch_id,
+                source=source,
+            )
+            await runtime.store.put_case(case)
+            item["case"] = case_view(case)
         out.append(item)
     counts = {"watermarked": 0, "inconclusive": 0, "not_watermarked": 0, "error": 0}
     for item in out:

@@ -22,6 +22,7 @@ from app.core.errors import APIError
 from app.core.logging import request_id_var
 from app.schemas.exposure import ProvenanceVerdict
 from app.schemas.watermark import (
+    BatchItemError,
     ProvenanceCandidate,
     ProvenanceMatch,
     ProvenanceRequest,
@@ -30,9 +31,13 @@ from app.schemas.watermark import (
 )
 from app.services.evidence import evidence_block, unmatched_evidence
 from app.services.intake import (
+    account_sketches,
     admit_one,
+    check_all,
     check_text,
     encode_texts,
+    fingerprint_all,
+    keep_allowed,
     registry_match,
     sketcher,
     token_pieces,
@@ -74,6 +79,14 @@ def _token_scores(scheme: WorldCup, ids: list[int]) -> list[TokenScore]:
     ]
 
 
+def _evidence_not_allowed() -> APIError:
+    return APIError(
+        403,
+        "per-token evidence of a provenance search is for the admin token only",
+        "evidence_not_allowed",
+    )
+
+
 def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
     entry = outcome.decoded.entry if outcome.decoded is not None else None
     return {
@@ -112,18 +125,58 @@ async def provenance(
     if body.include_token_scores and not who.is_admin:
         raise APIError(403, "per-token scores are for the admin token only", "admin_only")
     if body.evidence and not who.is_admin:
-        raise APIError(
-            403,
-            "per-token evidence of a provenance search is for the admin token only",
-            "evidence_not_allowed",
-        )
-    settings = runtime.settings
+        raise _evidence_not_allowed()
     pieces: list[str] = []
     if body.evidence:
         check_text(runtime, body.text)
         ids, pieces = await runtime.offload(lambda: token_pieces(runtime.tokenizer, body.text))
     else:
         ids = await _tenant_ids(runtime, who, body.text)
+    return await _search(runtime, who, ids, pieces, body.evidence, body.include_token_scores)
+
+
+async def provenance_batch(
+    runtime: Runtime, who: Investigator, texts: list[str], evidence: bool
+) -> list[ProvenanceResponse | ProvenanceVerdict | BatchItemError]:
+    """Bulk /provenance (the console's batches): the texts are checked, tokenised and,
+    for a tenant key, fingerprinted in bulk worker jobs, and a tenant key's queries
+    counted against its probe budget in one call; a bad or refused text fails alone.
+    Each text is then searched and audited as one /provenance query."""
+    if evidence and not who.is_admin:
+        raise _evidence_not_allowed()
+    good, errors = check_all(runtime, texts)
+    chosen = [texts[i] for i in good]
+    tokens: list[tuple[list[int], list[str]]]
+    if evidence:
+        tokens = await runtime.offload_map(
+            lambda chunk: [token_pieces(runtime.tokenizer, t) for t in chunk], chosen
+        )
+    else:
+        principal = who.principal
+        sketch = sketcher(runtime, principal) if principal is not None else None
+        ids, sketches = await fingerprint_all(runtime, sketch, chosen)
+        tokens = [(i, []) for i in ids]
+        if principal is not None:
+            decisions = await account_sketches(
+                runtime, principal, "provenance/batch", sketches, len(ids)
+            )
+            good, tokens = keep_allowed(runtime, principal, good, tokens, decisions, errors)
+    found: dict[int, ProvenanceResponse | ProvenanceVerdict] = {}
+    for index, (text_ids, pieces) in zip(good, tokens, strict=True):
+        found[index] = await _search(runtime, who, text_ids, pieces, evidence, False)
+    return [found[i] if i in found else errors[i] for i in range(len(texts))]
+
+
+async def _search(
+    runtime: Runtime,
+    who: Investigator,
+    ids: list[int],
+    pieces: list[str],
+    evidence: bool,
+    token_scores: bool,
+) -> ProvenanceResponse | ProvenanceVerdict:
+    """Search every tenant for one tokenised text, audit the query, answer it."""
+    settings = runtime.settings
     outcome = await runtime.watermark.provenance(
         ids, settings.significance, settings.default_num_bits
     )
@@ -154,7 +207,7 @@ async def provenance(
             request_id=request_id_var.get(),
             outcome={
                 **_outcome_summary(outcome),
-                "evidence": body.evidence,
+                "evidence": evidence,
                 **({"key_id": who.key_id} if who.key_id is not None else {}),
                 **({"detail": "verdict"} if who.is_verdict else {}),
             },
@@ -167,16 +220,16 @@ async def provenance(
             verdict=verdict, tenant_id=owner if verdict == "watermarked" else None
         )
     scores = None
-    if body.include_token_scores and outcome.scheme is not None:
+    if token_scores and outcome.scheme is not None:
         scores = _token_scores(outcome.scheme, ids)
-    evidence = None
-    if body.evidence:
+    block = None
+    if evidence:
         best, best_decode = outcome.scheme, outcome.decoded
         if best is not None and best_decode is not None:
             found = best_decode.result
-            evidence = await runtime.offload(lambda: evidence_block(best, ids, pieces, found))
+            block = await runtime.offload(lambda: evidence_block(best, ids, pieces, found))
         else:
-            evidence = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
+            block = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
     per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None
     return ProvenanceResponse(
         found=outcome.significant,
@@ -198,5 +251,5 @@ async def provenance(
         screened=result.screened,
         num_full_scans=result.num_full_scans,
         token_scores=scores,
-        evidence=evidence,
+        evidence=block,
     )

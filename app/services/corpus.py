@@ -1,9 +1,10 @@
 """Reading a corpus: JSONL, CSV and Parquet files, split into resumable parts.
 
 The reader of ``worldcup scan`` (:mod:`worldcup_scan`) and of the console's batch
-uploads (:mod:`app.services.cases`): it lives here, below both, so the service never
-imports the scan package above it. Parquet needs ``pyarrow`` (the ``scan`` extra),
-imported only when a Parquet file is read.
+uploads (:mod:`app.services.cases`, in memory: :func:`read_bytes`). It sits beside
+the console's service, which imports it sideways, and below the scan, which runs
+without the web stack: it imports nothing but the standard library. Parquet needs
+``pyarrow`` (the ``scan`` extra), imported only when a Parquet file is read.
 
 A *part* is a row range of one file, located by a byte offset (JSONL, CSV) or
 a row group (Parquet), so any worker can read it without reading what comes
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
 FORMATS |= {".parquet": "parquet", ".pq": "parquet"}
@@ -121,21 +122,25 @@ def plan(files: Sequence[tuple[str, str]], part_rows: int) -> list[Part]:
 
 
 def _plan_lines(path: str, index: int, part_rows: int) -> list[Part]:
+    with open(path, "rb") as f:
+        return _plan_lines_in(f, path, index, part_rows)
+
+
+def _plan_lines_in(f: IO[bytes], path: str, index: int, part_rows: int) -> list[Part]:
     parts, offset, start, row = [], 0, 0, 0
     pos = 0
-    with open(path, "rb") as f:
-        for line in f:
-            if row - start == part_rows:
-                parts.append(Part(path, "jsonl", index, start, row, offset))
-                start, offset = row, pos
-            pos += len(line)
-            row += 1
+    for line in f:
+        if row - start == part_rows:
+            parts.append(Part(path, "jsonl", index, start, row, offset))
+            start, offset = row, pos
+        pos += len(line)
+        row += 1
     if row > start:
         parts.append(Part(path, "jsonl", index, start, row, offset))
     return parts
 
 
-def _csv_lines(f: io.BufferedReader, pos: list[int]) -> Iterator[str]:
+def _csv_lines(f: IO[bytes], pos: list[int]) -> Iterator[str]:
     """Decoded lines for csv.reader; ``pos[0]`` is the byte offset consumed so far."""
     for line in f:
         pos[0] += len(line)
@@ -143,18 +148,22 @@ def _csv_lines(f: io.BufferedReader, pos: list[int]) -> Iterator[str]:
 
 
 def _plan_csv(path: str, index: int, part_rows: int) -> list[Part]:
+    with open(path, "rb") as f:
+        return _plan_csv_in(f, path, index, part_rows)
+
+
+def _plan_csv_in(f: IO[bytes], path: str, index: int, part_rows: int) -> list[Part]:
     parts: list[Part] = []
     pos = [0]
-    with open(path, "rb") as f:
-        reader = csv.reader(_csv_lines(f, pos))
-        if next(reader, None) is None:
-            return parts
-        start, row, offset = 0, 0, pos[0]
-        for _ in reader:
-            row += 1
-            if row - start == part_rows:
-                parts.append(Part(path, "csv", index, start, row, offset))
-                start, offset = row, pos[0]
+    reader = csv.reader(_csv_lines(f, pos))
+    if next(reader, None) is None:
+        return parts
+    start, row, offset = 0, 0, pos[0]
+    for _ in reader:
+        row += 1
+        if row - start == part_rows:
+            parts.append(Part(path, "csv", index, start, row, offset))
+            start, offset = row, pos[0]
     if row > start:
         parts.append(Part(path, "csv", index, start, row, offset))
     return parts
@@ -190,26 +199,26 @@ def check_fields(files: Sequence[tuple[str, str]], fields: Fields) -> None:
     its first :data:`FIELD_CHECK_ROWS` JSON objects has the field. A field missing from
     some rows only is not an error here: those rows get ``missing_field`` as before.
     """
-    wanted = [(fields.text, "--text-field"), *([(fields.id, "--id-field")] if fields.id else [])]
     for path, fmt in files:
         try:
             columns = _columns(path, fmt)
         except OSError as exc:
             raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
-        if columns is None:  # empty, or no JSON object among the first rows
-            continue
-        for name, flag in wanted:
-            if name not in columns:
-                shown = ", ".join(repr(c) for c in list(columns)[:20]) or "none"
-                raise InputError(f"{flag} {name!r} is not a field of {path} (it has: {shown})")
+        _check_columns(path, columns, fields)
+
+
+def _check_columns(path: str, columns: dict[str, None] | None, fields: Fields) -> None:
+    if columns is None:  # empty, or no JSON object among the first rows
+        return
+    wanted = [(fields.text, "--text-field"), *([(fields.id, "--id-field")] if fields.id else [])]
+    for name, flag in wanted:
+        if name not in columns:
+            shown = ", ".join(repr(c) for c in list(columns)[:20]) or "none"
+            raise InputError(f"{flag} {name!r} is not a field of {path} (it has: {shown})")
 
 
 def _columns(path: str, fmt: str) -> dict[str, None] | None:
     """The field names a file offers (ordered), or None when there is nothing to judge."""
-    if fmt == "csv":
-        with open(path, "rb") as f:
-            header = next(csv.reader(_csv_lines(f, [0])), None)
-        return None if header is None else dict.fromkeys(header)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -217,17 +226,25 @@ def _columns(path: str, fmt: str) -> dict[str, None] | None:
             return dict.fromkeys(pq.ParquetFile(path).schema_arrow.names)
         except Exception as exc:  # pyarrow's ArrowInvalid and friends
             raise InputError(f"{path} is not a readable Parquet file: {exc}") from None
+    with open(path, "rb") as f:
+        return _columns_in(f, fmt)
+
+
+def _columns_in(f: IO[bytes], fmt: str) -> dict[str, None] | None:
+    """The field names of a JSONL or CSV stream, read from its start."""
+    if fmt == "csv":
+        header = next(csv.reader(_csv_lines(f, [0])), None)
+        return None if header is None else dict.fromkeys(header)
     seen: dict[str, None] = {}
     objects = 0
-    with open(path, "rb") as f:
-        for _, line in zip(range(FIELD_CHECK_ROWS), f, strict=False):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                objects += 1
-                seen |= dict.fromkeys(record)
+    for _, line in zip(range(FIELD_CHECK_ROWS), f, strict=False):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            objects += 1
+            seen |= dict.fromkeys(record)
     return seen if objects else None
 
 
@@ -237,11 +254,10 @@ def _columns(path: str, fmt: str) -> dict[str, None] | None:
 def read_part(part: Part, fields: Fields) -> list[RawRow]:
     """The rows of one part; a file that vanished or changed becomes error rows."""
     try:
-        if part.fmt == "jsonl":
-            return list(_read_jsonl(part, fields))
-        if part.fmt == "csv":
-            return list(_read_csv(part, fields))
-        return _read_parquet(part, fields)
+        if part.fmt == "parquet":
+            return _read_parquet(part, fields)
+        with open(part.path, "rb") as f:
+            return list(_READ[part.fmt](f, part, fields))
     except Exception as exc:  # the file changed or vanished since planning
         message = f"unreadable: {type(exc).__name__}"
         return [
@@ -281,48 +297,66 @@ def _row(part: Part, row: int, record: Any, fields: Fields) -> RawRow:
     return RawRow(rid, part.path, row, text, None)
 
 
-def _read_jsonl(part: Part, fields: Fields) -> Iterator[RawRow]:
-    with open(part.path, "rb") as f:
-        f.seek(part.offset)
-        for row in range(part.start, part.stop):
-            line = f.readline()
+def _read_jsonl(f: IO[bytes], part: Part, fields: Fields) -> Iterator[RawRow]:
+    f.seek(part.offset)
+    for row in range(part.start, part.stop):
+        line = f.readline()
+        try:
+            decoded = line.decode("utf-8")
+        except UnicodeDecodeError:  # keep the row's id if the rest of the line parses
             try:
-                decoded = line.decode("utf-8")
-            except UnicodeDecodeError:  # keep the row's id if the rest of the line parses
-                try:
-                    record = json.loads(line.decode("utf-8", errors="surrogateescape"))
-                except ValueError:
-                    record = None
-                if isinstance(record, dict):
-                    yield _row(part, row, record, fields)
-                else:
-                    yield _row(part, row, "non_utf8: the line is not valid UTF-8", fields)
-                continue
-            if not decoded.strip():
-                yield _row(part, row, "empty: blank line", fields)
-                continue
-            try:
-                record = json.loads(decoded)
+                record = json.loads(line.decode("utf-8", errors="surrogateescape"))
             except ValueError:
-                yield _row(part, row, "malformed_json: the line is not JSON", fields)
-                continue
-            if not isinstance(record, dict):
-                yield _row(part, row, "not_an_object: the line is not a JSON object", fields)
-                continue
-            yield _row(part, row, record, fields)
+                record = None
+            if isinstance(record, dict):
+                yield _row(part, row, record, fields)
+            else:
+                yield _row(part, row, "non_utf8: the line is not valid UTF-8", fields)
+            continue
+        if not decoded.strip():
+            yield _row(part, row, "empty: blank line", fields)
+            continue
+        try:
+            record = json.loads(decoded)
+        except ValueError:
+            yield _row(part, row, "malformed_json: the line is not JSON", fields)
+            continue
+        if not isinstance(record, dict):
+            yield _row(part, row, "not_an_object: the line is not a JSON object", fields)
+            continue
+        yield _row(part, row, record, fields)
 
 
-def _read_csv(part: Part, fields: Fields) -> Iterator[RawRow]:
-    with open(part.path, "rb") as f:
-        header = next(csv.reader(_csv_lines(f, [0])), [])
-        f.seek(part.offset)
-        reader = csv.reader(_csv_lines(f, [0]))
-        for row in range(part.start, part.stop):
-            values = next(reader, None)
-            if values is None:
-                yield _row(part, row, "unreadable: the file ended early", fields)
-                continue
-            yield _row(part, row, dict(zip(header, values, strict=False)), fields)
+def _read_csv(f: IO[bytes], part: Part, fields: Fields) -> Iterator[RawRow]:
+    f.seek(0)
+    header = next(csv.reader(_csv_lines(f, [0])), [])
+    f.seek(part.offset)
+    reader = csv.reader(_csv_lines(f, [0]))
+    for row in range(part.start, part.stop):
+        values = next(reader, None)
+        if values is None:
+            yield _row(part, row, "unreadable: the file ended early", fields)
+            continue
+        yield _row(part, row, dict(zip(header, values, strict=False)), fields)
+
+
+_READ = {"jsonl": _read_jsonl, "csv": _read_csv}
+_PLAN_IN = {"jsonl": _plan_lines_in, "csv": _plan_csv_in}
+
+
+def read_bytes(name: str, data: bytes, fields: Fields) -> list[RawRow]:
+    """Every row of one JSONL or CSV file held in memory (an upload), as :func:`plan`,
+    :func:`check_fields` and :func:`read_part` read a file on disk: ``name`` gives the
+    format and stands for the path in row ids and messages. An :class:`InputError` for
+    another format or a missing field; bad rows become rows with an ``error``."""
+    fmt = FORMATS.get(Path(name).suffix.lower())
+    if fmt not in _READ:
+        raise InputError(f"unknown upload format {name!r}: use .jsonl or .csv")
+    _check_columns(name, _columns_in(io.BytesIO(data), fmt), fields)
+    # one part: a file has no more rows than bytes
+    parts = _PLAN_IN[fmt](io.BytesIO(data), name, 0, max(1, len(data)))
+    f = io.BytesIO(data)
+    return [row for part in parts for row in _READ[fmt](f, part, fields)]
 
 
 def _read_parquet(part: Part, fields: Fields) -> list[RawRow]:
