@@ -8,6 +8,7 @@ probes are sent while the bulk request is provably in flight.
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -484,6 +485,35 @@ def test_full_keys_have_the_larger_budget(client: TestClient) -> None:
     codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
     assert codes == [None] * 6 + ["probe_budget_exceeded"] * 2
     assert_error(client.post("/detect", json={"text": texts[0]}, headers=auth), 429)
+
+
+def test_a_console_batch_counts_each_row_against_the_probe_budget(client: TestClient) -> None:
+    """A console batch goes through the bulk services: its rows count against the
+    tenant's probe budget (6 for a full key) one by one, as /detect/batch's items do,
+    and a refused row fails alone, in detect mode and in provenance mode (whose bulk
+    form audits the refusal under its own route)."""
+    tenant_id, _ = new_tenant(client)
+    r = client.put(
+        f"/admin/tenants/{tenant_id}/scopes", json={"scopes": ["provenance"]}, headers=ADMIN
+    )
+    assert r.status_code == 200, r.text
+    _, key = new_key(client, tenant_id, ["provenance", "detect"], "full")
+    texts = [_without_word(TEXT * 2, i) for i in range(8)]
+    content = "\n".join(json.dumps({"text": t}) for t in texts)
+    refused = "probe_budget_exceeded"
+    for mode, expected in (("detect", [None] * 6 + [refused] * 2), ("provenance", [refused] * 8)):
+        body = {"filename": "b.jsonl", "content": content, "mode": mode}
+        r = client.post("/console/api/cases/batch", json=body, headers=key)
+        assert r.status_code == 200, r.text
+        codes = [(row["error"] or "").partition(":")[0] or None for row in r.json()["rows"]]
+        assert codes == expected, mode
+    audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
+    routes = {
+        e["outcome"]["route"]
+        for e in audit
+        if e["action"] == refused and e["actor"] == f"tenant:{tenant_id}"
+    }
+    assert routes == {"detect/batch", "provenance/batch"}
 
 
 def test_refused_batch_items_are_not_scored(

@@ -205,11 +205,7 @@ async def decode_batch(
     only its own item."""
     await _admit_batch(runtime, principal, body.texts)
     num_bits = body.num_bits or runtime.settings.default_num_bits
-    good, ids, sketches, errors = await intake.tokenise_all(runtime, principal, body.texts)
-    decisions = await intake.account_sketches(
-        runtime, principal, "decode/batch", sketches, len(ids)
-    )
-    good, ids = intake.keep_allowed(runtime, principal, good, ids, decisions, errors)
+    good, ids, _, errors = await intake.take_batch(runtime, principal, "decode/batch", body.texts)
     try:
         outcomes = await runtime.watermark.decode_texts(
             principal.tenant.tenant_id, ids, num_bits, body.key_version
@@ -252,16 +248,11 @@ async def detect_batch(
     only its own item."""
     tenant = principal.tenant
     await _admit_batch(runtime, principal, body.texts)
-    good, errors = intake.check_all(runtime, body.texts)
-    chosen = [body.texts[i] for i in good]
     scorer = await runtime.watermark.detector(tenant.tenant_id, runtime.settings.significance)
-    sketcher = intake.sketcher(runtime, principal)
-    ids, sketches = await intake.fingerprint_all(runtime, sketcher, chosen)
-    decisions = await intake.account_sketches(
-        runtime, principal, "detect/batch", sketches, len(ids)
-    )
     # only the items the budget allows are scored: a refused item costs no scoring
-    good, allowed = intake.keep_allowed(runtime, principal, good, ids, decisions, errors)
+    good, allowed, _, errors = await intake.take_batch(
+        runtime, principal, "detect/batch", body.texts
+    )
     outcomes = await runtime.offload_map(
         lambda chunk: [scorer(t) for t in chunk], allowed, lambda t: TOKEN_CHARS * len(t)
     )

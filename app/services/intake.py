@@ -178,35 +178,50 @@ async def tokenise(
     return await runtime.offload(work)
 
 
-async def tokenise_all(
-    runtime: Runtime, principal: Principal, texts: list[str]
-) -> tuple[list[int], list[list[int]], list[Sketch | None] | None, dict[int, BatchItemError]]:
-    """(indices of good texts, their token ids, their fingerprints, errors by index);
-    the tokenising and fingerprinting run in one worker job."""
+async def take_batch(
+    runtime: Runtime,
+    principal: Principal | None,
+    route: str,
+    texts: list[str],
+    pieces: bool = False,
+) -> tuple[list[int], list[list[int]], list[list[str]], dict[int, BatchItemError]]:
+    """A batch's intake: every text checked, the good ones tokenised (with each token's
+    characters, for evidence, when ``pieces``) and fingerprinted in bulk worker jobs,
+    and a tenant key's queries counted against its probe budget in one call (None:
+    the admin, unmetered). (indices of the admitted texts, their token ids, their
+    token pieces, errors by index): a bad or refused text fails alone."""
     good, errors = check_all(runtime, texts)
-    chosen = [texts[i] for i in good]
-    ids, sketches = await fingerprint_all(runtime, sketcher(runtime, principal), chosen)
-    return good, ids, sketches, errors
+    sketch = sketcher(runtime, principal) if principal is not None else None
+    tokens, sketches = await _tokenise_chunks(runtime, sketch, [texts[i] for i in good], pieces)
+    if principal is not None:
+        decisions = await account_sketches(runtime, principal, route, sketches, len(tokens))
+        good, tokens = _keep_allowed(runtime, principal, good, tokens, decisions, errors)
+    return good, [ids for ids, _ in tokens], [parts for _, parts in tokens], errors
 
 
-async def fingerprint_all(
-    runtime: Runtime, sketch: Sketcher | None, texts: list[str]
-) -> tuple[list[list[int]], list[Sketch | None] | None]:
-    """Token ids and fingerprints of a batch's texts, in chunks of bounded size (one
-    worker job each, so one bulk request does not hold the CPU pool for long)."""
+async def _tokenise_chunks(
+    runtime: Runtime, sketch: Sketcher | None, texts: list[str], pieces: bool
+) -> tuple[list[tuple[list[int], list[str]]], list[Sketch | None] | None]:
+    """Token ids (and pieces) and fingerprints of a batch's texts, in chunks of bounded
+    size (one worker job each, so one bulk request does not hold the CPU pool for long)."""
 
-    def work(chunk: list[str]) -> list[tuple[list[int], Sketch | None]]:
-        ids = encode_texts(runtime.tokenizer, chunk)
-        return list(zip(ids, sketch(ids) if sketch else [None] * len(ids), strict=True))
+    def work(chunk: list[str]) -> list[tuple[tuple[list[int], list[str]], Sketch | None]]:
+        tokens: list[tuple[list[int], list[str]]]
+        if pieces:
+            tokens = [token_pieces(runtime.tokenizer, text) for text in chunk]
+        else:
+            tokens = [(ids, []) for ids in encode_texts(runtime.tokenizer, chunk)]
+        marks = sketch([ids for ids, _ in tokens]) if sketch else [None] * len(tokens)
+        return list(zip(tokens, marks, strict=True))
 
     pairs = await runtime.offload_map(work, texts)
-    return [i for i, _ in pairs], ([s for _, s in pairs] if sketch else None)
+    return [t for t, _ in pairs], ([s for _, s in pairs] if sketch else None)
 
 
 _Item = TypeVar("_Item")
 
 
-def keep_allowed(
+def _keep_allowed(
     runtime: Runtime,
     principal: Principal,
     good: list[int],

@@ -31,15 +31,12 @@ from app.schemas.watermark import (
 )
 from app.services.evidence import evidence_block, unmatched_evidence
 from app.services.intake import (
-    account_sketches,
     admit_one,
-    check_all,
     check_text,
     encode_texts,
-    fingerprint_all,
-    keep_allowed,
     registry_match,
     sketcher,
+    take_batch,
     token_pieces,
 )
 from app.services.probes import Sketch
@@ -144,25 +141,10 @@ async def provenance_batch(
     Each text is then searched and audited as one /provenance query."""
     if evidence and not who.is_admin:
         raise _evidence_not_allowed()
-    good, errors = check_all(runtime, texts)
-    chosen = [texts[i] for i in good]
-    tokens: list[tuple[list[int], list[str]]]
-    if evidence:
-        tokens = await runtime.offload_map(
-            lambda chunk: [token_pieces(runtime.tokenizer, t) for t in chunk], chosen
-        )
-    else:
-        principal = who.principal
-        sketch = sketcher(runtime, principal) if principal is not None else None
-        ids, sketches = await fingerprint_all(runtime, sketch, chosen)
-        tokens = [(i, []) for i in ids]
-        if principal is not None:
-            decisions = await account_sketches(
-                runtime, principal, "provenance/batch", sketches, len(ids)
-            )
-            good, tokens = keep_allowed(runtime, principal, good, tokens, decisions, errors)
+    route = "provenance/batch"
+    good, ids, parts, errors = await take_batch(runtime, who.principal, route, texts, evidence)
     found: dict[int, ProvenanceResponse | ProvenanceVerdict] = {}
-    for index, (text_ids, pieces) in zip(good, tokens, strict=True):
+    for index, text_ids, pieces in zip(good, ids, parts, strict=True):
         found[index] = await _search(runtime, who, text_ids, pieces, evidence, False)
     return [found[i] if i in found else errors[i] for i in range(len(texts))]
 
