@@ -80,6 +80,12 @@ class Engine(Protocol):
         ...
 
     @property
+    def logprobs_mode(self) -> str | None:
+        """The one distribution ("sampled" or "model") this engine reports logprobs
+        under for every request, or None when each request picks its own."""
+        ...
+
+    @property
     def in_flight(self) -> int:
         """Requests waiting or generating."""
         ...

@@ -40,6 +40,7 @@ class HFEngine:
     """Our continuous-batching loop over a Hugging Face model, in one thread."""
 
     name = "hf"
+    logprobs_mode: str | None = None  # each request picks "sampled" or "model"
 
     @classmethod
     def load(cls, settings: Settings, metrics: Metrics) -> tuple[HFEngine, Any, str]:

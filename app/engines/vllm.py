@@ -259,7 +259,8 @@ class VLLMEngine:
         self.watermark = True
         self.runner = "v1"  # vLLM's model runner (select_runner)
         self.scores: str | None = None  # debug: the processor's per-position record
-        self.logprobs_mode = "sampled"  # the only one a request may ask for (engine-wide)
+        self.logprobs_mode: str | None = "sampled"  # the only one a request may ask for
+        # (engine-wide in vLLM: WORLDCUP_VLLM_LOGPROBS_MODE)
         self._tasks: dict[GenerationJob, asyncio.Task[None]] = {}
         self._running = False
 

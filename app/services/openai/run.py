@@ -153,7 +153,7 @@ def sampling_configs(
             )  # fmt: skip
         bias.append((int(token), float(value)))
     # vLLM's logprobs mode is engine-wide (WORLDCUP_VLLM_LOGPROBS_MODE); hf offers both
-    fixed: str | None = getattr(runtime.engine, "logprobs_mode", None)
+    fixed = None if runtime.engine is None else runtime.engine.logprobs_mode
     mode = body.logprobs_mode or fixed or "sampled"
     if top is not None and fixed is not None and mode != fixed:
         raise bad(
