@@ -155,3 +155,36 @@ def test_what_the_scan_may_use_imports_only_the_standard_library() -> None:
         found = imported_modules(path.read_text(), module, False)
         tops = {target.split(".")[0] for _, target in found}
         assert tops - set(sys.stdlib_module_names) - {"__future__", "pyarrow"} == set(), module
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Every import in ``source`` of another service or API module's private name."""
+    bad = []
+    for line, target in imported_modules(source, module, is_package):
+        owner, _, imported = target.rpartition(".")
+        private = imported.startswith("_") and not imported.startswith("__")
+        if private and owner != module and layer_of(owner) in (3, 4):
+            bad.append(f"{module}:{line} imports {target}")
+    return bad
+
+
+def test_services_and_routes_use_each_others_public_names_only() -> None:
+    """provenance once took detection's private ``_sketcher`` and ``_admit_one``: text
+    intake is now one module (``app.services.intake``) whose public names serve all."""
+    assert private_imports("from app.services.detection import _sketcher\n", "a.b") != []
+    assert private_imports("from app.services.intake import sketcher\n", "a.b") == []
+    bad: list[str] = []
+    for path in app_modules():
+        bad += private_imports(path.read_text(), module_name(path), path.name == "__init__.py")
+    assert bad == []
+
+
+def test_routes_reach_the_store_through_the_services() -> None:
+    """Routes parse, call a service and answer: none reads ``runtime.store`` itself
+    (the admin's audit log and registry lookup once did)."""
+    bad = []
+    for path in sorted((ROOT / "app" / "api").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "store":
+                bad.append(f"{module_name(path)}:{node.lineno}")
+    assert bad == []

@@ -183,8 +183,11 @@ async def _answer(runtime: Runtime, analyst: Analyst, mode: Mode, text: str) -> 
     if p is not None:
         await charge(runtime, p.tenant)
     if mode == "provenance":
-        body = ProvenanceRequest(text=text, include_token_scores=False, evidence=p is None)
-        return await search.provenance(runtime, _investigator(analyst), body)
+        return await search.provenance(
+            runtime,
+            _investigator(analyst),
+            ProvenanceRequest(text=text, include_token_scores=False, evidence=p is None),
+        )
     assert p is not None  # _check_mode: the admin has no decode or detect
     if mode == "decode":
         analyst_key = p.key.detail == "full" and "provenance" in p.scopes
