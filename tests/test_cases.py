@@ -404,6 +404,23 @@ def test_a_batchs_rows_answer_as_single_checks_of_their_texts(
     assert {"watermarked", "not_watermarked"} <= verdicts  # the texts span the verdicts
 
 
+def test_a_batch_larger_than_the_bulk_limit_goes_in_several_bulk_calls(
+    client: TestClient, world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The console's batch limit may exceed the API's (``max_batch_texts``): the rows
+    then go to the bulk services in chunks, each row answered as in one call."""
+    monkeypatch.setattr(client.app.state.runtime.settings, "max_batch_texts", 2)
+    texts = [world["text"], HUMAN, world["text"], HUMAN, world["text"]]
+    content = "\n".join(json.dumps({"text": t}) for t in texts)
+    for mode in ("detect", "provenance"):
+        body = {"filename": "b.jsonl", "content": content, "mode": mode}
+        r = client.post("/console/api/cases/batch", json=body, headers=world["analyst"])
+        assert r.status_code == 200, r.text
+        verdicts = [row["case"]["verdict"] for row in r.json()["rows"]]
+        assert verdicts[0::2] == ["watermarked"] * 3, mode
+        assert "watermarked" not in verdicts[1::2], mode
+
+
 def test_the_one_verdict_function_and_its_words() -> None:
     """worldcup_core.verdict: the levels, NaN, and wording with and without a p-value."""
     assert [verdict_of(p) for p in (0.0, 9.99e-7, 1e-6, 0.0499, 0.05, 1.0)] == [
