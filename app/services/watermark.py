@@ -24,11 +24,13 @@ from app.services.evidence import evidence_block
 from app.services.tenants import TenantService
 from app.stores.base import RegistryEntry, Store, TenantRecord
 from worldcup_core import DecodeResult, DetectionResult, WorldCup
+from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 from worldcup_core.scoring import sidak_log_p
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 T = TypeVar("T")
 
@@ -57,6 +59,7 @@ class DetectOutcome:
     result: DetectionResult
     p_value: float  # corrected for the number of key versions tried
     z_score: float  # the normal quantile of the corrected p-value
+    best_version: int | None = None  # the version with the smallest p, reported or not
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,51 @@ class ProvenanceOutcome:
     scan_seconds: float
     scheme: WorldCup | None  # the best key (for admin-only per-token scores)
     candidates: list[tuple[str, int, float]]  # (tenant id, key version, log10 p), best first
+    assessment: Assessment  # "watermarked by someone": every key searched
+
+
+@dataclass(frozen=True)
+class Assessed:
+    """One text's verdict for its asker (:mod:`worldcup_core.assess`) and the
+    outcomes it was taken from: the message-free test and the decoding at each
+    payload length tested."""
+
+    assessment: Assessment
+    detect: DetectOutcome
+    decoded: dict[int, DecodeOutcome]
+
+
+def decode_tests(outcome: DecodeOutcome, num_bits: int, registry: bool) -> list[TestP]:
+    """The decode test (and the registry test where the tenant has issued entries at
+    this length) of one decoding: the best version's p-values, as decode_texts gives them."""
+    det = outcome.result.detection
+    tests = [TestP("decode", 10.0**det.log10_p_value, num_bits, key_version=outcome.key_version)]
+    if registry:
+        match = outcome.match
+        tests.append(
+            TestP(
+                "registry",
+                None if match is None else match.p_value,
+                num_bits,
+                key_version=outcome.key_version,
+            )
+        )
+    return tests
+
+
+def assess_outcomes(
+    detect: DetectOutcome,
+    decoded: dict[int, DecodeOutcome],
+    lengths: list[int],
+    registry_lengths: set[int],
+    versions_tried: int,
+    keys_searched: str,
+) -> Assessment:
+    """The one verdict of a text from its outcomes (see :mod:`worldcup_core.assess`)."""
+    tests = [TestP("detect", 10.0**detect.result.log10_p_value, key_version=detect.best_version)]
+    for bits in lengths:
+        tests += decode_tests(decoded[bits], bits, bits in registry_lengths)
+    return assess(tests, versions_tried, keys_searched)
 
 
 @dataclass
@@ -193,9 +241,56 @@ class WatermarkService:
             ]
             version, best = min(results, key=lambda r: r[1].log10_p_value)
             p_value, z = corrected(best.log10_p_value, len(results), best.num_scored_tokens)
-            return DetectOutcome(version if p_value < significance else None, best, p_value, z)
+            shown = version if p_value < significance else None
+            return DetectOutcome(shown, best, p_value, z, version)
 
         return one
+
+    async def registry_lengths(self, tenant_id: str, versions: list[int]) -> list[int]:
+        """The payload lengths at which the tenant has issued registry entries."""
+        lengths: set[int] = set()
+        for version in versions:
+            lengths.update(await self.store.registry_bit_lengths(tenant_id, version))
+        return sorted(lengths)
+
+    async def assess_texts(
+        self,
+        tenant_id: str,
+        texts: Sequence[list[int]],
+        default_num_bits: int,
+        significance: float,
+        also_num_bits: int | None = None,
+    ) -> list[Assessed]:
+        """Every test the tenant's keys allow, on each text, combined into one verdict.
+
+        The tests: the message-free one, and decoding (with the registry test) at each
+        payload length the tenant has issued entries at, or at ``default_num_bits``
+        when it has none; ``also_num_bits`` is decoded too (for a /decode at another
+        length) but takes no part in the verdict, so the verdict is the same whatever
+        a route asks for."""
+        versions = [v.version for v in await self.tenants.versions(tenant_id)]
+        issued = await self.registry_lengths(tenant_id, versions)
+        lengths = issued or [default_num_bits]
+        wanted = lengths + (
+            [also_num_bits] if also_num_bits is not None and also_num_bits not in lengths else []
+        )
+        scorer = await self.detector(tenant_id, significance)
+        detects = await offload_map(
+            self.cpu,
+            lambda chunk: [scorer(t) for t in chunk],
+            texts,
+            lambda t: TOKEN_CHARS * len(t),
+        )
+        decoded = {bits: await self.decode_texts(tenant_id, texts, bits, None) for bits in wanted}
+        searched = f"tenant {tenant_id}'s {len(versions)} key version(s)"
+        out = []
+        for i, detect in enumerate(detects):
+            by_length = {bits: decoded[bits][i] for bits in wanted}
+            assessment = assess_outcomes(
+                detect, by_length, lengths, set(issued), len(versions), searched
+            )
+            out.append(Assessed(assessment, detect, by_length))
+        return out
 
     async def token_evidence(
         self, tenant_id: str, outcome: DecodeOutcome, ids: list[int], pieces: list[str]
@@ -240,30 +335,60 @@ class WatermarkService:
         elapsed = time.perf_counter() - started
         num_tenants = len({t for t, _ in refs})
         candidates = [(*refs[c.index], c.log10_p_value) for c in result.top]
-        significant = result.best is not None and result.p_value < significance
-        if not significant or result.best is None:
+        keys = f"every tenant's key versions ({result.num_keys} keys, {num_tenants} tenants)"
+        if result.best is None:
+            none = assess([TestP("detect", None)], max(result.num_keys, 1), keys)
             return ProvenanceOutcome(
-                result, False, None, None, None, num_tenants, elapsed, None, candidates
+                result, False, None, None, None, num_tenants, elapsed, None, candidates, none
             )
         tenant_id, version = refs[result.best.index]
+        issued = await self.store.registry_bit_lengths(tenant_id, version)
+        lengths = issued or [default_num_bits]
+        decoded = {
+            bits: (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
+            for bits in lengths
+        }
+        # the best key's message-free p, then its decodings, each corrected for the search
+        detect = DetectOutcome(version, _best_detection(result), result.p_value, 0.0, version)
+        assessment = assess_outcomes(detect, decoded, lengths, set(issued), result.num_keys, keys)
+        if not assessment.is_watermarked:
+            return ProvenanceOutcome(
+                result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment
+            )
         tenant = await self.store.get_tenant(tenant_id)
-        lengths = await self.store.registry_bit_lengths(tenant_id, version) or [default_num_bits]
-        decoded: DecodeOutcome | None = None
-        for bits in lengths:
-            outcome = (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
-            if decoded is None or _better(outcome, decoded):
-                decoded = outcome
+        best_decode: DecodeOutcome | None = None
+        for outcome in decoded.values():
+            if best_decode is None or _better(outcome, best_decode):
+                best_decode = outcome
         return ProvenanceOutcome(
             result,
             True,
             tenant,
             version,
-            decoded,
+            best_decode,
             num_tenants,
             elapsed,
             bank.schemes[result.best.index],
             candidates,
+            assessment,
         )
+
+
+def _best_detection(result: ProvenanceResult) -> DetectionResult:
+    """The best key's own message-free test, as a DetectionResult (its p uncorrected)."""
+    assert result.best is not None
+    log10_p = result.best.log10_p_value
+    return DetectionResult(
+        p_value=10.0**log10_p,
+        log10_p_value=log10_p,
+        z_score=0.0,
+        paper_z_score=0.0,
+        is_watermarked=False,
+        significance=VERDICT_WATERMARKED_BELOW,
+        num_tokens=result.num_tokens,
+        num_scored_tokens=result.num_scored_tokens,
+        num_symbols=None,
+    )
 
 
 def _better(a: DecodeOutcome, b: DecodeOutcome) -> bool:
