@@ -593,6 +593,26 @@ def bench_calibration(
     _emit(as_json, result, table(sample))
 
 
+@_command("bench-first-use")
+def bench_first_use(
+    texts: Annotated[int, typer.Option(min=1, max=100, help="Prompts answered.")] = 100,
+    per_tenant: Annotated[int, typer.Option(min=1, help="Answers (entries) per tenant.")] = 20,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
+    big_registry: Annotated[int, typer.Option(min=1, help="The large registry's size.")] = 100_000,
+    as_json: JsonOpt = False,
+) -> None:
+    """What a new user's chat answers get from the service (issue 35's table): the
+    embedded model, the service default, through /generate and the bulk routes, at
+    two registry sizes, with binomial SE."""
+    from worldcup_cli.first_use_bench import run, table
+
+    result = run(texts, per_tenant, max_new_tokens, temperature, big_registry)
+    for size in ("small", "big"):
+        result[size].pop("rows")
+    _emit(as_json, result, table(result))
+
+
 @_command("bench-provenance")
 def bench_provenance(
     keys: Annotated[int, typer.Option(min=1, max=100_000, help="Keys in the bank.")] = 1000,
