@@ -30,6 +30,7 @@ import numpy.typing as npt
 from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.assess import TestP, assess
 from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+from worldcup_core.detector_weighted import verdict_log_p
 from worldcup_core.message import MessageIdCodec
 
 CHUNK = 128
@@ -109,19 +110,19 @@ def null_p_values(
         codec = MessageIdCodec(key, NUM_BITS)
         issued = rng.choice(2**20, size=registry_size, replace=False)
         candidates = [codec.payload(int(i)).bits for i in issued]
-        free = scheme.detect_many(batch, None)
-        known = scheme.detect_many(batch, NUM_BITS)
+        free = np.exp(verdict_log_p(scheme, batch, None))
+        known = np.exp(verdict_log_p(scheme, batch, NUM_BITS))
         for ids, d, k in zip(batch, free, known, strict=True):
             match = scheme.match(ids, candidates)
             reg = match.p_value if match is not None else None
             tests = [
-                TestP("detect", d.p_value),
-                TestP("decode", k.p_value, NUM_BITS),
+                TestP("detect", float(d)),
+                TestP("decode", float(k), NUM_BITS),
                 TestP("registry", reg, NUM_BITS, registry_size),
             ]
             combined.append(assess(tests, 1, "one random key").p_value)
-            detect.append(d.p_value)
-            decode.append(k.p_value)
+            detect.append(float(d))
+            decode.append(float(k))
             registry.append(1.0 if reg is None else reg)
     return NullSample(
         np.array(combined), np.array(detect), np.array(decode), np.array(registry), keys

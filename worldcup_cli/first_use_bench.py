@@ -85,6 +85,45 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def compare_statistics(client: Any, db: Path, tenants: list[dict[str, Any]]) -> dict[str, Any]:
+    """On the same answers: the unweighted detection statistic against the layer-weighted
+    one (:mod:`worldcup_core.detector_weighted`), message-free and at 32 bits, under each
+    answer's own key (read from the store as a scan does)."""
+    import numpy as np
+
+    from worldcup_core.detector_weighted import verdict_log_p, weighted_applies
+    from worldcup_scan.keys import StoreSession, open_store
+
+    session = StoreSession(open_store(str(db)), bytes.fromhex(MASTER_KEY))
+    try:
+        keys = {k.tenant_id: k.worldcup() for k in session.load_keys().keys}
+    finally:
+        session.close()
+    tokenizer = client.app.state.runtime.tokenizer
+    out: dict[str, list[float]] = {
+        "detect": [],
+        "detect_weighted": [],
+        "decode": [],
+        "decode_weighted": [],
+    }
+    for t in tenants:
+        scheme = keys[t["id"]]
+        ids = [tokenizer(g["text"], add_special_tokens=False).input_ids for g in t["generated"]]
+        for bits, name in ((None, "detect"), (32, "decode")):
+            out[name] += [r.log10_p_value for r in scheme.detect_many(ids, bits)]
+            if weighted_applies(scheme.config):
+                out[f"{name}_weighted"] += list(verdict_log_p(scheme, ids, bits) / np.log(10.0))
+    return {
+        name: {
+            "median_p": 10.0 ** statistics.median(values),
+            "below_1e-6": sum(v < -6 for v in values),
+            "below_1e-3": sum(v < -3 for v in values),
+        }
+        for name, values in out.items()
+        if values
+    }
+
+
 def fill_registry(db: Path, tenant_id: str, version: int, num_bits: int, upto: int) -> int:
     """Fill a tenant's registry to ``upto`` entries as /generate does (ids max+1, ...)."""
     with sqlite3.connect(db) as c:
@@ -167,6 +206,7 @@ def run(
                 t.setdefault("generated", []).append(g)
             seconds = time.perf_counter() - started
             progress(f"generated {len(made)} answers in {seconds:.0f} s")
+            statistics_compared = compare_statistics(client, db, tenants)
             small = measure(client, tenants)
             progress(f"measured at {per_tenant} entries per tenant")
             key_version = 1
@@ -186,6 +226,7 @@ def run(
         },
         "small": small,
         "big": big,
+        "statistics": statistics_compared,
         "big_registry": big_registry,
     }
 
@@ -216,12 +257,22 @@ def table(result: dict[str, Any]) -> str:
     ):
         lines.append(f"| {label} | {small[key]:.2g} | {big[key]:.2g} |")
     deciding = f"{_fmt(small['deciding'])} | {_fmt(big['deciding'])}"
+    stats_lines = [
+        f"| {name} | median p {v['median_p']:.2g}; p < 1e-3: {v['below_1e-3']}/{n}; "
+        f"p < 1e-6: {v['below_1e-6']}/{n} |"
+        for name, v in result["statistics"].items()
+    ]
     lines.append(f"| deciding test (detect/decode/registry) | {deciding} |")
     lines.append(
         "| answers that contradict each other | "
         f"{small['contradictions']} | {big['contradictions']} |"
     )
-    return head + "\n".join(lines)
+    same = (
+        "\n\nOn the same answers, each test alone (uncorrected), unweighted and layer-weighted:\n"
+    )
+    return (
+        head + "\n".join(lines) + same + "| test | figures |\n|---|---|\n" + "\n".join(stats_lines)
+    )
 
 
 def _fmt(counts: dict[str, int]) -> str:

@@ -12,6 +12,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from worldcup_core import (
 )
 from worldcup_core.assess import TestP, assess
 from worldcup_core.config import MAX_PAYLOAD_BITS
+from worldcup_core.detector_weighted import verdict_log_p
 from worldcup_core.scheme import WatermarkScheme
 from worldcup_core.verdict import verdict_sentence
 
@@ -467,11 +469,13 @@ def detect(
     ids = _tokenize(_stdin_text(), model)
     det = wm.detect(ids, num_bits=None, significance=significance)
     length = num_bits or CLI_DEFAULT_NUM_BITS
-    known = wm.detect(ids, num_bits=length, significance=significance)
+    if isinstance(wm, WorldCup):  # the verdict's statistics, as the service's
+        free = math.exp(float(verdict_log_p(wm, [ids], None)[0]))
+        known = math.exp(float(verdict_log_p(wm, [ids], length)[0]))
+    else:
+        free, known = det.p_value, wm.detect(ids, num_bits=length).p_value
     found = assess(
-        [TestP("detect", det.p_value), TestP("decode", known.p_value, length)],
-        1,
-        "this key file (1 key)",
+        [TestP("detect", free), TestP("decode", known, length)], 1, "this key file (1 key)"
     )
     out = {
         "verdict": found.verdict,

@@ -19,6 +19,7 @@ posterior is at least ``registry_min_confidence``.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from app.core.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import DecodeResult, RegistryMatch
+from worldcup_core.detector_weighted import best_verdict_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
 from worldcup_scan.keys import ScanKeys
@@ -185,7 +187,7 @@ class Scanner:
             indices = list(range(len(self.schemes)))
             per_key = [self.schemes[i].detect(ids, None, self.spec.significance) for i in indices]
             best = min(indices, key=lambda i: (per_key[i].log10_p_value, i))
-            detect_p, scored = 10.0 ** per_key[best].log10_p_value, per_key[0].num_scored_tokens
+            scored = per_key[0].num_scored_tokens
             tried = len(indices)
             searched = f"{self.spec.keys.source}: {tried} key version(s)"
         else:
@@ -195,16 +197,18 @@ class Scanner:
             searched = f"every key in the bank ({result.num_keys} keys)"
             if result.best is None:
                 return _Assessed(assess([TestP("detect", None)], tried, searched), None, None, 0)
-            best, detect_p = result.best.index, 10.0**result.best.log10_p_value
+            best = result.best.index
             indices = [best]
+        schemes = [self.schemes[i] for i in indices]  # the verdict's statistics: as the service
+        detect_p = math.exp(float(best_verdict_log_p(schemes, [ids], None)[0][0]))
         issued = sorted({b for i in indices for b in self._registry(i)})
         lengths = issued or [self.spec.keys.num_bits or self.spec.default_num_bits]
         tests = [TestP("detect", detect_p, key_version=best)]
         chosen: _Decoded | None = None
         for num_bits in lengths:
             decoded = self._decode(indices, ids, num_bits)
-            det = decoded.result.detection
-            tests.append(TestP("decode", 10.0**det.log10_p_value, num_bits))
+            known = float(best_verdict_log_p(schemes, [ids], num_bits)[0][0])
+            tests.append(TestP("decode", math.exp(known), num_bits))
             if num_bits in issued:
                 p = decoded.match.p_value if decoded.match is not None else None
                 tests.append(TestP("registry", p, num_bits))

@@ -27,10 +27,10 @@ from worldcup_core import DecodeResult, DetectionResult, WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
+from worldcup_core.detector_weighted import best_verdict_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 from worldcup_core.scoring import sidak_log_p
-from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 T = TypeVar("T")
 
@@ -87,36 +87,51 @@ class Assessed:
     decoded: dict[int, DecodeOutcome]
 
 
-def decode_tests(outcome: DecodeOutcome, num_bits: int, registry: bool) -> list[TestP]:
-    """The decode test (and the registry test where the tenant has issued entries at
-    this length) of one decoding: the best version's p-values, as decode_texts gives them."""
-    det = outcome.result.detection
-    tests = [TestP("decode", 10.0**det.log10_p_value, num_bits, key_version=outcome.key_version)]
-    if registry:
-        match = outcome.match
-        tests.append(
-            TestP(
-                "registry",
-                None if match is None else match.p_value,
-                num_bits,
-                key_version=outcome.key_version,
-            )
+@dataclass(frozen=True)
+class VerdictStats:
+    """The verdict's detection statistics of one text (:func:`verdict_stats`): log p and
+    the key version, message-free and per payload length, each the best over versions."""
+
+    detect: tuple[float, int]
+    decode: dict[int, tuple[float, int]]
+
+
+def verdict_stats(
+    versions: Sequence[tuple[int, WorldCup]], texts: Sequence[list[int]], lengths: list[int]
+) -> list[VerdictStats]:
+    """The detect and decode tests of every text under every version (worker job)."""
+    schemes = [s for _, s in versions]
+    free, free_best = best_verdict_log_p(schemes, texts, None)
+    known = {bits: best_verdict_log_p(schemes, texts, bits) for bits in lengths}
+    return [
+        VerdictStats(
+            (float(free[i]), versions[int(free_best[i])][0]),
+            {b: (float(lp[i]), versions[int(at[i])][0]) for b, (lp, at) in known.items()},
         )
-    return tests
+        for i in range(len(texts))
+    ]
 
 
 def assess_outcomes(
-    detect: DetectOutcome,
+    stats: VerdictStats,
     decoded: dict[int, DecodeOutcome],
     lengths: list[int],
     registry_lengths: set[int],
     versions_tried: int,
     keys_searched: str,
 ) -> Assessment:
-    """The one verdict of a text from its outcomes (see :mod:`worldcup_core.assess`)."""
-    tests = [TestP("detect", 10.0**detect.result.log10_p_value, key_version=detect.best_version)]
+    """The one verdict of a text (see :mod:`worldcup_core.assess`): the detect and decode
+    tests from ``stats``, the registry test from each length's decoding as it comes."""
+    log_p, version = stats.detect
+    tests = [TestP("detect", math.exp(log_p), key_version=version)]
     for bits in lengths:
-        tests += decode_tests(decoded[bits], bits, bits in registry_lengths)
+        log_p, version = stats.decode[bits]
+        tests.append(TestP("decode", math.exp(log_p), bits, key_version=version))
+        if bits in registry_lengths:
+            outcome = decoded[bits]
+            match = outcome.match
+            p = None if match is None else match.p_value
+            tests.append(TestP("registry", p, bits, key_version=outcome.key_version))
     return assess(tests, versions_tried, keys_searched)
 
 
@@ -268,7 +283,8 @@ class WatermarkService:
         when it has none; ``also_num_bits`` is decoded too (for a /decode at another
         length) but takes no part in the verdict, so the verdict is the same whatever
         a route asks for."""
-        versions = [v.version for v in await self.tenants.versions(tenant_id)]
+        records = await self.tenants.versions(tenant_id)
+        versions = [v.version for v in records]
         issued = await self.registry_lengths(tenant_id, versions)
         lengths = issued or [default_num_bits]
         wanted = lengths + (
@@ -282,12 +298,19 @@ class WatermarkService:
             lambda t: TOKEN_CHARS * len(t),
         )
         decoded = {bits: await self.decode_texts(tenant_id, texts, bits, None) for bits in wanted}
+        pairs = [(v.version, v.scheme) for v in records]
+        stats = await offload_map(
+            self.cpu,
+            lambda chunk: verdict_stats(pairs, chunk, lengths),
+            texts,
+            lambda t: TOKEN_CHARS * len(t),
+        )
         searched = f"tenant {tenant_id}'s {len(versions)} key version(s)"
         out = []
         for i, detect in enumerate(detects):
             by_length = {bits: decoded[bits][i] for bits in wanted}
             assessment = assess_outcomes(
-                detect, by_length, lengths, set(issued), len(versions), searched
+                stats[i], by_length, lengths, set(issued), len(versions), searched
             )
             out.append(Assessed(assessment, detect, by_length))
         return out
@@ -348,9 +371,12 @@ class WatermarkService:
             bits: (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
             for bits in lengths
         }
-        # the best key's message-free p, then its decodings, each corrected for the search
-        detect = DetectOutcome(version, _best_detection(result), result.p_value, 0.0, version)
-        assessment = assess_outcomes(detect, decoded, lengths, set(issued), result.num_keys, keys)
+        # the best key's tests, each corrected for the search (every key in the bank)
+        best_scheme = bank.schemes[result.best.index]
+        stats = await self.offload(
+            lambda: verdict_stats([(version, best_scheme)], [token_ids], lengths)[0]
+        )
+        assessment = assess_outcomes(stats, decoded, lengths, set(issued), result.num_keys, keys)
         if not assessment.is_watermarked:
             return ProvenanceOutcome(
                 result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment
@@ -372,23 +398,6 @@ class WatermarkService:
             candidates,
             assessment,
         )
-
-
-def _best_detection(result: ProvenanceResult) -> DetectionResult:
-    """The best key's own message-free test, as a DetectionResult (its p uncorrected)."""
-    assert result.best is not None
-    log10_p = result.best.log10_p_value
-    return DetectionResult(
-        p_value=10.0**log10_p,
-        log10_p_value=log10_p,
-        z_score=0.0,
-        paper_z_score=0.0,
-        is_watermarked=False,
-        significance=VERDICT_WATERMARKED_BELOW,
-        num_tokens=result.num_tokens,
-        num_scored_tokens=result.num_scored_tokens,
-        num_symbols=None,
-    )
 
 
 def _better(a: DecodeOutcome, b: DecodeOutcome) -> bool:
