@@ -28,7 +28,7 @@ from test_trust_safety import HUMAN, generate
 from app.main import create_app
 from app.services.cases import CSV_COLUMNS
 from app.stores.base import CaseRecord, Store
-from worldcup_core.verdict import VERDICTS, report, verdict_of
+from worldcup_core.verdict import VERDICTS, report, verdict_of, verdict_sentence
 
 # --------------------------------------------------------------------------- the store
 
@@ -167,10 +167,12 @@ def test_a_check_is_saved_as_a_case_with_its_verdict(
     text = world["text"]
     out = _check(client, world["analyst"], text, mode="decode")
     case, result = out["case"], out["result"]
-    assert case["mode"] == "decode" and case["statistic"] == "decode"
-    assert case["verdict"] == verdict_of(result["p_value"]) == "watermarked"
-    assert (result["verdict"], result["verdict_statistic"]) == ("watermarked", "decode")
-    assert case["sentence"] == report(result["p_value"], "decode").sentence
+    assert case["mode"] == "decode" and case["statistic"] == result["verdict_statistic"]
+    assert case["verdict"] == verdict_of(result["verdict_p_value"]) == "watermarked"
+    assert result["verdict"] == "watermarked" and result["is_watermarked"] is True
+    assert case["sentence"] == verdict_sentence(
+        "watermarked", result["verdict_statistic"], result["verdict_p_value"]
+    )
     assert case["who"]["role"] == "api_key" and case["who"]["tenant_name"] == "acme"
     assert case["who"]["key_name"] == "analyst-full" and case["who"]["key_id"]
     assert case["text_sha256"] == hashlib.sha256(text.encode()).hexdigest()
@@ -304,7 +306,7 @@ def test_verdict_keys_cases_hold_no_p_value_and_decode_agrees_with_detect(
         seen.add(det["verdict"])
     assert "watermarked" in seen and len(seen) >= 2  # the prefixes span the verdicts
     case = _check(client, verdict_key, world["text"], mode="decode")["case"]
-    assert case["p_value"] is None and case["statistic"] == "detect"
+    assert case["p_value"] is None and case["statistic"] == "withheld"
     assert case["verdict"] == "watermarked" and "p =" not in case["sentence"]
 
 
@@ -432,10 +434,10 @@ def test_the_one_verdict_function_and_its_words() -> None:
         "not_watermarked",
     ]
     assert verdict_of(float("nan")) == "inconclusive"
-    shown = report(3.6e-4, "provenance")
+    shown = report(3.6e-4, "registry")
     assert shown.verdict == "inconclusive" and shown.p_value == 3.6e-4
-    assert shown.sentence.startswith("Inconclusive (p = 3.6e-04; provenance statistic between")
-    assert "Šidák" in shown.why
+    assert shown.sentence.startswith("Inconclusive (p = 3.6e-04; registry statistic between")
+    assert "Bonferroni" in shown.why
     hidden = report(3.6e-4, "detect", show_p=False)
     assert hidden.p_value is None and "p =" not in hidden.sentence
     assert (

@@ -214,6 +214,8 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("bench", ["--quick", "--nosuch"], b"", "No such option"),
         ("bench-provenance", ["--keys", "0"], b"", "--keys"),
         ("bench-decoding", ["--texts", "1"], b"", "--texts"),
+        ("bench-calibration", ["--texts", "1"], b"", "--texts"),
+        ("bench-first-use", ["--texts", "0"], b"", "--texts"),
         ("eval-merge", ["{bin}", "--into", "{miss}/results.json"], b"", "No such file"),
         ("eval-merge", ["{bin}", "--into", "{bin}"], b"", "Invalid value"),
         (

@@ -82,7 +82,7 @@ def test_a_case_is_saved_reopened_by_its_link_and_refused_to_another_tenant(
     verdict = check(page, gen["text"])
     assert verdict.startswith("Watermarked — tenant acme")
     rule = page.get_by_test_id("verdict-rule").inner_text()
-    assert "provenance statistic below 1e-6" in rule and "Šidák" in rule  # which, and why
+    assert "statistic below 1e-6" in rule and "keys searched: every tenant" in rule  # which, why
     report = page.get_by_test_id("case-report")
     assert report.is_visible()
     case_id = page.get_by_test_id("case-id").inner_text()
@@ -141,7 +141,8 @@ def test_case_exports_json_and_csv_and_prints_on_one_page(
     assert download.suggested_filename == f"case-{case_id}.json"
     exported = json.loads(Path(download.path()).read_text(encoding="utf-8"))
     assert exported["case_id"] == case_id and exported["who"]["role"] == "admin"
-    assert exported["verdict"] == "watermarked" and exported["statistic"] == "provenance"
+    assert exported["verdict"] == "watermarked"
+    assert exported["statistic"] in ("detect", "decode", "registry")
     with page.expect_download() as info:
         page.get_by_test_id("case-export-csv").click()
     rows = list(csv.reader(io.StringIO(Path(info.value.path()).read_text(encoding="utf-8"))))

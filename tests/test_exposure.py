@@ -547,9 +547,10 @@ def test_refused_batch_items_are_not_scored(
     codes = [(i["error"] or {}).get("code") for i in r.json()["results"]]
     assert codes == [None] * 6 + ["probe_budget_exceeded"] * 4
     assert len(scored) == 6  # not 10: the four refused items were never scored
+    assert sum(decoded) == 6  # the verdict's decode test ran on the six allowed only
     r = client.post("/decode/batch", json={"texts": texts[:3]}, headers=auth)
     assert all(i["error"]["code"] == "probe_budget_exceeded" for i in r.json()["results"])
-    assert sum(decoded) == 0  # the spent text is decoded for nobody
+    assert sum(decoded) == 6  # the spent text is decoded for nobody
     assert len(scored) == 6
 
 

@@ -214,14 +214,19 @@ def test_scan_attributes_every_watermarked_row(corpus: Any, local_scan: Any) -> 
     hits = sum(1 for t in truth.values() if not t.get("human"))
     human = [rows[rid] for rid, t in truth.items() if t.get("human")]
     false_positives = sum(bool(r["is_watermarked"]) for r in human)
-    # at most what the significance level allows (one-sided, fails by chance < 1e-6)
-    assert false_positives <= stats.binom.ppf(1 - 1e-6, len(human), ALPHA)
+    scored = [r for r in rows.values() if r["error"] is None]
+    assert all(r["is_watermarked"] == (r["verdict"] == "watermarked") for r in scored)
+    # at most what the verdict's level allows (one-sided, fails by chance < 1e-6)
+    assert false_positives <= stats.binom.ppf(1 - 1e-6, len(human), 1e-6)
     assert summary["hits"] == hits + false_positives
     assert summary["texts"] == len(rows) and summary["files"] == 3
     assert summary["hits_per_tenant"]["alpha"] >= 8 and summary["hits_per_tenant"]["gamma"] >= 4
-    # uniform p-values on human text: the scan is calibrated, not merely quiet
+    # the verdict's p on human text: conservative (weighted Bonferroni) at each level,
+    # and not merely quiet (its exact components' uniformity: tests/test_assess.py)
     p = np.array([r["p_value"] for r in human])
-    assert stats.kstest(p, "uniform").pvalue > 1e-4
+    for t in (0.5, 0.1, 0.02):
+        assert np.mean(p < t) <= t + 4 * np.sqrt(t / len(p)), t
+    assert np.mean(p < 0.5) >= 0.1
 
 
 def test_scan_reports_bad_rows_without_crashing(corpus: Any, local_scan: Any) -> None:

@@ -602,7 +602,7 @@ def test_generated_payload_decodes_back(
     assert r.status_code == 200, r.text
     det = r.json()
     assert det["is_watermarked"] is True and det["p_value"] < 1e-6
-    assert det["key_version"] == gen["key_version"] and det["significance"] == 0.01
+    assert det["key_version"] == gen["key_version"] and det["significance"] == 1e-6
 
 
 # --------------------------------------------------------------------------- 5. metadata

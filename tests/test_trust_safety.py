@@ -374,6 +374,7 @@ def test_registry_match_needs_significance_and_confidence(
     from app.services.watermark import DecodeOutcome
     from app.stores.base import RegistryEntry
     from worldcup_core import WatermarkKey, WorldCup
+    from worldcup_core.assess import Assessment, TestP, assess
     from worldcup_core.message import MessageIdCodec
 
     settings = make_settings(tiny_model_dir, tmp_path)
@@ -387,14 +388,23 @@ def test_registry_match_needs_significance_and_confidence(
         match: Any = SimpleNamespace(p_value=p_value, posterior=posterior)
         return DecodeOutcome(1, result, match, entry, entry_bits=issued)
 
-    found = registry_match(runtime, outcome(1e-9, 0.99))
+    def said(p_value: float) -> Assessment:
+        tests = [TestP("detect", 0.5), TestP("decode", 0.5, 16), TestP("registry", p_value, 16)]
+        return assess(tests, 1, "one key")
+
+    def named(runtime: Any, p_value: float, posterior: float, issued: str = bits) -> Any:
+        return registry_match(runtime, outcome(p_value, posterior, issued), said(p_value))
+
+    found = named(runtime, 1e-9, 0.99)
     assert found is not None and found.message_id == 7 and found.exact
     flipped = ("1" if bits[0] == "0" else "0") + bits[1:]
-    inexact = registry_match(runtime, outcome(1e-9, 0.99, flipped))
+    inexact = named(runtime, 1e-9, 0.99, flipped)
     assert inexact is not None and not inexact.exact  # decoded with a bit error
-    assert registry_match(runtime, outcome(1e-9, 0.80)) is None  # ambiguous
-    assert registry_match(runtime, outcome(0.2, 0.999)) is None  # not significant
+    assert named(runtime, 1e-9, 0.80) is None  # ambiguous
+    assert named(runtime, 0.2, 0.999) is None  # not significant
+    # significant at the old 0.01 but not at the verdict's 1e-6 (corrected): not named
+    assert said(1e-4).verdict == "inconclusive" and named(runtime, 1e-4, 0.999) is None
     lenient: Any = SimpleNamespace(
         settings=settings.model_copy(update={"registry_min_confidence": 0.5})
     )
-    assert registry_match(lenient, outcome(1e-9, 0.80)) is not None
+    assert named(lenient, 1e-9, 0.80) is not None

@@ -12,6 +12,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -31,9 +32,11 @@ from worldcup_core import (
     WatermarkKey,
     WorldCup,
 )
+from worldcup_core.assess import TestP, assess
 from worldcup_core.config import MAX_PAYLOAD_BITS
+from worldcup_core.detector_weighted import verdict_log_p
 from worldcup_core.scheme import WatermarkScheme
-from worldcup_core.verdict import report as verdict_report
+from worldcup_core.verdict import verdict_sentence
 
 app = typer.Typer(
     help="WorldCup multi-bit watermarking for LLM text.",
@@ -428,6 +431,9 @@ def bit_confidence_table(
     return "per-bit confidence (bit, value, z, p):\n" + "\n".join(r.rstrip() for r in rows)
 
 
+CLI_DEFAULT_NUM_BITS = 32  # the service's default_num_bits
+
+
 @_command()
 def detect(
     key_file: KeyFileOpt,
@@ -439,11 +445,21 @@ def detect(
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
     scheme_version: VersionOpt = SCHEME_V2,
-    significance: Annotated[float, typer.Option("--significance")] = 0.01,
+    significance: Annotated[
+        float,
+        typer.Option(
+            "--significance",
+            help="Deprecated: carries no threshold. The verdict and is_watermarked use the "
+            "fixed 1e-6 level (worldcup_core.assess).",
+        ),
+    ] = 0.01,
     model: ModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Is the text on stdin watermarked with this key? (calibrated p-value)"""
+    """Is the text on stdin watermarked with this key? One verdict, as the service's for
+    a tenant with this one key and no registry: the message-free test and the test at
+    the payload length (--num-bits, else the service's default 32), weighted-Bonferroni
+    combined (worldcup_core.assess)."""
     key = _read_key(key_file)
     if num_bits is not None and not 1 <= num_bits <= MAX_PAYLOAD_BITS:
         fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
@@ -451,23 +467,35 @@ def detect(
         fail(f"--significance must be in (0, 1), got {significance}")
     wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant, scheme_version)
     ids = _tokenize(_stdin_text(), model)
-    det = wm.detect(ids, num_bits=num_bits, significance=significance)
+    det = wm.detect(ids, num_bits=None, significance=significance)
+    length = num_bits or CLI_DEFAULT_NUM_BITS
+    if isinstance(wm, WorldCup):  # the verdict's statistics, as the service's
+        free = math.exp(float(verdict_log_p(wm, [ids], None)[0]))
+        known = math.exp(float(verdict_log_p(wm, [ids], length)[0]))
+    else:
+        free, known = det.p_value, wm.detect(ids, num_bits=length).p_value
+    found = assess(
+        [TestP("detect", free), TestP("decode", known, length)], 1, "this key file (1 key)"
+    )
     out = {
+        "verdict": found.verdict,
+        "verdict_statistic": found.statistic,
+        "verdict_p_value": found.p_value,
+        "verdict_threshold": found.threshold,
+        "keys_searched": found.keys_searched,
+        "is_watermarked": found.is_watermarked,
         "p_value": det.p_value,
         "z_score": det.z_score,
-        "is_watermarked": det.is_watermarked,
         "num_scored_tokens": det.num_scored_tokens,
         "num_tokens": det.num_tokens,
-        "significance": det.significance,
+        "significance": found.threshold,
         "paper_z_score": det.paper_z_score,
     }
-    said = verdict_report(det.p_value, "detect")  # the project's one verdict function
-    out["verdict"] = said.verdict
+    sentence = verdict_sentence(found.verdict, found.statistic, found.p_value)
     _emit(
         as_json,
         out,
-        f"{said.sentence}  z={det.z_score:.2f}  "
-        f"scored {det.num_scored_tokens}/{det.num_tokens} tokens",
+        f"{sentence}  z={det.z_score:.2f}  scored {det.num_scored_tokens}/{det.num_tokens} tokens",
     )
 
 
@@ -533,6 +561,60 @@ def bench_decoding(
     chunks = token_chunks(tokenizer, load_human_texts(default_data_dir()), TEXT_TOKENS)
     result = run(tokenizer, texts, chunks, scan_texts=texts // 4)
     _emit(as_json, result, format_decoding_bench(result))
+
+
+@_command("bench-calibration")
+def bench_calibration(
+    texts: Annotated[int, typer.Option(min=100, max=10_000_000, help="Null samples.")] = 100_000,
+    per_key: Annotated[int, typer.Option(min=1, help="Chunks per fresh random key.")] = 8,
+    registry_size: Annotated[int, typer.Option(min=1, help="Issued entries per key.")] = 20,
+    seed: Annotated[int | None, typer.Option(help="Key seed (default: OS randomness).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Null calibration of the one verdict's p-value (worldcup_core.assess): human text
+    under many random keys, the tail rate of p < t against t, down to 1e-4, with SE."""
+    from worldcup_cli.bench import default_data_dir
+    from worldcup_cli.calibration_bench import human_chunks, null_p_values, table, tail_rows
+    from worldcup_core.models import load_tokenizer
+
+    chunks = human_chunks(default_data_dir(), load_tokenizer())
+    started = time.perf_counter()
+    sample = null_p_values(chunks, texts, seed, per_key, registry_size)
+    result = {
+        "texts": len(sample.combined),
+        "keys": sample.keys,
+        "seconds": round(time.perf_counter() - started, 1),
+        **{
+            name: tail_rows(values)
+            for name, values in (
+                ("verdict", sample.combined),
+                ("detect", sample.detect),
+                ("decode", sample.decode),
+                ("registry", sample.registry),
+            )
+        },
+    }
+    _emit(as_json, result, table(sample))
+
+
+@_command("bench-first-use")
+def bench_first_use(
+    texts: Annotated[int, typer.Option(min=1, max=100, help="Prompts answered.")] = 100,
+    per_tenant: Annotated[int, typer.Option(min=1, help="Answers (entries) per tenant.")] = 20,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
+    big_registry: Annotated[int, typer.Option(min=1, help="The large registry's size.")] = 100_000,
+    as_json: JsonOpt = False,
+) -> None:
+    """What a new user's chat answers get from the service (issue 35's table): the
+    embedded model, the service default, through /generate and the bulk routes, at
+    two registry sizes, with binomial SE."""
+    from worldcup_cli.first_use_bench import run, table
+
+    result = run(texts, per_tenant, max_new_tokens, temperature, big_registry)
+    for size in ("small", "big"):
+        result[size].pop("rows")
+    _emit(as_json, result, table(result))
 
 
 @_command("bench-provenance")

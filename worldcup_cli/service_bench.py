@@ -884,7 +884,7 @@ def format_service_bench(result: dict[str, Any]) -> str:
         f"{svc['concurrent_seconds']:.2f} s ({svc['concurrent_tokens_per_s']:.1f} tok/s): "
         f"speed-up {svc['speedup']:.2f}x",
         f"  /decode of every response: {dec['exact_payload']}/{dec['texts']} exact payloads, "
-        f"{dec['flagged_watermarked']}/{dec['texts']} flagged watermarked,",
+        f"{dec['flagged_watermarked']}/{dec['texts']} verdict watermarked (p < 1e-6),",
         f"  bit accuracy {100 * dec['bit_accuracy']:.1f}%, "
         f"p-value median {dec['median_p_value']:.2g} max {dec['max_p_value']:.2g}",
         "",

@@ -11,8 +11,9 @@ checker's answers must mean the same thing everywhere.
 * ``not_watermarked``: p >= 0.05;
 * ``inconclusive``: in between. Some evidence, not enough to accuse.
 
-A verdict always names the statistic it was taken from (:data:`STATISTICS`): the
-routes run different tests on purpose, and a reader must be able to tell which.
+A verdict always names the statistic it was taken from (:data:`STATISTICS`):
+:mod:`worldcup_core.assess` combines the tests an asker may run into one verdict,
+and a reader must be able to tell which test decided.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 Verdict = Literal["watermarked", "not_watermarked", "inconclusive"]
-Statistic = Literal["detect", "decode", "provenance"]
+Statistic = Literal["detect", "decode", "registry", "withheld"]
 
 VERDICTS: Final[tuple[Verdict, ...]] = ("watermarked", "inconclusive", "not_watermarked")
 VERDICT_WATERMARKED_BELOW: Final = 1e-6
@@ -38,21 +39,26 @@ HEADLINES: Final[dict[Verdict, str]] = {
     "inconclusive": "Inconclusive",
 }
 
-# Which test a verdict was taken from, and why that route runs it.
+# Which test a verdict was taken from (worldcup_core.assess combines them into one
+# verdict per text and asker; every route reports the same one).
 STATISTICS: Final[dict[Statistic, str]] = {
     "detect": (
-        "message-free detection: the calibrated test of the tenant's key versions, "
-        "corrected for the number of versions (what /detect reports)"
+        "message-free detection (payload length unknown), the best of the key versions "
+        "searched; weighted-Bonferroni-combined with the decode and registry tests and "
+        "corrected for the key versions searched"
     ),
     "decode": (
-        "payload decoding: the test of the decoded message under the best key version, "
-        "corrected for the number of versions; it reads the payload and registry entry, "
-        "and is often more significant than message-free detection (what a full key's "
-        "/decode reports)"
+        "detection with the payload length known (the grouping the decoder reads), the "
+        "best of the key versions searched; combined and corrected as above"
     ),
-    "provenance": (
-        "provenance search: the best of every tenant's key versions, Šidák-corrected for "
-        "the number of keys searched (what /provenance reports)"
+    "registry": (
+        "agreement with the tenant's issued registry entries, Bonferroni over the "
+        "registry's size, under the key version the data chose; combined and corrected "
+        "as above"
+    ),
+    "withheld": (
+        "one decision from every test the asker's keys allow (worldcup_core.assess); "
+        "a verdict key is not told which test decided"
     ),
 }
 

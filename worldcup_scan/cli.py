@@ -87,7 +87,14 @@ def scan(
     scheme_version: Annotated[str, typer.Option("--scheme-version")] = "worldcup-v2",
     k: Annotated[int, typer.Option("--k")] = 2,
     layers: Annotated[int, typer.Option("--layers")] = 30,
-    significance: Annotated[float, typer.Option("--significance")] = 0.01,
+    significance: Annotated[
+        float,
+        typer.Option(
+            "--significance",
+            help="Deprecated: carries no threshold. Rows' verdict and is_watermarked use the "
+            "fixed 1e-6 of worldcup_core.assess, as the API's.",
+        ),
+    ] = 0.01,
     part_rows: Annotated[int, typer.Option("--part-rows", help="Rows per resumable part.")] = 1000,
     short_tokens: Annotated[
         int, typer.Option("--short-tokens", help="Fewer scored tokens: flagged short_text.")

@@ -197,7 +197,7 @@ def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSumma
                     summary.texts += 1
                     summary.errors += row["error"] is not None
                     summary.short_texts += bool(row["short_text"])
-                    if row["is_watermarked"]:
+                    if row["verdict"] == "watermarked":  # the row's own verdict
                         summary.hits += 1
                         per_tenant[row["tenant_name"] or row["tenant_id"]] += 1
                 if writer is not None:

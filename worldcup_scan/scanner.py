@@ -25,14 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from app.services.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
+from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import DecodeResult, RegistryMatch
+from worldcup_core.detector_weighted import best_verdict_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
-from worldcup_core.verdict import verdict_of
 from worldcup_scan.keys import ScanKeys
 
 MODES = ("detect", "provenance")
@@ -43,8 +42,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("source", "string"),
     ("row", "int64"),
     ("is_watermarked", "bool"),
-    ("verdict", "string"),  # worldcup_core.verdict.verdict_of(p_value), as the API's
-    ("p_value", "float64"),
+    ("verdict", "string"),  # worldcup_core.assess: the API's verdict for the same asker
+    ("verdict_statistic", "string"),  # the test that decided
+    ("p_value", "float64"),  # the verdict's p-value, every correction included
     ("tenant_id", "string"),
     ("tenant_name", "string"),
     ("key_version", "int64"),
@@ -80,7 +80,8 @@ class ScanSpec:
     keys: ScanKeys
     mode: str = "provenance"
     fields: Fields = field(default_factory=Fields)
-    significance: float = 0.01
+    significance: float = 0.01  # deprecated: carries no threshold (verdicts use 1e-6)
+    default_num_bits: int = 32  # the payload length decoded where there is no registry
     registry_min_confidence: float = 0.95
     short_tokens: int = 64  # fewer scored tokens than this: flagged short_text
     model: str | None = None  # tokenizer directory; None = the embedded SmolLM2's
@@ -100,7 +101,16 @@ class ScanSpec:
 class _Decoded:
     result: DecodeResult
     match: RegistryMatch | None
-    message_id: int | None
+    message_id: int | None  # the best candidate's, named only as scan_rows decides
+    key_index: int
+
+
+@dataclass(frozen=True)
+class _Assessed:
+    assessment: Assessment
+    key_index: int | None
+    decoded: _Decoded | None
+    scored: int
 
 
 class Scanner:
@@ -140,88 +150,103 @@ class Scanner:
                 except Exception:
                     ids.append([])
                     out[good[j]]["error"] = "untokenizable: the tokenizer rejected the text"
-        verdicts = self._detect(ids) if self.spec.mode == "detect" else self._provenance(ids)
-        for j, (p_value, key_index, scored) in enumerate(verdicts):
+        for j, text_ids in enumerate(ids):
             row = out[good[j]]
             if row["error"] is not None:
                 continue
-            significant = key_index is not None and p_value < self.spec.significance
+            found = self._assess(text_ids)
+            said = found.assessment
             row.update(
-                is_watermarked=significant,
-                verdict=verdict_of(p_value),
-                p_value=p_value,
-                num_tokens=len(ids[j]),
-                num_scored_tokens=scored,
-                short_text=scored < self.spec.short_tokens,
+                is_watermarked=said.is_watermarked,
+                verdict=said.verdict,
+                verdict_statistic=said.statistic,
+                p_value=said.p_value,
+                num_tokens=len(text_ids),
+                num_scored_tokens=found.scored,
+                short_text=found.scored < self.spec.short_tokens,
             )
-            if significant and key_index is not None:
-                spec = self.spec.keys.keys[key_index]
+            if said.is_watermarked and found.key_index is not None:
+                spec = self.spec.keys.keys[found.key_index]
                 row.update(
                     tenant_id=spec.tenant_id, tenant_name=spec.tenant_name, key_version=spec.version
                 )
-                decoded = self._decode(key_index, ids[j])
+                decoded = found.decoded
                 if decoded is not None:
                     row["bits"] = decoded.result.bits
-                    row["message_id"] = decoded.message_id
+                    if said.may_name_entry and decoded.match is not None:
+                        if decoded.match.posterior >= self.spec.registry_min_confidence:
+                            row["message_id"] = decoded.message_id
         return out
 
     # ------------------------------------------------------------------ scoring
-    def _detect(self, ids: list[list[int]]) -> list[tuple[float, int | None, int]]:
-        """Each version's message-free test, the best Bonferroni-corrected (as /detect)."""
-        per_version = [s.detect_many(ids, None, self.spec.significance) for s in self.schemes]
-        log_p = np.array([[d.log10_p_value for d in v] for v in per_version])  # (V, texts)
-        best = np.argmin(log_p, axis=0)
-        versions = len(self.schemes)
-        out = []
-        for j in range(len(ids)):
-            b = int(best[j])
-            corrected = min(float(log_p[b, j]) * math.log(10.0) + math.log(versions), 0.0)
-            scored = per_version[0][j].num_scored_tokens
-            out.append((math.exp(corrected), b if scored else None, scored))
-        return out
-
-    def _provenance(self, ids: list[list[int]]) -> list[tuple[float, int | None, int]]:
-        assert self.bank is not None
-        out = []
-        for t in ids:
-            result = self.bank.search(t)
-            best = result.best.index if result.best is not None else None
-            out.append((result.p_value, best, result.num_scored_tokens))
-        return out
+    def _assess(self, ids: list[int]) -> _Assessed:
+        """The text's one verdict, as the service gives it to the same asker
+        (:func:`worldcup_core.assess.assess`, fed the same tests): in detect mode the
+        tenant's versions, in provenance mode every key of the bank."""
+        if self.spec.mode == "detect":
+            indices = list(range(len(self.schemes)))
+            per_key = [self.schemes[i].detect(ids, None, self.spec.significance) for i in indices]
+            best = min(indices, key=lambda i: (per_key[i].log10_p_value, i))
+            scored = per_key[0].num_scored_tokens
+            tried = len(indices)
+            searched = f"{self.spec.keys.source}: {tried} key version(s)"
+        else:
+            assert self.bank is not None
+            result = self.bank.search(ids)
+            tried, scored = max(result.num_keys, 1), result.num_scored_tokens
+            searched = f"every key in the bank ({result.num_keys} keys)"
+            if result.best is None:
+                return _Assessed(assess([TestP("detect", None)], tried, searched), None, None, 0)
+            best = result.best.index
+            indices = [best]
+        schemes = [self.schemes[i] for i in indices]  # the verdict's statistics: as the service
+        detect_p = math.exp(float(best_verdict_log_p(schemes, [ids], None)[0][0]))
+        issued = sorted({b for i in indices for b in self._registry(i)})
+        lengths = issued or [self.spec.keys.num_bits or self.spec.default_num_bits]
+        tests = [TestP("detect", detect_p, key_version=best)]
+        chosen: _Decoded | None = None
+        for num_bits in lengths:
+            decoded = self._decode(indices, ids, num_bits)
+            known = float(best_verdict_log_p(schemes, [ids], num_bits)[0][0])
+            tests.append(TestP("decode", math.exp(known), num_bits))
+            if num_bits in issued:
+                p = decoded.match.p_value if decoded.match is not None else None
+                tests.append(TestP("registry", p, num_bits))
+            if chosen is None or _better(decoded, chosen):
+                chosen = decoded
+        said = assess(tests, tried, searched)
+        key_index = chosen.key_index if chosen is not None else best
+        return _Assessed(said, key_index, chosen, scored)
 
     # ------------------------------------------------------------------ payload and registry
+    def _registry(self, key_index: int) -> dict[int, list[int]]:
+        spec = self.spec.keys.keys[key_index]
+        return self.spec.keys.registry.get((spec.tenant_id, spec.version), {})
+
     def _registry_bits(self, key_index: int, num_bits: int) -> list[str]:
         cached = self._candidates.get((key_index, num_bits))
         if cached is None:
-            spec = self.spec.keys.keys[key_index]
-            ids = self.spec.keys.registry.get((spec.tenant_id, spec.version), {}).get(num_bits, [])
+            ids = self._registry(key_index).get(num_bits, [])
             codec = MessageIdCodec(self.schemes[key_index].key, num_bits)
             cached = [codec.payload(i).bits for i in ids]
             self._candidates[(key_index, num_bits)] = cached
         return cached
 
-    def _decode(self, key_index: int, ids: list[int]) -> _Decoded | None:
-        """The payload under the best key at each registry payload length; the best match."""
-        spec = self.spec.keys.keys[key_index]
-        registry = self.spec.keys.registry.get((spec.tenant_id, spec.version), {})
-        lengths = sorted(registry) or ([self.spec.keys.num_bits] if self.spec.keys.num_bits else [])
-        scheme = self.schemes[key_index]
-        best: _Decoded | None = None
-        for num_bits in lengths:
-            result = scheme.decode(ids, num_bits, significance=self.spec.significance)
-            candidates = self._registry_bits(key_index, num_bits)
-            match = scheme.match(ids, candidates) if candidates else None
-            message_id = None
-            if (
-                match is not None
-                and match.p_value < self.spec.significance
-                and match.posterior >= self.spec.registry_min_confidence
+    def _decode(self, indices: list[int], ids: list[int], num_bits: int) -> _Decoded:
+        """As the service's decode_texts: decode under each key, keep the most
+        significant, and match it against that key's registry at this length."""
+        best_index, best_result = indices[0], None
+        for i in indices:
+            result = self.schemes[i].decode(ids, num_bits, significance=self.spec.significance)
+            if best_result is None or (
+                result.detection.log10_p_value < best_result.detection.log10_p_value
             ):
-                message_id = registry[num_bits][match.index]
-            decoded = _Decoded(result, match, message_id)
-            if best is None or _better(decoded, best):
-                best = decoded
-        return best
+                best_index, best_result = i, result
+        assert best_result is not None
+        candidates = self._registry_bits(best_index, num_bits)
+        match = self.schemes[best_index].match(ids, candidates) if candidates else None
+        message_id = self._registry(best_index)[num_bits][match.index] if match else None
+        return _Decoded(best_result, match, message_id, best_index)
 
 
 _TOKENIZERS: dict[str | None, Any] = {}
@@ -238,8 +263,6 @@ def _tokenizer(model: str | None) -> Any:
 
 def _better(a: _Decoded, b: _Decoded) -> bool:
     """As the service's provenance: a registry match first, then the more significant."""
-    if (a.message_id is None) != (b.message_id is None):
-        return a.message_id is not None
     if a.match is not None and b.match is not None and a.match.p_value != b.match.p_value:
         return a.match.p_value < b.match.p_value
     return a.result.detection.log10_p_value < b.result.detection.log10_p_value

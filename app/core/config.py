@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     layers: Annotated[int, Field(ge=1, le=64)] = WATERMARK_PRESETS[SERVICE_PRESET].layers
     alpha: Annotated[float, Field(ge=0, le=10)] = WATERMARK_PRESETS[SERVICE_PRESET].alpha
     default_num_bits: Annotated[int, Field(ge=1, le=64)] = 32
+    # Deprecated (issue 35): carries no threshold and changes no answer. Every verdict,
+    # is_watermarked and registry naming use the fixed 1e-6 of worldcup_core.assess; the
+    # value only reaches the scorer's per-test DetectionResult, which no answer shows.
     significance: Annotated[float, Field(gt=0, lt=1)] = 0.01
     # A registry match is reported only above this posterior: neighbouring
     # entries can differ in one or two bits, and naming the wrong recipient is

@@ -53,7 +53,11 @@ class Metrics:
             registry=r,
         )
         self.detections = Counter(
-            "worldcup_detections", "Detect/decode verdicts.", ["result"], registry=r
+            "worldcup_detections",
+            "Detect/decode verdicts (result: watermarked at the fixed p < 1e-6 of "
+            "worldcup_core.assess, inconclusive, not_watermarked).",
+            ["result"],
+            registry=r,
         )
         self.probe_budget_exceeded = Counter(
             "worldcup_probe_budget_exceeded",

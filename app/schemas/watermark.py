@@ -6,27 +6,27 @@ import json
 import math
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
     ConfigDict,
     Field,
     WithJsonSchema,
-    computed_field,
     field_validator,
     model_validator,
 )
 
 from app.schemas.common import StrictModel, StrictRequest
 from app.schemas.exposure import DecodeVerdict, DetectVerdict
+from worldcup_core.assess import Assessment, TestName
 from worldcup_core.config import MIN_TEMPERATURE
-from worldcup_core.verdict import Statistic, Verdict, verdict_of
+from worldcup_core.verdict import Verdict
 
 VERDICT_DESCRIPTION = (
-    "The verdict of p_value (worldcup_core.verdict, the same for every route, the console, "
-    "the CLI and scans): watermarked: p < 1e-6; not_watermarked: p >= 0.05; inconclusive "
-    "between. verdict_statistic names the test it comes from."
+    "One decision per text and asker (worldcup_core.assess: the same for every route, the "
+    "console, the CLI and scans): watermarked: verdict_p_value < 1e-6; not_watermarked: "
+    ">= 0.05; inconclusive between. verdict_statistic names the test it was taken from."
 )
 
 if TYPE_CHECKING:
@@ -447,22 +447,40 @@ class EvidenceOut(StrictModel):
 
 
 class _VerdictAnswer(StrictModel):
-    """The verdict fields of an answer with a ``p_value``: one wording, one function
-    (:func:`worldcup_core.verdict.verdict_of`), the statistic named per answer."""
+    """The verdict fields of an answer: one decision per text and asker
+    (:func:`worldcup_core.assess.assess`), with the test it was taken from."""
 
-    statistic: ClassVar[Statistic]
-    if TYPE_CHECKING:
-        p_value: float  # declared by each answer, where its fields' order puts it
+    verdict: Verdict = Field(description=VERDICT_DESCRIPTION)
+    verdict_statistic: TestName = Field(
+        description="The test that decided: detect (message-free), decode (payload length "
+        "known) or registry (agreement with the tenant's issued entries)."
+    )
+    verdict_p_value: float = Field(
+        description="The verdict's p-value: the deciding test's, with every correction "
+        "(weighted Bonferroni over the tests, Bonferroni over the key versions searched)."
+    )
+    verdict_threshold: float = Field(
+        description="The fixed level of 'watermarked' and of is_watermarked: 1e-6."
+    )
+    keys_searched: str = Field(description="The key set the verdict searched, in words.")
 
-    @computed_field(description=VERDICT_DESCRIPTION)  # type: ignore[prop-decorator]
-    @property
-    def verdict(self) -> Verdict:
-        return verdict_of(self.p_value)
 
-    @computed_field(description="The test the verdict comes from.")  # type: ignore[prop-decorator]
-    @property
-    def verdict_statistic(self) -> Statistic:
-        return self.statistic
+def verdict_fields(assessment: Assessment) -> dict[str, Any]:
+    """The verdict fields of an answer, from its assessment."""
+    return {
+        "verdict": assessment.verdict,
+        "verdict_statistic": assessment.statistic,
+        "verdict_p_value": assessment.p_value,
+        "verdict_threshold": assessment.threshold,
+        "keys_searched": assessment.keys_searched,
+    }
+
+
+IS_WATERMARKED_DESCRIPTION = "Exactly verdict == 'watermarked' (verdict_p_value < 1e-6)."
+SIGNIFICANCE_DESCRIPTION = (
+    "The level is_watermarked carries: the fixed 1e-6 of the verdict 'watermarked' (the "
+    "server's significance setting is deprecated and changes no answer)."
+)
 
 
 class DecodeResponse(_VerdictAnswer):
@@ -471,14 +489,12 @@ class DecodeResponse(_VerdictAnswer):
     erasures: list[int]
     p_value: float = Field(description=P_VALUE_DESCRIPTION)
     z_score: float = Field(description=Z_DESCRIPTION)
-    is_watermarked: bool
+    is_watermarked: bool = Field(description=IS_WATERMARKED_DESCRIPTION)
     num_tokens: int
     num_scored_tokens: int
     key_version: int
     registry_match: RegistryMatchOut | None
     evidence: EvidenceOut | None = None
-
-    statistic: ClassVar[Statistic] = "decode"
 
 
 class DetectRequest(StrictRequest):
@@ -491,15 +507,15 @@ class DetectRequest(StrictRequest):
 
 
 class DetectResponse(_VerdictAnswer):
-    is_watermarked: bool
+    is_watermarked: bool = Field(description=IS_WATERMARKED_DESCRIPTION)
     p_value: float = Field(description=P_VALUE_DESCRIPTION)
     z_score: float = Field(description=Z_DESCRIPTION)
     num_tokens: int
     num_scored_tokens: int
-    significance: float
-    key_version: int | None = Field(description="The key version that matched, if any.")
-
-    statistic: ClassVar[Statistic] = "detect"
+    significance: float = Field(description=SIGNIFICANCE_DESCRIPTION)
+    key_version: int | None = Field(
+        description="The key version that decided, when the verdict is watermarked."
+    )
 
 
 # --------------------------------------------------------------------------- bulk scans
@@ -601,7 +617,7 @@ class ProvenanceResponse(_VerdictAnswer):
     num_tenants: int
     num_tokens: int
     num_scored_tokens: int
-    significance: float
+    significance: float = Field(description=SIGNIFICANCE_DESCRIPTION)
     match: ProvenanceMatch | None
     candidates: list[ProvenanceCandidate]
     scan_seconds: float
@@ -612,5 +628,3 @@ class ProvenanceResponse(_VerdictAnswer):
     num_full_scans: int
     token_scores: list[TokenScore] | None = None
     evidence: EvidenceOut | None = None
-
-    statistic: ClassVar[Statistic] = "provenance"

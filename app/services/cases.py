@@ -58,7 +58,7 @@ from app.services.provenance import Investigator
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal
 from app.stores.base import CaseRecord
-from worldcup_core.verdict import STATISTICS, Statistic, report, verdict_sentence
+from worldcup_core.verdict import STATISTICS, Statistic, verdict_sentence
 
 Mode = Literal["provenance", "decode", "detect"]
 MODES: tuple[Mode, ...] = ("provenance", "decode", "detect")
@@ -208,8 +208,8 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
     statistic: Statistic
     summary: dict[str, Any] = {}
     if isinstance(answer, ProvenanceVerdict | DetectVerdict | DecodeVerdict):
-        # verdict keys: the word only; a verdict key's /decode takes /detect's statistic
-        statistic = "provenance" if mode == "provenance" else "detect"
+        # verdict keys: the word only, and not which test decided
+        statistic = "withheld"
         if isinstance(answer, ProvenanceVerdict):
             summary["matched_tenant"] = answer.tenant_id
         if isinstance(answer, DecodeVerdict) and answer.registry_match is not None:
@@ -227,8 +227,8 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
             "why": STATISTICS[statistic],
         }
         return verdict, summary
+    statistic = answer.verdict_statistic
     if isinstance(answer, ProvenanceResponse):
-        statistic = "provenance"
         summary.update(num_keys=answer.num_keys, num_tenants=answer.num_tenants)
         if answer.match is not None:
             m = answer.match
@@ -246,7 +246,6 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
                     metadata=entry.metadata,
                 )
     elif isinstance(answer, DecodeResponse):
-        statistic = "decode"
         summary.update(key_version=answer.key_version, bits=answer.bits)
         if answer.registry_match is not None:
             e = answer.registry_match
@@ -254,18 +253,16 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
                 message_id=e.message_id, issued_at=iso(e.issued_at.timestamp()), metadata=e.metadata
             )
     else:
-        statistic = "detect"
         summary.update(key_version=answer.key_version)
     summary.update(num_tokens=answer.num_tokens, num_scored_tokens=answer.num_scored_tokens)
     if not isinstance(answer, DetectResponse):
         summary["islands"] = _islands(answer.evidence)
-    said = report(answer.p_value, statistic)
     verdict_fields: dict[str, Any] = {
-        "verdict": said.verdict,
+        "verdict": answer.verdict,
         "statistic": statistic,
-        "p_value": answer.p_value,
-        "sentence": said.sentence,
-        "why": said.why,
+        "p_value": answer.verdict_p_value,
+        "sentence": verdict_sentence(answer.verdict, statistic, answer.verdict_p_value),
+        "why": f"{STATISTICS[statistic]}; keys searched: {answer.keys_searched}",
     }
     return verdict_fields, summary
 

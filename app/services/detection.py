@@ -27,22 +27,29 @@ from app.schemas.watermark import (
     DetectBatchResponse,
     DetectRequest,
     DetectResponse,
+    verdict_fields,
 )
 from app.services import intake
-from app.services.cpu import TOKEN_CHARS
-from app.services.probes import Sketch
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
-from app.services.watermark import DecodeOutcome, DetectOutcome, corrected
-from worldcup_core.verdict import verdict_of
+from app.services.watermark import Assessed, DecodeOutcome, corrected
+from worldcup_core.assess import Assessment
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 
-def _decode_response(runtime: Runtime, outcome: DecodeOutcome) -> DecodeResponse:
+def _count(runtime: Runtime, assessment: Assessment) -> None:
+    """The detections metric, by verdict (the fixed 1e-6 level of "watermarked")."""
+    runtime.metrics.detections.labels(assessment.verdict).inc()
+
+
+def _decode_response(
+    runtime: Runtime, outcome: DecodeOutcome, assessment: Assessment
+) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
     p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
-    watermarked = p_value < runtime.settings.significance
-    runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
+    _count(runtime, assessment)
     return DecodeResponse(
+        **verdict_fields(assessment),
         bits=result.bits,
         bit_confidence=[
             BitConfidence(z=round(z, 4), p_value=p)
@@ -51,26 +58,26 @@ def _decode_response(runtime: Runtime, outcome: DecodeOutcome) -> DecodeResponse
         erasures=list(result.erasures),
         p_value=p_value,
         z_score=z_score,
-        is_watermarked=watermarked,
+        is_watermarked=assessment.is_watermarked,
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
-        registry_match=intake.registry_match(runtime, outcome),
+        registry_match=intake.registry_match(runtime, outcome, assessment),
     )
 
 
-def _detect_response(runtime: Runtime, outcome: DetectOutcome) -> DetectResponse:
-    significance = runtime.settings.significance
-    watermarked = outcome.p_value < significance
-    runtime.metrics.detections.labels("watermarked" if watermarked else "clean").inc()
+def _detect_response(runtime: Runtime, assessed: Assessed) -> DetectResponse:
+    outcome, assessment = assessed.detect, assessed.assessment
+    _count(runtime, assessment)
     return DetectResponse(
-        is_watermarked=watermarked,
+        **verdict_fields(assessment),
+        is_watermarked=assessment.is_watermarked,
         p_value=outcome.p_value,
         z_score=outcome.z_score,
         num_tokens=outcome.result.num_tokens,
         num_scored_tokens=outcome.result.num_scored_tokens,
-        significance=significance,
-        key_version=outcome.key_version,
+        significance=VERDICT_WATERMARKED_BELOW,
+        key_version=assessment.key_version if assessment.is_watermarked else None,
     )
 
 
@@ -93,13 +100,12 @@ def _assemble(
     return [(i, by_index.get(i), errors.get(i)) for i in range(count)]
 
 
-def _decode_verdict(answer: DecodeResponse, detect_p_value: float) -> DecodeVerdict:
-    """A verdict key's /decode: the verdict of the message-free statistic (``detect_p_value``,
-    the one /detect reports) with the registry entry, so that one key's /decode and
-    /detect of a text cannot disagree (issue 24, point 6)."""
+def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
+    """A verdict key's /decode: the text's one verdict (as /detect's) with the registry
+    entry where one may be named."""
     match = answer.registry_match
     return DecodeVerdict(
-        verdict=verdict_of(detect_p_value),
+        verdict=answer.verdict,
         registry_match=None
         if match is None
         else VerdictRegistryMatch(
@@ -109,19 +115,41 @@ def _decode_verdict(answer: DecodeResponse, detect_p_value: float) -> DecodeVerd
 
 
 def _detect_verdict(answer: DetectResponse) -> DetectVerdict:
-    return DetectVerdict(verdict=verdict_of(answer.p_value))
+    return DetectVerdict(verdict=answer.verdict)
 
 
-async def detect_p_values(
-    runtime: Runtime, principal: Principal, ids: list[list[int]]
-) -> list[float]:
-    """/detect's message-free statistic for each tokenised text (one worker job)."""
+async def assess_ids(
+    runtime: Runtime, principal: Principal, ids: list[list[int]], num_bits: int | None = None
+) -> list[Assessed]:
+    """Each tokenised text's one verdict for this asker (every test its tenant's keys
+    and registry allow); ``num_bits`` is decoded too, for a /decode at that length."""
     if not ids:
         return []
-    scorer = await runtime.watermark.detector(
-        principal.tenant.tenant_id, runtime.settings.significance
+    settings = runtime.settings
+    return await runtime.watermark.assess_texts(
+        principal.tenant.tenant_id, ids, settings.default_num_bits, settings.significance, num_bits
     )
-    return await runtime.offload(lambda: [scorer(t).p_value for t in ids])
+
+
+async def _decode_outcomes(
+    runtime: Runtime,
+    principal: Principal,
+    ids: list[list[int]],
+    num_bits: int,
+    key_version: int | None,
+) -> list[tuple[DecodeOutcome, Assessment]]:
+    """(the decoding the route shows, the text's verdict) for each text."""
+    assessed = await assess_ids(runtime, principal, ids, num_bits)
+    if key_version is None:
+        shown = [a.decoded[num_bits] for a in assessed]
+    else:
+        try:
+            shown = await runtime.watermark.decode_texts(
+                principal.tenant.tenant_id, ids, num_bits, key_version
+            )
+        except UnknownKeyVersion:
+            raise _unknown_version(key_version) from None
+    return [(o, a.assessment) for o, a in zip(shown, assessed, strict=True)]
 
 
 def _is_verdict(principal: Principal) -> bool:
@@ -157,21 +185,16 @@ async def decode(
     ids, pieces, sketches = await intake.tokenise(runtime, principal, body.text, body.evidence)
     await intake.admit_one(runtime, principal, "decode", sketches)
     num_bits = body.num_bits or runtime.settings.default_num_bits
-    try:
-        outcome = (
-            await runtime.watermark.decode_texts(
-                principal.tenant.tenant_id, [ids], num_bits, body.key_version
-            )
-        )[0]
-    except UnknownKeyVersion:
-        raise _unknown_version(body.key_version) from None
-    answer = _decode_response(runtime, outcome)
+    outcome, assessment = (
+        await _decode_outcomes(runtime, principal, [ids], num_bits, body.key_version)
+    )[0]
+    answer = _decode_response(runtime, outcome, assessment)
     if body.evidence:
         answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
         )
     if _is_verdict(principal):
-        return _decode_verdict(answer, (await detect_p_values(runtime, principal, [ids]))[0])
+        return _decode_verdict(answer)
     return answer
 
 
@@ -180,21 +203,9 @@ async def detect(
 ) -> DetectResponse | DetectVerdict:
     """Is this text watermarked with any of my keys? A calibrated, message-free test.
     A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores."""
-    intake.check_text(runtime, body.text)
-    scorer = await runtime.watermark.detector(
-        principal.tenant.tenant_id, runtime.settings.significance
-    )
-    sketcher = intake.sketcher(runtime, principal)
-
-    def work() -> tuple[list[Sketch | None] | None, DetectOutcome]:
-        """One worker job: tokenise, fingerprint and score (a query refused below
-        was scored for nothing; the answer is withheld all the same)."""
-        ids = intake.encode_texts(runtime.tokenizer, [body.text])
-        return (sketcher(ids) if sketcher else None), scorer(ids[0])
-
-    sketches, outcome = await runtime.offload(work)
+    ids, _, sketches = await intake.tokenise(runtime, principal, body.text, False)
     await intake.admit_one(runtime, principal, "detect", sketches)
-    answer = _detect_response(runtime, outcome)
+    answer = _detect_response(runtime, (await assess_ids(runtime, principal, [ids]))[0])
     return _detect_verdict(answer) if _is_verdict(principal) else answer
 
 
@@ -206,33 +217,17 @@ async def decode_batch(
     await _admit_batch(runtime, principal, body.texts)
     num_bits = body.num_bits or runtime.settings.default_num_bits
     good, ids, _, errors = await intake.take_batch(runtime, principal, "decode/batch", body.texts)
-    try:
-        outcomes = await runtime.watermark.decode_texts(
-            principal.tenant.tenant_id, ids, num_bits, body.key_version
-        )
-    except UnknownKeyVersion:
-        raise _unknown_version(body.key_version) from None
+    outcomes = await _decode_outcomes(runtime, principal, ids, num_bits, body.key_version)
     answers: list[DecodeResponse] = []
     answered: list[int] = []
-    answered_ids: list[list[int]] = []
-    for index, outcome, text_ids in zip(good, outcomes, ids, strict=True):
+    for index, (outcome, assessment) in zip(good, outcomes, strict=True):
         try:
-            answers.append(_decode_response(runtime, outcome))
+            answers.append(_decode_response(runtime, outcome, assessment))
             answered.append(index)
-            answered_ids.append(text_ids)
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)
-    detect_p: dict[int, float] = {}
-    if _is_verdict(principal):  # verdicts of /detect's statistic, as the single route
-        p_values = await detect_p_values(runtime, principal, answered_ids)
-        detect_p = {id(a): p for a, p in zip(answers, p_values, strict=True)}
     items, watermarked = _batch_results(
-        principal,
-        len(body.texts),
-        answered,
-        answers,
-        errors,
-        lambda a: _decode_verdict(a, detect_p[id(a)]),
+        principal, len(body.texts), answered, answers, errors, _decode_verdict
     )
     return DecodeBatchResponse(
         results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in items],
@@ -246,17 +241,12 @@ async def detect_batch(
 ) -> DetectBatchResponse:
     """Bulk /detect. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
-    tenant = principal.tenant
     await _admit_batch(runtime, principal, body.texts)
-    scorer = await runtime.watermark.detector(tenant.tenant_id, runtime.settings.significance)
     # only the items the budget allows are scored: a refused item costs no scoring
     good, allowed, _, errors = await intake.take_batch(
         runtime, principal, "detect/batch", body.texts
     )
-    outcomes = await runtime.offload_map(
-        lambda chunk: [scorer(t) for t in chunk], allowed, lambda t: TOKEN_CHARS * len(t)
-    )
-    answers = [_detect_response(runtime, o) for o in outcomes]
+    answers = [_detect_response(runtime, a) for a in await assess_ids(runtime, principal, allowed)]
     items, watermarked = _batch_results(
         principal, len(body.texts), good, answers, errors, _detect_verdict
     )
@@ -292,5 +282,5 @@ def _batch_results(
         verdicts = [verdict(a) for a in answers]
         shown, watermarked = list(verdicts), sum(v.verdict == "watermarked" for v in verdicts)
     else:
-        shown, watermarked = list(answers), sum(a.is_watermarked for a in answers)
+        shown, watermarked = list(answers), sum(a.verdict == "watermarked" for a in answers)
     return _assemble(count, good, shown, errors), watermarked

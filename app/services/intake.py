@@ -23,6 +23,7 @@ from app.services.runtime import Runtime
 from app.services.tenants import Principal
 from app.services.watermark import DecodeOutcome
 from app.stores.base import ProbeDecision
+from worldcup_core.assess import Assessment
 
 Sketcher = Callable[[list[list[int]]], list[Sketch | None]]
 
@@ -83,14 +84,18 @@ def token_pieces(tokenizer: Any, text: str) -> tuple[list[int], list[str]]:
     return ids, pieces
 
 
-def registry_match(runtime: Runtime, outcome: DecodeOutcome) -> RegistryMatchOut | None:
-    """The registry entry, reported only when its agreement is significant (the search
+def registry_match(
+    runtime: Runtime, outcome: DecodeOutcome, assessment: Assessment
+) -> RegistryMatchOut | None:
+    """The registry entry, named only when the registry test alone is below the
+    watermarked level with every correction (``assessment.may_name_entry``: the search
     always has a best candidate, and any text, another tenant's or a human's, would
-    otherwise "match" whichever entry happens to agree best) and clearly ahead of
-    the other entries (``registry_min_confidence``)."""
+    otherwise "match" whichever entry happens to agree best; a named entry so always
+    goes with the verdict "watermarked") and clearly ahead of the other entries
+    (``registry_min_confidence``)."""
     found, entry = outcome.match, outcome.entry
     settings = runtime.settings
-    if found is None or entry is None or found.p_value >= settings.significance:
+    if found is None or entry is None or not assessment.may_name_entry:
         return None
     if found.posterior < settings.registry_min_confidence:
         return None  # a close runner-up: too likely to name the wrong entry

@@ -28,6 +28,7 @@ from app.schemas.watermark import (
     ProvenanceRequest,
     ProvenanceResponse,
     TokenScore,
+    verdict_fields,
 )
 from app.services.evidence import evidence_block, unmatched_evidence
 from app.services.intake import (
@@ -45,7 +46,7 @@ from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
-from worldcup_core.verdict import verdict_of
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
         "key_version": outcome.key_version,
         "message_id": entry.message_id if entry is not None else None,
         "p_value": outcome.result.p_value,
+        "verdict": outcome.assessment.verdict,
+        "verdict_p_value": outcome.assessment.p_value,
         "num_keys": outcome.result.num_keys,
         "num_tokens": outcome.result.num_tokens,
     }
@@ -175,7 +178,7 @@ async def _search(
             key_p_value=10.0**result.best.log10_p_value if result.best else 1.0,
             bits=decoded.result.bits,
             num_bits=num_bits,
-            registry_entry=registry_match(runtime, decoded),
+            registry_entry=registry_match(runtime, decoded, outcome.assessment),
         )
     candidates = [
         ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)
@@ -196,7 +199,7 @@ async def _search(
         )
     )
     if who.is_verdict:
-        verdict = verdict_of(result.p_value)
+        verdict = outcome.assessment.verdict
         owner = outcome.tenant.tenant_id if outcome.tenant is not None else None
         return ProvenanceVerdict(
             verdict=verdict, tenant_id=owner if verdict == "watermarked" else None
@@ -214,6 +217,7 @@ async def _search(
             block = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
     per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None
     return ProvenanceResponse(
+        **verdict_fields(outcome.assessment),
         found=outcome.significant,
         message=(
             f"watermarked for tenant {outcome.tenant.name!r}"
@@ -225,7 +229,7 @@ async def _search(
         num_tenants=outcome.num_tenants,
         num_tokens=result.num_tokens,
         num_scored_tokens=result.num_scored_tokens,
-        significance=settings.significance,
+        significance=VERDICT_WATERMARKED_BELOW,
         match=match,
         candidates=candidates,
         scan_seconds=round(outcome.scan_seconds, 6),

@@ -24,8 +24,10 @@ from app.services.evidence import evidence_block
 from app.services.tenants import TenantService
 from app.stores.base import RegistryEntry, Store, TenantRecord
 from worldcup_core import DecodeResult, DetectionResult, WorldCup
+from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
+from worldcup_core.detector_weighted import best_verdict_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 from worldcup_core.scoring import sidak_log_p
@@ -57,6 +59,7 @@ class DetectOutcome:
     result: DetectionResult
     p_value: float  # corrected for the number of key versions tried
     z_score: float  # the normal quantile of the corrected p-value
+    best_version: int | None = None  # the version with the smallest p, reported or not
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,66 @@ class ProvenanceOutcome:
     scan_seconds: float
     scheme: WorldCup | None  # the best key (for admin-only per-token scores)
     candidates: list[tuple[str, int, float]]  # (tenant id, key version, log10 p), best first
+    assessment: Assessment  # "watermarked by someone": every key searched
+
+
+@dataclass(frozen=True)
+class Assessed:
+    """One text's verdict for its asker (:mod:`worldcup_core.assess`) and the
+    outcomes it was taken from: the message-free test and the decoding at each
+    payload length tested."""
+
+    assessment: Assessment
+    detect: DetectOutcome
+    decoded: dict[int, DecodeOutcome]
+
+
+@dataclass(frozen=True)
+class VerdictStats:
+    """The verdict's detection statistics of one text (:func:`verdict_stats`): log p and
+    the key version, message-free and per payload length, each the best over versions."""
+
+    detect: tuple[float, int]
+    decode: dict[int, tuple[float, int]]
+
+
+def verdict_stats(
+    versions: Sequence[tuple[int, WorldCup]], texts: Sequence[list[int]], lengths: list[int]
+) -> list[VerdictStats]:
+    """The detect and decode tests of every text under every version (worker job)."""
+    schemes = [s for _, s in versions]
+    free, free_best = best_verdict_log_p(schemes, texts, None)
+    known = {bits: best_verdict_log_p(schemes, texts, bits) for bits in lengths}
+    return [
+        VerdictStats(
+            (float(free[i]), versions[int(free_best[i])][0]),
+            {b: (float(lp[i]), versions[int(at[i])][0]) for b, (lp, at) in known.items()},
+        )
+        for i in range(len(texts))
+    ]
+
+
+def assess_outcomes(
+    stats: VerdictStats,
+    decoded: dict[int, DecodeOutcome],
+    lengths: list[int],
+    registry_lengths: set[int],
+    versions_tried: int,
+    keys_searched: str,
+) -> Assessment:
+    """The one verdict of a text (see :mod:`worldcup_core.assess`): the detect and decode
+    tests from ``stats``, the registry test from each length's decoding as it comes."""
+    log_p, version = stats.detect
+    tests = [TestP("detect", math.exp(log_p), key_version=version)]
+    for bits in lengths:
+        log_p, version = stats.decode[bits]
+        tests.append(TestP("decode", math.exp(log_p), bits, key_version=version))
+        if bits in registry_lengths:
+            outcome = decoded[bits]
+            match = outcome.match
+            p = None if match is None else match.p_value
+            tests.append(TestP("registry", p, bits, key_version=outcome.key_version))
+    return assess(tests, versions_tried, keys_searched)
 
 
 @dataclass
@@ -193,9 +256,64 @@ class WatermarkService:
             ]
             version, best = min(results, key=lambda r: r[1].log10_p_value)
             p_value, z = corrected(best.log10_p_value, len(results), best.num_scored_tokens)
-            return DetectOutcome(version if p_value < significance else None, best, p_value, z)
+            shown = version if p_value < significance else None
+            return DetectOutcome(shown, best, p_value, z, version)
 
         return one
+
+    async def registry_lengths(self, tenant_id: str, versions: list[int]) -> list[int]:
+        """The payload lengths at which the tenant has issued registry entries."""
+        lengths: set[int] = set()
+        for version in versions:
+            lengths.update(await self.store.registry_bit_lengths(tenant_id, version))
+        return sorted(lengths)
+
+    async def assess_texts(
+        self,
+        tenant_id: str,
+        texts: Sequence[list[int]],
+        default_num_bits: int,
+        significance: float,
+        also_num_bits: int | None = None,
+    ) -> list[Assessed]:
+        """Every test the tenant's keys allow, on each text, combined into one verdict.
+
+        The tests: the message-free one, and decoding (with the registry test) at each
+        payload length the tenant has issued entries at, or at ``default_num_bits``
+        when it has none; ``also_num_bits`` is decoded too (for a /decode at another
+        length) but takes no part in the verdict, so the verdict is the same whatever
+        a route asks for."""
+        records = await self.tenants.versions(tenant_id)
+        versions = [v.version for v in records]
+        issued = await self.registry_lengths(tenant_id, versions)
+        lengths = issued or [default_num_bits]
+        wanted = lengths + (
+            [also_num_bits] if also_num_bits is not None and also_num_bits not in lengths else []
+        )
+        scorer = await self.detector(tenant_id, significance)
+        detects = await offload_map(
+            self.cpu,
+            lambda chunk: [scorer(t) for t in chunk],
+            texts,
+            lambda t: TOKEN_CHARS * len(t),
+        )
+        decoded = {bits: await self.decode_texts(tenant_id, texts, bits, None) for bits in wanted}
+        pairs = [(v.version, v.scheme) for v in records]
+        stats = await offload_map(
+            self.cpu,
+            lambda chunk: verdict_stats(pairs, chunk, lengths),
+            texts,
+            lambda t: TOKEN_CHARS * len(t),
+        )
+        searched = f"tenant {tenant_id}'s {len(versions)} key version(s)"
+        out = []
+        for i, detect in enumerate(detects):
+            by_length = {bits: decoded[bits][i] for bits in wanted}
+            assessment = assess_outcomes(
+                stats[i], by_length, lengths, set(issued), len(versions), searched
+            )
+            out.append(Assessed(assessment, detect, by_length))
+        return out
 
     async def token_evidence(
         self, tenant_id: str, outcome: DecodeOutcome, ids: list[int], pieces: list[str]
@@ -240,29 +358,45 @@ class WatermarkService:
         elapsed = time.perf_counter() - started
         num_tenants = len({t for t, _ in refs})
         candidates = [(*refs[c.index], c.log10_p_value) for c in result.top]
-        significant = result.best is not None and result.p_value < significance
-        if not significant or result.best is None:
+        keys = f"every tenant's key versions ({result.num_keys} keys, {num_tenants} tenants)"
+        if result.best is None:
+            none = assess([TestP("detect", None)], max(result.num_keys, 1), keys)
             return ProvenanceOutcome(
-                result, False, None, None, None, num_tenants, elapsed, None, candidates
+                result, False, None, None, None, num_tenants, elapsed, None, candidates, none
             )
         tenant_id, version = refs[result.best.index]
+        issued = await self.store.registry_bit_lengths(tenant_id, version)
+        lengths = issued or [default_num_bits]
+        decoded = {
+            bits: (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
+            for bits in lengths
+        }
+        # the best key's tests, each corrected for the search (every key in the bank)
+        best_scheme = bank.schemes[result.best.index]
+        stats = await self.offload(
+            lambda: verdict_stats([(version, best_scheme)], [token_ids], lengths)[0]
+        )
+        assessment = assess_outcomes(stats, decoded, lengths, set(issued), result.num_keys, keys)
+        if not assessment.is_watermarked:
+            return ProvenanceOutcome(
+                result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment
+            )
         tenant = await self.store.get_tenant(tenant_id)
-        lengths = await self.store.registry_bit_lengths(tenant_id, version) or [default_num_bits]
-        decoded: DecodeOutcome | None = None
-        for bits in lengths:
-            outcome = (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
-            if decoded is None or _better(outcome, decoded):
-                decoded = outcome
+        best_decode: DecodeOutcome | None = None
+        for outcome in decoded.values():
+            if best_decode is None or _better(outcome, best_decode):
+                best_decode = outcome
         return ProvenanceOutcome(
             result,
             True,
             tenant,
             version,
-            decoded,
+            best_decode,
             num_tenants,
             elapsed,
             bank.schemes[result.best.index],
             candidates,
+            assessment,
         )
 
 

@@ -210,7 +210,7 @@
     const found = verdict === "watermarked";
     if (mode === "provenance") {
       if (verdict === "not_watermarked" || !data.match) {
-        return [`${head} (best p = ${fmtP(data.p_value)})`, found];
+        return [`${head} (best p = ${fmtP(data.verdict_p_value)})`, found];
       }
       const m = data.match;
       const parts = [`tenant ${m.tenant_name || m.tenant_id}`];
@@ -221,7 +221,7 @@
         parts.push(`key version ${m.key_version}, no registry entry matched`);
       }
       const keys = data.num_keys === 1 ? "1 key" : `${data.num_keys} keys`;
-      parts.push(`p = ${fmtP(data.p_value)} (corrected for ${keys})`);
+      parts.push(`p = ${fmtP(data.verdict_p_value)} (corrected for ${keys})`);
       return [`${head} — ` + parts.join(", "), found];
     }
     const tenant = session && session.tenant_name ? `tenant ${session.tenant_name}` : "this tenant";
@@ -234,12 +234,12 @@
       }
       return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
     }
-    if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.p_value)})`, false];
+    if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.verdict_p_value)})`, false];
     const parts = [tenant];
     if (data.key_version !== null && data.key_version !== undefined) parts.push(`key version ${data.key_version}`);
     const entry = data.registry_match;
     if (entry) parts.push(`message ${entry.message_id}`, `issued ${fmtTime(entry.issued_at)}`);
-    parts.push(`p = ${fmtP(data.p_value)}`);
+    parts.push(`p = ${fmtP(data.verdict_p_value)}`);
     return [`${head} — ` + parts.join(", "), found];
   }
 

@@ -1,0 +1,162 @@
+"""One decision per text: the tests an asker may run, combined into one verdict.
+
+Every answer about a text (``/detect``, ``/decode``, their batch forms,
+``/provenance``, the console, ``worldcup detect`` and ``worldcup scan``) takes its
+verdict from :func:`assess`, fed the same tests for the same text and asker, so
+two answers about one text cannot contradict each other.
+
+**The tests.** Under each key version ``v`` the asker holds:
+
+* ``detect``: the message-free test (payload length unknown, :mod:`worldcup_core.detector`);
+* ``decode``: the same test with the payload length known (the grouping the
+  decoder reads, one per payload length ``L`` tested);
+* ``registry``: the agreement of the text with the tenant's issued registry
+  entries at length ``L`` (:func:`worldcup_core.decoder.registry_match`, its p
+  already Bonferroni-corrected for the registry's size). Only where the tenant
+  has issued entries at that length.
+
+**Validity.** Each per-key p-value is exact or conservative under H0 ("this text
+was not watermarked with this key"): the cell counts are binomial tails of
+g-bits that, for a key independent of the text, are i.i.d. fair coins (the PRF
+assumption: distinct (context, token) pairs give independent g-values;
+repeated contexts are scored once), randomised within their lattice point so
+that the message-free p is exactly uniform; the registry test's agreement is an
+exact Binomial(n, 1/2) tail, Bonferroni over the entries. A test's p is reported
+for the best key version, and the registry and decode tests run under the key
+version chosen by the data; all of that is covered by one union bound:
+``P(min_v p_v < t) <= V t`` for ``V`` versions tried, whatever the dependence
+between versions. The tests are then combined by *weighted Bonferroni*: with
+weights ``w_s`` fixed before looking at the text (by which tests exist, i.e. the
+asker's keys and registry lengths, never by the scores) and summing to 1,
+
+    p = min(1, min_s V * p_s / w_s),
+
+and ``P(p < t) <= sum_s w_s t = t`` by the union bound, again under any
+dependence between the tests (they share the text's tokens, so they are not
+independent; Bonferroni does not need them to be). The only assumption left is
+the PRF one above. The verdict is :func:`worldcup_core.verdict.verdict_of` of
+this ``p``: ``watermarked`` below the fixed 1e-6.
+
+**Naming a registry entry.** An answer names an entry only when the registry
+test alone is below the watermarked level with every correction
+(:attr:`Assessment.entry_p_value` ``< 1e-6``), so a named entry always goes with
+the verdict ``watermarked`` (the decoder's posterior must also clear the
+service's ``registry_min_confidence``, which only withholds a name).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, Verdict, verdict_of
+
+TestName = Literal["detect", "decode", "registry"]
+
+# Weights of the three kinds of test, split evenly over the payload lengths tested.
+# The registry test is the most powerful where it exists (a few candidates instead of
+# 2^L messages), so it gets most of the level; without a registry, detect and decode
+# share it.
+WEIGHTS_WITH_REGISTRY: Final[dict[TestName, float]] = {
+    "registry": 0.8,
+    "decode": 0.1,
+    "detect": 0.1,
+}
+WEIGHTS_WITHOUT_REGISTRY: Final[dict[TestName, float]] = {"decode": 0.5, "detect": 0.5}
+CORRECTION: Final = "weighted Bonferroni over the tests, Bonferroni over the key versions tried"
+
+
+@dataclass(frozen=True)
+class TestP:
+    """One test's p-value: the best over the key versions tried (not yet corrected
+    for them). ``num_bits`` is None for ``detect``; a registry test's p is already
+    corrected for ``registry_size``. ``p_value`` None: the test exists (its weight is
+    spent) but gave no p-value for this text (no registry entry under the version the
+    data chose), counted as 1."""
+
+    name: TestName
+    p_value: float | None
+    num_bits: int | None = None
+    registry_size: int | None = None
+    key_version: int | None = None
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """The verdict of a text for one asker, and what it was taken from."""
+
+    verdict: Verdict
+    p_value: float  # every correction included
+    statistic: TestName  # the test that decided (the smallest corrected p)
+    statistic_p_value: float  # that test's own p, before the corrections here
+    num_bits: int | None
+    key_version: int | None
+    threshold: float
+    keys_searched: str  # which key set was searched, in words
+    versions_tried: int
+    weights: tuple[tuple[str, float], ...]  # (test label, weight), as combined
+    entry_p_value: float | None  # the registry test alone, fully corrected
+    correction: str = CORRECTION
+
+    @property
+    def is_watermarked(self) -> bool:
+        return self.verdict == "watermarked"
+
+    @property
+    def may_name_entry(self) -> bool:
+        """Whether an answer may name the registry entry (see the module docstring)."""
+        return self.entry_p_value is not None and self.entry_p_value < VERDICT_WATERMARKED_BELOW
+
+
+def weights_for(tests: Sequence[TestP]) -> list[float]:
+    """Each test's weight: its kind's share, split evenly over the tests of that kind.
+    Depends only on which tests exist, never on their p-values."""
+    kinds = {t.name for t in tests}
+    table = WEIGHTS_WITH_REGISTRY if "registry" in kinds else WEIGHTS_WITHOUT_REGISTRY
+    present = {k: v for k, v in table.items() if k in kinds}
+    total = sum(present.values())
+    counts = {k: sum(t.name == k for t in tests) for k in present}
+    return [present[t.name] / total / counts[t.name] for t in tests]
+
+
+def _log_corrected(p_value: float | None, factor: float) -> float:
+    if p_value is None or math.isnan(p_value):
+        return 0.0
+    if p_value <= 0.0:
+        return -math.inf
+    return min(0.0, math.log(p_value) + math.log(factor))
+
+
+def assess(tests: Sequence[TestP], versions_tried: int, keys_searched: str) -> Assessment:
+    """Combine ``tests`` into one verdict (see the module docstring)."""
+    if not tests:
+        raise ValueError("assess needs at least one test")
+    if versions_tried < 1:
+        raise ValueError(f"versions_tried must be >= 1, got {versions_tried}")
+    weights = weights_for(tests)
+    logs = [
+        _log_corrected(t.p_value, versions_tried / w) for t, w in zip(tests, weights, strict=True)
+    ]
+    best = min(range(len(tests)), key=lambda i: (logs[i], i))
+    p_value = math.exp(logs[best])
+    chosen = tests[best]
+    entry = [math.exp(lp) for t, lp in zip(tests, logs, strict=True) if t.name == "registry"]
+    return Assessment(
+        verdict=verdict_of(p_value),
+        p_value=p_value,
+        statistic=chosen.name,
+        statistic_p_value=1.0 if chosen.p_value is None else chosen.p_value,
+        num_bits=chosen.num_bits,
+        key_version=chosen.key_version,
+        threshold=VERDICT_WATERMARKED_BELOW,
+        keys_searched=keys_searched,
+        versions_tried=versions_tried,
+        weights=tuple((_label(t), w) for t, w in zip(tests, weights, strict=True)),
+        entry_p_value=min(entry) if entry else None,
+    )
+
+
+def _label(test: TestP) -> str:
+    return test.name if test.num_bits is None else f"{test.name}@{test.num_bits}"

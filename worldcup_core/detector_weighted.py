@@ -1,0 +1,196 @@
+"""A layer-weighted message-free detection statistic for ``worldcup-v2`` (experimental).
+
+The tournament's layers do not carry equal evidence: the sampler applies them in
+order, and once the first layers have concentrated the distribution on a few
+tokens the later ones barely move it, most of all at low entropy (temperature
+0.7 chat answers). So a token's layer-``l`` g-bit is weighted by a fixed integer
+``w_l``, decreasing with ``l`` (:func:`layer_weights`, chosen before any test text
+was seen). Each (position, group) cell's statistic is ``S = sum_tokens sum_l w_l g``:
+under H0 the g-bits are i.i.d. fair coins, so S is the sum of independent
+``w_l * Binomial(n, 1/2)`` terms, whose exact law (symmetric about its mean) is
+tabulated by convolution (:class:`WeightedTable`). Each cell gets the
+randomised two-sided p ``P(|S - mu| > d) + U P(|S - mu| = d)``, exactly uniform,
+and Fisher's combination is exactly chi-square, as for the unweighted statistic
+(:mod:`worldcup_core.detector`). Tails below the smallest double are floored at
+1e-300 (a larger p: conservative).
+
+Only the statistic changes, not the encoding: texts of every scheme version keep
+detecting and decoding as before through :mod:`worldcup_core.detector`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from worldcup_core.config import Variant, WatermarkConfig
+from worldcup_core.detector import slot_count
+from worldcup_core.prf import (
+    PRFV2,
+    SCHEME_V2,
+    ScoredTokensV2,
+    WatermarkKey,
+    gvalue_words,
+    splitmix64,
+    uniforms_from_u64,
+    v2_group_bits,
+    v2_gwords,
+    v2_positions,
+    v2_tiebreak_seeds,
+)
+from worldcup_core.scheme import WorldCup
+from worldcup_core.scoring import fisher_log_sf, symbol_index, text_digest
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+_FLOOR = math.log(1e-300)
+
+
+def layer_weights(layers: int, top: int = 4) -> I64:
+    """Integer weights from ``top`` (first layer) down to 1 (last), linearly."""
+    if layers == 1:
+        return np.array([1], dtype=np.int64)
+    steps = np.arange(layers, dtype=np.float64) / (layers - 1)
+    return np.rint(top - (top - 1) * steps).astype(np.int64)
+
+
+class WeightedTable:
+    """Exact two-sided tails of ``S_n = sum_l w_l Binomial(n, 1/2)``, per token count n."""
+
+    def __init__(self, weights: I64) -> None:
+        self.weights = np.asarray(weights, dtype=np.int64)
+        per_token = np.array([1.0])
+        for w in self.weights:  # one token: sum_l w_l g_l, g_l fair coins
+            step = np.zeros(int(w) + 1)
+            step[0] = step[-1] = 0.5
+            per_token = np.convolve(per_token, step)
+        self._token = per_token
+        self._pmf: list[F64] = [np.array([1.0])]
+        self._tails: dict[int, tuple[F64, F64]] = {}
+
+    def _law(self, n: int) -> F64:
+        while len(self._pmf) <= n:
+            self._pmf.append(np.convolve(self._pmf[-1], self._token))
+        return self._pmf[n]
+
+    def _tail_arrays(self, n: int) -> tuple[F64, F64]:
+        """(log strict, log equal) for every value 0..L of S_n."""
+        cached = self._tails.get(n)
+        if cached is not None:
+            return cached
+        pmf = self._law(n)
+        top = len(pmf) - 1
+        above = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]])  # P(S > v)
+        v = np.arange(top + 1)
+        hi = np.maximum(v, top - v)  # the value's mirror on the upper side
+        strict = np.minimum(2.0 * above[hi], 1.0)
+        equal = np.where(2 * hi == top, pmf[hi], 2.0 * pmf[hi])
+        with np.errstate(divide="ignore"):
+            out = (np.maximum(np.log(strict), _FLOOR), np.maximum(np.log(equal), _FLOOR))
+        self._tails[n] = out
+        return out
+
+    def parts(self, scores: I64, counts: I64) -> tuple[F64, F64]:
+        """(log P(more extreme), log P(equally extreme)) of each cell's score."""
+        strict = np.empty(len(scores))
+        equal = np.empty(len(scores))
+        for n in np.unique(counts):
+            rows = counts == n
+            s, e = self._tail_arrays(int(n))
+            strict[rows], equal[rows] = s[scores[rows]], e[scores[rows]]
+        return strict, equal
+
+
+_TABLES: dict[tuple[int, ...], WeightedTable] = {}
+
+
+def table_for(weights: I64) -> WeightedTable:
+    key = tuple(int(w) for w in weights)
+    if key not in _TABLES:
+        _TABLES[key] = WeightedTable(weights)
+    return _TABLES[key]
+
+
+def weighted_log_p_many(
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    texts: Sequence[Sequence[int]],
+    num_bits: int | None,
+    weights: I64 | None = None,
+) -> F64:
+    """log p of the layer-weighted statistic for each text (payload length ``num_bits``,
+    or the ``S`` slots when unknown, as v2's detection). ``worldcup-v2``, variant
+    ``worldcup`` only."""
+    if not weighted_applies(config):
+        raise ValueError("the layer-weighted statistic is for worldcup-v2, variant worldcup")
+    k, m = config.groups, config.layers
+    w = layer_weights(m) if weights is None else np.asarray(weights, dtype=np.int64)
+    symbols = slot_count(config) if num_bits is None else config.symbols_for(num_bits)
+    prf = PRFV2.of(key)
+    ids = [np.asarray(t, dtype=np.int64) for t in texts]
+    items = [ScoredTokensV2.of(t, config.context_width) for t in ids]
+    scored = np.array([len(it) for it in items])
+    if scored.sum() == 0:
+        return np.zeros(len(ids))
+    segment = np.repeat(np.arange(len(ids)), scored)
+    context = [np.concatenate([it.context[j] for it in items]) for j in range(config.context_width)]
+    tokens = np.concatenate([it.tokens for it in items])
+    bits = np.asarray(
+        v2_group_bits(v2_gwords(prf.gvalue_key, context, tokens, gvalue_words(k, m)), k, m)
+    )
+    per_token = bits.astype(np.int64) @ w  # (n, k)
+    sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+    row = segment * symbols + sym
+    size = len(ids) * symbols
+    counts = np.bincount(row, minlength=size).reshape(len(ids), symbols)
+    score = (
+        np.stack(
+            [np.bincount(row, weights=per_token[:, j], minlength=size) for j in range(k)], axis=-1
+        )
+        .astype(np.int64)
+        .reshape(len(ids), symbols, k)
+    )
+    seg_idx, b_idx = np.nonzero(counts > 0)
+    cell_counts = np.repeat(counts[seg_idx, b_idx], k)
+    cell_scores = score[seg_idx, b_idx].ravel()
+    cell_seg = np.repeat(seg_idx, k)
+    counters = (b_idx[:, None] * k + np.arange(k)).ravel()
+    seeds = v2_tiebreak_seeds(prf.tiebreak_key, [text_digest(t) for t in ids])
+    uniforms = uniforms_from_u64(splitmix64(seeds[cell_seg], counters.astype(np.int64)))
+    strict, equal = table_for(w).parts(cell_scores, cell_counts)
+    log_p = np.minimum(np.logaddexp(strict, np.log(uniforms) + equal), 0.0)
+    fisher = np.bincount(cell_seg, weights=-2.0 * log_p, minlength=len(ids))
+    cells = np.bincount(cell_seg, minlength=len(ids))
+    out: F64 = fisher_log_sf(fisher.astype(np.float64), cells.astype(np.int64))
+    return out
+
+
+def weighted_applies(config: WatermarkConfig) -> bool:
+    """Whether the layer-weighted statistic is defined for this configuration."""
+    return config.version == SCHEME_V2 and config.variant is Variant.WORLDCUP
+
+
+def verdict_log_p(scheme: WorldCup, texts: Sequence[Sequence[int]], num_bits: int | None) -> F64:
+    """The detection statistic the one verdict uses (:mod:`worldcup_core.assess`), log p
+    per text: layer-weighted under ``worldcup-v2`` (variant ``worldcup``), the unweighted
+    statistic of :mod:`worldcup_core.detector` otherwise (``worldcup-v1`` keys, the
+    ablation variants), so texts of every version keep their statistic."""
+    if not texts:
+        return np.zeros(0)
+    if weighted_applies(scheme.config):
+        return weighted_log_p_many(scheme.key, scheme.config, texts, num_bits)
+    found = scheme.detect_many(texts, num_bits)
+    return np.array([r.log10_p_value for r in found]) * math.log(10.0)
+
+
+def best_verdict_log_p(
+    schemes: Sequence[WorldCup], texts: Sequence[Sequence[int]], num_bits: int | None
+) -> tuple[F64, I64]:
+    """(the smallest :func:`verdict_log_p` over ``schemes``, which scheme gave it) per text."""
+    stack = np.stack([verdict_log_p(s, texts, num_bits) for s in schemes])  # (V, n)
+    best = np.argmin(stack, axis=0).astype(np.int64)
+    out: F64 = stack[best, np.arange(len(texts))]
+    return out, best
