@@ -1,4 +1,7 @@
-"""One contract suite for every store backend (SQLite and Redis).
+"""One contract suite for every store backend (SQLite, Redis and Redis Cluster).
+
+The Redis Cluster runs (pytest mark ``cluster``, ``make test-cluster``) use a real
+six-node cluster that the session starts (tests/redis_cluster.py).
 
 Redis tests use a real server (``WORLDCUP_TEST_REDIS_URL``, default
 ``redis://127.0.0.1:6379/15``) with a unique key prefix per test, removed
@@ -89,7 +92,7 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", pytest.param("cluster", marks=pytest.mark.cluster)])
 async def store(
     request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
 ) -> AsyncIterator[Store]:
@@ -99,6 +102,14 @@ async def store(
             yield s
         finally:
             await s.close()
+        return
+    if request.param == "cluster":  # a real Redis Cluster (make test-cluster)
+        cluster = request.getfixturevalue("redis_cluster")
+        s = RedisStore(cluster.url, prefix=f"wctest-{uuid.uuid4().hex}", cluster=True)
+        try:
+            yield s
+        finally:
+            await s.close()  # the cluster and its data go at the end of the session
         return
     async with redis_namespace() as prefix:
         s = RedisStore(REDIS_URL, prefix=prefix)

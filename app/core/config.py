@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     # store: Redis when a URL is set, otherwise embedded SQLite
     redis_url: str | None = None
     redis_prefix: str = "wc"
+    # Redis Cluster: WORLDCUP_REDIS_URL names any one node (redis-py's cluster client)
+    redis_cluster: bool = False
+    # replicas that must acknowledge each registry write (WAIT) before /generate answers;
+    # unset: 1 in cluster mode, 0 on a single Redis (docs/operations.md)
+    redis_wait_replicas: Annotated[int, Field(ge=0, le=16)] | None = None
+    redis_wait_timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 500
     sqlite_path: Path = Path("worldcup.sqlite3")
     store_timeout_s: Annotated[float, Field(gt=0)] = 2.0
 

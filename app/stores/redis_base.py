@@ -87,6 +87,15 @@ class RedisBase:
             "maint_notifications_config": MaintNotificationsConfig(enabled=False),
             "decode_responses": True,
         }
+        # The cluster client's per-node pools do not wait for a free connection (they
+        # raise at once), so calls queue here instead: one call holds at most one
+        # connection per node, so this bounds every node's pool.
+        self._slots: contextlib.AbstractAsyncContextManager[Any] = (
+            asyncio.Semaphore(max_connections) if cluster else contextlib.nullcontext()
+        )
+        self._topology = asyncio.Lock()
+        self._ready = False
+        self._refreshed_at = -1.0
         self._redis: Any
         if cluster:
             self._redis = RedisCluster.from_url(
@@ -123,17 +132,33 @@ class RedisBase:
     async def _guard(self) -> AsyncIterator[None]:
         """Bound the whole call by ``timeout_s`` and map outages to StoreUnavailable."""
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(self._timeout_s), self._slots:
+                if self._cluster and not self._ready:
+                    await self._initialize()
                 yield
         except UNAVAILABLE as exc:
             if self._cluster:  # the topology may have changed: re-read it now
                 await self._refresh()
             raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
 
+    async def _initialize(self) -> None:
+        """The cluster client's first slot-map read, once: concurrent first calls would
+        each start one and close the connections of the others."""
+        async with self._topology:
+            if not self._ready:
+                await self._redis.initialize()
+                self._ready = True
+
     async def _refresh(self) -> None:
+        """Re-read the slot map after an error; one refresh at a time, at most every
+        0.2 s (a burst of failing calls must not close each other's connections)."""
+        loop = asyncio.get_running_loop()
         with contextlib.suppress(*UNAVAILABLE):
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(self._timeout_s), self._topology:
+                if loop.time() - self._refreshed_at < 0.2:
+                    return
                 await self._redis.nodes_manager.initialize()
+                self._refreshed_at = loop.time()
 
     def _pipeline(self) -> Any:
         """A non-transactional pipeline (per node in cluster mode)."""
