@@ -623,6 +623,55 @@ def serve(
     run(settings)
 
 
+@_command("migrate-store")
+def migrate_store(
+    source: Annotated[
+        str, typer.Option("--from", envvar="WORLDCUP_REDIS_URL", help="The legacy Redis.")
+    ],
+    target: Annotated[
+        str | None, typer.Option("--to", help="Target Redis (a cluster node); default: --from.")
+    ] = None,
+    to_cluster: Annotated[
+        bool,
+        typer.Option("--to-cluster", envvar="WORLDCUP_REDIS_CLUSTER", help="Target is a cluster."),
+    ] = False,
+    prefix: Annotated[str, typer.Option("--prefix", envvar="WORLDCUP_REDIS_PREFIX")] = "wc",
+    delete_legacy: Annotated[
+        bool, typer.Option("--delete-legacy", help="Delete the legacy keys after the copy.")
+    ] = False,
+) -> None:
+    """Move a Redis store from the legacy key layout to the cluster layout (stop the API
+    first; safe to re-run). See docs/operations.md."""
+    import asyncio
+
+    from redis.exceptions import RedisError
+
+    from app.stores.base import StoreUnavailable
+    from app.stores.redis_migrate import migrate_store as run_migration
+
+    try:
+        report = asyncio.run(
+            run_migration(
+                source,
+                prefix=prefix,
+                target_url=target,
+                target_cluster=to_cluster,
+                delete_legacy=delete_legacy,
+                progress=lambda msg: typer.echo(msg, err=True),
+            )
+        )
+    except (RedisError, StoreUnavailable, OSError) as exc:
+        fail(f"migration failed ({type(exc).__name__}); it is safe to re-run")
+    if report.already_migrated:
+        typer.echo("already in the current layout: nothing to do")
+        return
+    typer.echo(
+        f"migrated {report.tenants} tenants, {report.entries} registry entries, "
+        f"{report.keys_copied} tenant keys, {report.global_keys} global keys"
+        + (f"; {report.legacy_deleted} legacy keys deleted" if delete_legacy else "")
+    )
+
+
 @_command("bench-service")
 def bench_service(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
