@@ -9,7 +9,6 @@ generations drain up to ``drain_timeout_s`` and closes the store.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -116,8 +115,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 tokenizer,
             ),
         )
-        with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
+        try:  # else /ready writes it later
             runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
+        except StoreUnavailable as exc:  # down, or a Redis in the legacy key layout
+            logger.warning("store marker not written: %s", exc)
         app.state.runtime = runtime
         if engine is not None:
             engine.start()

@@ -242,6 +242,7 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("serve", ["--port", "abc"], b"", "--port"),
         ("serve-ray", ["--replicas", "3:1"], b"", "MIN:MAX"),
         ("bench-service", ["--detect-seconds", "0"], b"", "positive"),
+        ("migrate-store", ["--from", "redis://127.0.0.1:1/0"], b"", "migration failed"),
         ("bench-attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
         ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),
         ("eval", ["--config", "{dir}"], b"", "Is a directory"),

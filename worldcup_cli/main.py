@@ -649,6 +649,9 @@ def migrate_store(
     from app.stores.base import StoreUnavailable
     from app.stores.redis_migrate import migrate_store as run_migration
 
+    for option, url in (("--from", source), ("--to", target)):
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            fail(f"{option} must be a redis://, rediss:// or unix:// URL")
     try:
         report = asyncio.run(
             run_migration(

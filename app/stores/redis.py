@@ -216,7 +216,7 @@ class RedisStore(RedisRegistry, RedisCases):
         ]
         async with self._guard():
             await self._redis.sadd(g("tenants"), tid)  # before the tenant: always listed
-            result = await self._commit_tenant(keys=own, args=args)
+            result = await self._eval_acked(self._commit_tenant, own, args)
         if result != "ok":
             await self._release(tenant, name=True, api_key=True, ours=False)
             raise Conflict(f"tenant id {tid!r} already exists")
@@ -263,7 +263,9 @@ class RedisStore(RedisRegistry, RedisCases):
     async def add_key_version(self, key: KeyRecord) -> None:
         keys = [self._keys.t(key.tenant_id, "tenant"), self._keys.t(key.tenant_id, "keys")]
         async with self._guard():
-            status, latest = await self._add_key(keys=keys, args=[key.version, key_to_json(key)])
+            status, latest = await self._eval_acked(
+                self._add_key, keys, [key.version, key_to_json(key)]
+            )
         if int(status) == -1:
             raise Conflict(f"unknown tenant {key.tenant_id!r}")
         if int(status) == 0:
@@ -301,7 +303,7 @@ class RedisStore(RedisRegistry, RedisCases):
                         d = json.loads(old)
                         d["wrapped_key"] = base64.b64encode(k.wrapped_key).decode("ascii")
                         args += [k.version, old, compact_json(d)]
-                    done = int(await self._replace_keys(keys=[hkey], args=args))
+                    done = int(await self._eval_acked(self._replace_keys, [hkey], args))
                 if done == 1:
                     break
                 if done < 0:
