@@ -145,6 +145,22 @@ class RegistryEntry:
 
 
 @dataclass(frozen=True)
+class RegistrySize:
+    """How many candidates one (key version, payload length) registry holds, from
+    counters kept at write time (never a scan): ``live`` entries, ``expired`` ones the
+    retention sweep removed, and ``expired_below``: every id below it is expired
+    (0: none). A p-value is Bonferroni-corrected for ``live + expired``."""
+
+    live: int
+    expired: int = 0
+    expired_below: int = 0
+
+    @property
+    def candidates(self) -> int:
+        return self.live + self.expired
+
+
+@dataclass(frozen=True)
 class AuditRecord:
     """One provenance query: who asked, when, and what was found (never the text)."""
 
@@ -313,6 +329,37 @@ class Store(Protocol):
         """Withdraw an entry whose text could not be watermarked: it is no longer read
         nor matched (``registry_entry`` None, out of ``message_ids``), and its id is
         never handed out again. False if there was no such entry."""
+
+    # registry lookup without reading the registry (issue #36); both O(1) or O(ids)
+    async def registry_size(self, tenant_id: str, key_version: int, num_bits: int) -> RegistrySize:
+        """Counters of this (key version, payload length) registry, kept at write time:
+        ``allocate_message`` adds 1 to ``live``, ``void_message`` takes 1 off, the sweep
+        (``expire_registry``) moves what it deletes from ``live`` to ``expired``. One
+        round trip, independent of the registry's size (Redis: ZCARD of the index plus
+        two GETs; SQLite: one row of ``registry_counts``)."""
+
+    async def issued_among(
+        self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]
+    ) -> list[bool]:
+        """For each of ``message_ids`` (any order, duplicates allowed, ids out of range
+        simply False): whether it is a live entry issued under this key version and
+        payload length (voided and expired ones are not). One round trip whatever the
+        number of ids (Redis: ZMSCORE on the index; SQLite: one IN query)."""
+
+    # registry retention (issue #36)
+    async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
+        """The tenant's registry retention in days; None keeps entries forever (default)."""
+
+    async def registry_retention(self, tenant_id: str) -> float | None:
+        """The tenant's registry retention in days, None if entries are kept forever."""
+
+    async def expire_registry(self, tenant_id: str, issued_before: float) -> int:
+        """The retention sweep: advance the tenant's watermark ``expired_below`` to the
+        first id issued at or after ``issued_before`` (ids are allocated in time order),
+        then delete every entry below it, moving them from the counters' ``live`` to
+        ``expired``. The watermark never goes back, and ids below it are never handed
+        out again (``allocate_message`` continues above it). Returns how many entries
+        were deleted. Idempotent; safe to run from several replicas at once."""
 
     # audit log
     async def append_audit(self, record: AuditRecord) -> None:

@@ -11,6 +11,9 @@ Layout (``p`` = prefix, ``t`` = tenant id)::
     p:t:msgs                  hash  message id -> RegistryEntry JSON
     p:t:msgidx:{kv}:{bits}    zset  message ids issued under (key version, payload bits)
     p:t:msgbits:{kv}          set   payload lengths issued under a key version
+    p:t:msgexp:{kv}:{bits}    str   entries of that index the retention sweep deleted
+    p:t:msgexpired            str   the retention watermark: every id below it is expired
+    p:t:retention             str   registry retention in days (absent: keep forever)
     p:t:ratelimit             hash  token bucket (tokens, ts), expires when full
     p:keyhash:{sha256}        str   "tenant id key id" of an API key (authentication lookup)
     p:t:apikeys               hash  key id -> ApiKeyRecord JSON
@@ -68,6 +71,7 @@ from app.stores.base import (
     RateDecision,
     RegistryEntry,
     RegistryFull,
+    RegistrySize,
     StoreUnavailable,
     TenantRecord,
     api_key_from_json,
@@ -131,6 +135,22 @@ redis.call('HSET', KEYS[2], id, ARGV[1])
 redis.call('ZADD', KEYS[3], id, id)
 redis.call('SADD', KEYS[4], ARGV[2])
 return id
+"""
+
+# Registry retention. KEYS: the watermark. ARGV: the new watermark (it never goes back).
+_ADVANCE_WATERMARK = """
+if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: an index zset, its expired counter. ARGV: lowest, highest id to expire.
+# Counts each removed id once, even with two sweeps running.
+_EXPIRE_INDEX = """
+local n = redis.call('ZREMRANGEBYSCORE', KEYS[1], ARGV[1], ARGV[2])
+if n > 0 then redis.call('INCRBY', KEYS[2], n) end
+return n
 """
 
 # KEYS: tenant hash. ARGV: scopes JSON. 1 if updated, 0 if no such tenant.
@@ -285,6 +305,8 @@ class RedisStore:
         self._create_tenant = self._redis.register_script(_CREATE_TENANT)
         self._add_key = self._redis.register_script(_ADD_KEY)
         self._allocate = self._redis.register_script(_ALLOCATE)
+        self._advance_watermark = self._redis.register_script(_ADVANCE_WATERMARK)
+        self._expire_index = self._redis.register_script(_EXPIRE_INDEX)
         self._set_scopes = self._redis.register_script(_SET_SCOPES)
         self._take_tokens = self._redis.register_script(_TAKE_TOKENS)
         self._add_api_key = self._redis.register_script(_ADD_API_KEY)
@@ -541,6 +563,96 @@ class RedisStore:
                 pipe.zrem(index, str(int(message_id)))
                 removed, _ = await pipe.execute()
         return bool(removed)
+
+    # -- registry lookup and retention (issue #36) -----------------------------
+
+    async def registry_size(self, tenant_id: str, key_version: int, num_bits: int) -> RegistrySize:
+        kv, bits = int(key_version), int(num_bits)
+        async with self._guard():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.zcard(self._t(tenant_id, "msgidx", kv, bits))
+                pipe.get(self._t(tenant_id, "msgexp", kv, bits))
+                pipe.get(self._t(tenant_id, "msgexpired"))
+                live, expired, below = await pipe.execute()
+        return RegistrySize(int(live), int(expired or 0), int(below or 0))
+
+    async def issued_among(
+        self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]
+    ) -> list[bool]:
+        if not message_ids:
+            return []
+        key = self._t(tenant_id, "msgidx", int(key_version), int(num_bits))
+        async with self._guard():
+            scores = await self._redis.zmscore(key, [str(int(i)) for i in message_ids])
+        return [s is not None for s in scores]
+
+    async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
+        key = self._t(tenant_id, "retention")
+        async with self._guard():
+            if days is None:
+                await self._redis.delete(key)
+            else:
+                await self._redis.set(key, repr(float(days)))
+
+    async def registry_retention(self, tenant_id: str) -> float | None:
+        async with self._guard():
+            raw = cast("str | None", await self._redis.get(self._t(tenant_id, "retention")))
+        return None if raw is None else float(raw)
+
+    async def _first_issued_at_or_after(self, tenant_id: str, lo: int, hi: int, t: float) -> int:
+        """The first id in [lo, hi) issued at or after ``t`` (hi if none), by binary
+        search over the time-ordered ids; voided (absent) ids are stepped over."""
+        msgs = self._t(tenant_id, "msgs")
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found: tuple[int, float] | None = None
+            start = mid
+            while found is None and start < hi:
+                window = list(range(start, min(start + 64, hi)))
+                async with self._guard():
+                    raws = cast("list[str | None]", await self._redis.hmget(msgs, window))
+                for i, raw in zip(window, raws, strict=True):
+                    if raw is not None:
+                        found = (i, float(json.loads(raw)["issued_at"]))
+                        break
+                start = window[-1] + 1
+            if found is None or found[1] >= t:
+                hi = mid  # nothing live in [mid, first new id): the boundary is at most mid
+            else:
+                lo = found[0] + 1
+        return lo
+
+    async def expire_registry(self, tenant_id: str, issued_before: float) -> int:
+        async with self._guard():
+            below_raw, seq_raw, versions = await asyncio.gather(
+                self._redis.get(self._t(tenant_id, "msgexpired")),
+                self._redis.get(self._t(tenant_id, "msgseq")),
+                self._redis.hkeys(self._t(tenant_id, "keys")),
+            )
+        old = max(int(below_raw or 0), 1)
+        seq = int(seq_raw or 0)
+        new = await self._first_issued_at_or_after(tenant_id, old, seq + 1, issued_before)
+        if new <= old:
+            return 0
+        indexes = []
+        for kv in sorted(int(v) for v in cast("list[str]", versions)):
+            async with self._guard():
+                lengths = cast(
+                    "set[str]", await self._redis.smembers(self._t(tenant_id, "msgbits", kv))
+                )
+            indexes += [(kv, int(b)) for b in lengths]
+        async with self._guard():  # the watermark first: these ids now answer "expired"
+            await self._advance_watermark(keys=[self._t(tenant_id, "msgexpired")], args=[new])
+        deleted = 0
+        for kv, bits in indexes:
+            keys = [self._t(tenant_id, "msgidx", kv, bits), self._t(tenant_id, "msgexp", kv, bits)]
+            async with self._guard():
+                deleted += int(await self._expire_index(keys=keys, args=[old, new - 1]))
+        for start in range(old, new, 10_000):
+            ids = [str(i) for i in range(start, min(start + 10_000, new))]
+            async with self._guard():
+                await self._redis.hdel(self._t(tenant_id, "msgs"), *ids)
+        return deleted
 
     # -- audit log ------------------------------------------------------------
 
