@@ -153,6 +153,18 @@ if n > 0 then redis.call('INCRBY', KEYS[2], n) end
 return n
 """
 
+# KEYS: an index zset. ARGV: ids separated by spaces (negative ones never match).
+# Returns the 1-based positions of the ids in the index: a few integers, however many
+# were asked (ZMSCORE would send back, and redis-py parse, one reply per id).
+_ISSUED_AMONG = """
+local out, i = {}, 0
+for id in string.gmatch(ARGV[1], '%S+') do
+  i = i + 1
+  if redis.call('ZSCORE', KEYS[1], id) then out[#out + 1] = i end
+end
+return out
+"""
+
 # KEYS: tenant hash. ARGV: scopes JSON. 1 if updated, 0 if no such tenant.
 _SET_SCOPES = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -307,6 +319,7 @@ class RedisStore:
         self._allocate = self._redis.register_script(_ALLOCATE)
         self._advance_watermark = self._redis.register_script(_ADVANCE_WATERMARK)
         self._expire_index = self._redis.register_script(_EXPIRE_INDEX)
+        self._issued_among = self._redis.register_script(_ISSUED_AMONG)
         self._set_scopes = self._redis.register_script(_SET_SCOPES)
         self._take_tokens = self._redis.register_script(_TAKE_TOKENS)
         self._add_api_key = self._redis.register_script(_ADD_API_KEY)
@@ -582,9 +595,13 @@ class RedisStore:
         if not message_ids:
             return []
         key = self._t(tenant_id, "msgidx", int(key_version), int(num_bits))
-        async with self._guard():
-            scores = await self._redis.zmscore(key, [str(int(i)) for i in message_ids])
-        return [s is not None for s in scores]
+        wanted = " ".join(str(int(i)) for i in message_ids)
+        async with self._guard():  # one string argument, hits only back: ~1 us an id
+            hits = cast("list[int]", await self._issued_among(keys=[key], args=[wanted]))
+        found = [False] * len(message_ids)
+        for i in hits:
+            found[int(i) - 1] = True
+        return found
 
     async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
         key = self._t(tenant_id, "retention")
