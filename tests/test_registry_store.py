@@ -26,6 +26,9 @@ async def test_registry_size_is_counted_at_write_time(store: Store) -> None:  # 
     assert not await store.void_message(tid, 4, "growth")  # counted once
     assert (await store.registry_size(tid, 1, 32)).live == 2
     assert (await store.registry_size(tid, 1, 32)).live == len(await store.message_ids(tid, 1, 32))
+    assert await store.message_ids(tid, 1, 32, after=1) == [6]
+    assert await store.message_ids(tid, 1, 32, after=6) == []
+    assert await store.message_ids(tid, 2, 32, after=2) == [3, 5]
 
 
 async def test_issued_among_answers_each_id(store: Store) -> None:  # noqa: F811

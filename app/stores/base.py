@@ -319,8 +319,11 @@ class Store(Protocol):
 
     async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None: ...
 
-    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
-        """Ids issued under this key version and payload length (registry ML decoding)."""
+    async def message_ids(
+        self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
+    ) -> list[int]:
+        """Ids issued under this key version and payload length (registry ML decoding),
+        ascending; only those above ``after`` when given (a cache's increment)."""
 
     async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
         """The payload lengths the registry has entries for under this key version."""

@@ -553,10 +553,16 @@ class RedisStore:
             issued_at=float(d["issued_at"]),
         )
 
-    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
+    async def message_ids(
+        self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
+    ) -> list[int]:
         key = self._t(tenant_id, "msgidx", int(key_version), int(num_bits))
         async with self._guard():
-            ids = cast("list[str]", await self._redis.zrange(key, 0, -1))
+            if after > 0:
+                got = await self._redis.zrangebyscore(key, f"({int(after)}", "+inf")
+            else:
+                got = await self._redis.zrange(key, 0, -1)
+            ids = cast("list[str]", got)
         return [int(i) for i in ids]
 
     async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:

@@ -530,13 +530,15 @@ class SQLiteStore:
             issued_at=row["issued_at"],
         )
 
-    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
+    async def message_ids(
+        self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
+    ) -> list[int]:
         check_tenant_id(tenant_id)
         rows = await self._run(
             lambda c: c.execute(
                 "SELECT message_id FROM messages WHERE tenant_id = ? AND key_version = ?"
-                " AND num_bits = ? AND voided IS NULL ORDER BY message_id",
-                (tenant_id, int(key_version), int(num_bits)),
+                " AND num_bits = ? AND voided IS NULL AND message_id > ? ORDER BY message_id",
+                (tenant_id, int(key_version), int(num_bits), int(after)),
             ).fetchall()
         )
         return [int(r[0]) for r in rows]
