@@ -15,13 +15,15 @@ async def test_registry_size_is_counted_at_write_time(store: Store) -> None:  # 
     tenant, key = tenant_records("acme")
     await store.create_tenant(tenant, key)
     tid = tenant.tenant_id
-    assert await store.registry_size(tid, 1, 32) == RegistrySize(0, 0, 0)
+    assert await store.registry_size(tid, 1, 32) == RegistrySize(0, 0, 0, 0)
     plan = [(1, 32), (1, 16), (2, 32), (1, 32), (2, 32), (1, 32)]
     for kv, bits in plan:
         await store.allocate_message(tid, kv, bits, {}, 0.0)
     assert (await store.registry_size(tid, 1, 32)).live == 3
     assert (await store.registry_size(tid, 1, 16)).live == 1
     assert (await store.registry_size(tid, 2, 32)).live == 2
+    assert (await store.registry_size(tid, 2, 32)).last_id == 6
+    assert (await store.registry_size(tid, 3, 8)) == RegistrySize(0, 0, 0, 6)
     assert await store.void_message(tid, 4, "growth")
     assert not await store.void_message(tid, 4, "growth")  # counted once
     assert (await store.registry_size(tid, 1, 32)).live == 2
@@ -68,8 +70,8 @@ async def test_retention_sweep_moves_old_entries_behind_the_watermark(store: Sto
     assert (await store.registry_size(tid, 1, 32)).expired_below == 0
     # ids 1..4 were issued before t = 450; 3 was voided already
     assert await store.expire_registry(tid, 450.0) == 3
-    assert await store.registry_size(tid, 1, 32) == RegistrySize(2, 1, 5)  # live 5, 7
-    assert await store.registry_size(tid, 1, 16) == RegistrySize(2, 2, 5)  # live 6, 8
+    assert await store.registry_size(tid, 1, 32) == RegistrySize(2, 1, 5, 8)  # live 5, 7
+    assert await store.registry_size(tid, 1, 16) == RegistrySize(2, 2, 5, 8)  # live 6, 8
     assert await store.registry_entry(tid, 1) is None
     assert await store.registry_entry(tid, 5) is not None
     assert await store.message_ids(tid, 1, 32) == [5, 7]
@@ -80,7 +82,8 @@ async def test_retention_sweep_moves_old_entries_behind_the_watermark(store: Sto
     # everything expires; ids are never handed out again
     assert await store.expire_registry(tid, 10_000.0) == 4
     assert (await store.registry_size(tid, 1, 32)).expired_below == 9
+    assert (await store.registry_size(tid, 1, 32)).last_id == 8
     assert (await store.allocate_message(tid, 1, 32, {}, 20_000.0)).message_id == 9
-    assert await store.registry_size(tid, 1, 32) == RegistrySize(1, 3, 9)
+    assert await store.registry_size(tid, 1, 32) == RegistrySize(1, 3, 9, 9)
     await store.set_registry_retention(tid, None)
     assert await store.registry_retention(tid) is None

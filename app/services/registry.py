@@ -140,12 +140,15 @@ class RegistryLookup:
     ) -> Found | None:
         """Ask the store which listed ids were issued, and match among them."""
         ids = pending.ids
-        live = np.array(
-            await self.store.issued_among(
-                tenant_id, key_version, plan.codec.num_bits, ids.tolist()
-            ),
-            dtype=bool,
-        )
+        # ids are handed out from 1 up: only listed ids up to the last one can be entries
+        # (a few of the 4096 unless the registry fills much of the payload space)
+        maybe = np.flatnonzero((ids >= 1) & (ids <= plan.size.last_id))
+        live = np.zeros(ids.size, dtype=bool)
+        if maybe.size:
+            asked = ids[maybe].tolist()
+            live[maybe] = await self.store.issued_among(
+                tenant_id, key_version, plan.codec.num_bits, asked
+            )
         expired = (ids >= 1) & (ids < plan.size.expired_below) & ~live
         found = list_match(pending.cells, pending.plist, ids, live, expired, plan.candidates)
         if found is None:

@@ -148,12 +148,15 @@ class RegistryEntry:
 class RegistrySize:
     """How many candidates one (key version, payload length) registry holds, from
     counters kept at write time (never a scan): ``live`` entries, ``expired`` ones the
-    retention sweep removed, and ``expired_below``: every id below it is expired
-    (0: none). A p-value is Bonferroni-corrected for ``live + expired``."""
+    retention sweep removed, ``expired_below``: every id below it is expired (0: none),
+    and ``last_id``: the tenant's highest id handed out so far (over every key version
+    and length; no id above it is an entry, so a lookup asks the store only about the
+    listed ids up to it). A p-value is Bonferroni-corrected for ``live + expired``."""
 
     live: int
     expired: int = 0
     expired_below: int = 0
+    last_id: int = 0
 
     @property
     def candidates(self) -> int:
@@ -339,7 +342,8 @@ class Store(Protocol):
         ``allocate_message`` adds 1 to ``live``, ``void_message`` takes 1 off, the sweep
         (``expire_registry``) moves what it deletes from ``live`` to ``expired``. One
         round trip, independent of the registry's size (Redis: ZCARD of the index plus
-        two GETs; SQLite: one row of ``registry_counts``)."""
+        three GETs, ``msgseq`` for ``last_id``; SQLite: one row of ``registry_counts``
+        and the tenant's MAX(message_id) from the primary key)."""
 
     async def issued_among(
         self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]

@@ -592,8 +592,9 @@ class RedisStore:
                 pipe.zcard(self._t(tenant_id, "msgidx", kv, bits))
                 pipe.get(self._t(tenant_id, "msgexp", kv, bits))
                 pipe.get(self._t(tenant_id, "msgexpired"))
-                live, expired, below = await pipe.execute()
-        return RegistrySize(int(live), int(expired or 0), int(below or 0))
+                pipe.get(self._t(tenant_id, "msgseq"))
+                live, expired, below, last = await pipe.execute()
+        return RegistrySize(int(live), int(expired or 0), int(below or 0), int(last or 0))
 
     async def issued_among(
         self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]
@@ -608,6 +609,37 @@ class RedisStore:
         for i in hits:
             found[int(i) - 1] = True
         return found
+
+    async def allocate_messages(
+        self,
+        tenant_id: str,
+        key_version: int,
+        num_bits: int,
+        metadata: dict[str, Any],
+        issued_at: float,
+        count: int,
+    ) -> range:
+        """``count`` entries at once, with the writes ``allocate_message`` makes (one
+        INCRBY takes the ids; no ``max_id`` check): for ``worldcup bench-registry`` and
+        bulk imports. Redis only; not part of the Store protocol."""
+        entry = compact_json(
+            {
+                "key_version": int(key_version),
+                "num_bits": int(num_bits),
+                "metadata": metadata,
+                "issued_at": issued_at,
+            }
+        )
+        async with self._guard():
+            last = int(await self._redis.incrby(self._t(tenant_id, "msgseq"), int(count)))
+            ids = range(last - int(count) + 1, last + 1)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(self._t(tenant_id, "msgs"), mapping={str(i): entry for i in ids})
+                index = self._t(tenant_id, "msgidx", int(key_version), int(num_bits))
+                pipe.zadd(index, {str(i): i for i in ids})
+                pipe.sadd(self._t(tenant_id, "msgbits", int(key_version)), str(int(num_bits)))
+                await pipe.execute()
+        return ids
 
     async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
         key = self._t(tenant_id, "retention")

@@ -586,8 +586,12 @@ class SQLiteStore:
             state = c.execute(
                 "SELECT expired_below FROM registry_state WHERE tenant_id = ?", (tenant_id,)
             ).fetchone()
+            (last,) = c.execute(
+                "SELECT MAX(message_id) FROM messages WHERE tenant_id = ?", (tenant_id,)
+            ).fetchone()
             live, expired = (int(row[0]), int(row[1])) if row is not None else (0, 0)
-            return RegistrySize(live, expired, int(state[0]) if state is not None else 0)
+            below = int(state[0]) if state is not None else 0
+            return RegistrySize(live, expired, below, max(int(last or 0), below - 1, 0))
 
         return await self._run(op)
 
