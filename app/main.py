@@ -39,6 +39,7 @@ from app.core.security import KeyWrapper
 from app.engines import Engine, load_engine
 from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
+from app.services.registry import sweep_forever
 from app.services.runtime import Runtime
 from app.services.tenants import TenantService
 from app.services.watermark import WatermarkService
@@ -122,6 +123,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if engine is not None:
             engine.start()
         runtime.warm = True
+        sweeper = (
+            asyncio.create_task(sweep_forever(store, settings.registry_sweep_interval_s))
+            if settings.registry_sweep_interval_s > 0
+            else None
+        )
         logger.info(
             "ready",
             extra={
@@ -136,6 +142,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             runtime.draining = True
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
             if engine is not None:
                 drained = await engine.drain(settings.drain_timeout_s)
                 if not drained:

@@ -19,12 +19,15 @@ matched to a live neighbour.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.stores.base import RegistrySize, Store
+from app.core.config import Settings
+from app.stores.base import RegistrySize, Store, StoreError
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.registry_lookup import (
@@ -37,6 +40,8 @@ from worldcup_core.registry_lookup import (
     payload_list,
     use_list,
 )
+
+logger = logging.getLogger(__name__)
 
 CACHED_REGISTRIES = 64  # small registries' payloads kept per process (<= 1 MiB each)
 
@@ -154,3 +159,41 @@ class RegistryLookup:
         if found is None:
             return None
         return Found(found.match, found.message_id, found.expired)
+
+
+async def sweep_registries(store: Store, now: float) -> dict[str, int]:
+    """The retention sweep: every tenant with a retention loses the entries issued more
+    than that many days before ``now``; entries deleted, per such tenant. Its cost is per
+    tenant and per deleted entry, never per request."""
+    out = {}
+    for tenant in await store.list_tenants():
+        days = await store.registry_retention(tenant.tenant_id)
+        if days is not None:
+            out[tenant.tenant_id] = await store.expire_registry(
+                tenant.tenant_id, now - days * 86_400.0
+            )
+    return out
+
+
+async def sweep_forever(store: Store, interval_s: float) -> None:
+    """Run :func:`sweep_registries` every ``interval_s`` (an app lifespan task)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            swept = await sweep_registries(store, time.time())
+        except StoreError as exc:
+            logger.warning("registry sweep failed: %s", exc)
+            continue
+        if any(swept.values()):
+            logger.info("registry sweep", extra={"fields": {"expired": sum(swept.values())}})
+
+
+def expired_answer(found: RegistryMatch | None, expired: bool, settings: Settings) -> bool:
+    """Whether an answer says ``registry_expired``: the best candidate is an expired
+    entry, and the match is as sure as a reported live match would be."""
+    return (
+        expired
+        and found is not None
+        and found.p_value < settings.significance
+        and found.posterior >= settings.registry_min_confidence
+    )
