@@ -806,6 +806,7 @@ def bench_registry(
             codec_rate,
             format_registry_bench,
             list_accuracy,
+            memory_per_entry,
             run_registry_bench,
         )
     except ImportError as exc:
@@ -824,6 +825,8 @@ def bench_registry(
     progress(f"codec: {rate}")
     result = run_registry_bench(redis_url=redis_url, sizes=chosen, progress=progress)
     result["codec"] = rate
+    progress("memory per entry, small and 4096-byte metadata (Redis and SQLite)")
+    result["memory"] = memory_per_entry(redis_url)
     if accuracy:
         progress("list path against the exhaustive match (simulated texts)")
         result["accuracy"] = list_accuracy()

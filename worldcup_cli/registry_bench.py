@@ -23,6 +23,7 @@ exhaustive match on simulated texts at several registry sizes and bit-error leve
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import secrets
 import statistics
@@ -319,6 +320,13 @@ def format_registry_bench(result: dict[str, Any]) -> str:
         f"target p50 at the largest within {t['ratio']}x of the smallest: "
         f"{'met' if t['met'] else 'NOT met'}"
     )
+    if "memory" in result:
+        m = result["memory"]
+        lines.append(
+            f"bytes per entry, {m['small_metadata_bytes']} B / {m['max_metadata_bytes']} B "
+            f"metadata: Redis {m['redis']['small']} / {m['redis']['max']}, "
+            f"SQLite {m['sqlite']['small']} / {m['sqlite']['max']}"
+        )
     if "accuracy" in result:
         lines += ["", format_accuracy(result["accuracy"])]
     return "\n".join(lines)
@@ -432,4 +440,63 @@ def codec_rate(n: int = 1_000_000) -> dict[str, float]:
         "payload_ids_per_s": round(n / forward),
         "message_id_ids_per_s": round(n / inverse),
         "scalar_us_per_id": round(1e6 * scalar, 2),
+    }
+
+
+# --------------------------------------------------------------------------- memory
+MAX_METADATA = {"blob": "x" * 4085}  # 4 096 bytes of compact JSON, the API's limit
+
+
+async def _redis_memory(redis_url: str, n: int) -> dict[str, float]:
+    from app.stores.redis import RedisStore
+
+    prefix = f"wcmem-{secrets.token_hex(6)}"
+    store = RedisStore(redis_url, prefix=prefix, timeout_s=60.0)
+    out = {}
+    try:
+        for label, meta in (("small", SMALL_METADATA), ("max", MAX_METADATA)):
+            tenant = f"t{label}"
+            for _ in range(n // 5000):
+                await store.allocate_messages(tenant, 1, NUM_BITS, meta, time.time(), 5000)
+            out[label] = round(await _registry_bytes(store._redis, prefix, tenant) / n, 1)
+    finally:
+        await store.close()
+        await _cleanup(redis_url, prefix)
+    return out
+
+
+async def _sqlite_memory(n: int) -> dict[str, float]:
+    import tempfile
+    from pathlib import Path
+
+    from app.stores.sqlite import SQLiteStore
+
+    out = {}
+    for label, meta in (("small", SMALL_METADATA), ("max", MAX_METADATA)):
+        with tempfile.TemporaryDirectory(prefix="worldcup-mem-") as tmp:
+            path = Path(tmp) / "store.sqlite3"
+            store = SQLiteStore(path)
+            await store.allocate_message("t0", 1, NUM_BITS, meta, time.time())
+            await store.close()
+            before = path.stat().st_size
+            store = SQLiteStore(path)
+            for _ in range(n):
+                await store.allocate_message("t0", 1, NUM_BITS, meta, time.time())
+            await store.close()
+            out[label] = round((path.stat().st_size - before) / n, 1)
+    return out
+
+
+def memory_per_entry(
+    redis_url: str, n_redis: int = 20_000, n_sqlite: int = 2_000
+) -> dict[str, Any]:
+    """Bytes per registry entry at small metadata and at the 4 096-byte maximum:
+    Redis (``MEMORY USAGE`` of the registry keys, every element sampled) and SQLite (the
+    file's growth, its indexes included, after a checkpoint)."""
+    return {
+        "redis": asyncio.run(_redis_memory(redis_url, n_redis)),
+        "sqlite": asyncio.run(_sqlite_memory(n_sqlite)),
+        "small_metadata_bytes": len(json.dumps(SMALL_METADATA, separators=(",", ":"))),
+        "max_metadata_bytes": len(json.dumps(MAX_METADATA, separators=(",", ":"))),
+        "entries": {"redis": n_redis, "sqlite": n_sqlite},
     }
