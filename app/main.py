@@ -9,6 +9,7 @@ generations drain up to ``drain_timeout_s`` and closes the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from app.core.security import KeyWrapper
 from app.engines import Engine, load_engine
 from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
+from app.services.registry import sweep_forever
 from app.services.runtime import Runtime
 from app.services.tenants import TenantService
 from app.services.watermark import WatermarkService
@@ -123,6 +125,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if engine is not None:
             engine.start()
         runtime.warm = True
+        sweeper = (
+            asyncio.create_task(sweep_forever(store, settings.registry_sweep_interval_s))
+            if settings.registry_sweep_interval_s > 0
+            else None
+        )
         logger.info(
             "ready",
             extra={
@@ -137,6 +144,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             runtime.draining = True
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
             if engine is not None:
                 drained = await engine.drain(settings.drain_timeout_s)
                 if not drained:

@@ -17,7 +17,7 @@ def downgrade(client: Redis, prefix: str) -> int:
         tid = raw.decode() if isinstance(raw, bytes) else str(raw)
         for key in client.scan_iter(match=f"{prefix}:{{{tid}}}:*", count=1000):
             rest = key.decode().split("}:", 1)[1]
-            if rest == "creating":
+            if rest == "creating" or rest.startswith("msglive:"):  # no such keys then
                 client.delete(key)
                 continue
             client.rename(key, f"{prefix}:{tid}:{rest}")

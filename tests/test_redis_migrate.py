@@ -62,6 +62,9 @@ async def _snapshot(store: RedisStore, tids: list[str]) -> dict[str, Any]:
                 for bits in (16, 32)
             },
             "bits": await store.registry_bit_lengths(tid, 1),
+            "sizes": [
+                await store.registry_size(tid, kv, bits) for kv in (1, 2) for bits in (16, 32)
+            ],
             "api": await store.api_keys(tid),
             "idem": await store.idempotency_get(tid, "req-1"),
         }

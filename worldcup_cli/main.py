@@ -825,6 +825,71 @@ def bench_attack(
     _emit(as_json, result, format_attack_bench(result))
 
 
+@_command("bench-registry")
+def bench_registry(
+    redis_url: Annotated[
+        str,
+        typer.Option(
+            "--redis-url",
+            help="The Redis to fill (a key prefix of its own, deleted at the end).",
+        ),
+    ] = "redis://127.0.0.1:6379/0",
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated registry sizes, ascending.")
+    ] = "100,10000,100000,1000000",
+    accuracy: Annotated[
+        bool,
+        typer.Option(
+            "--accuracy/--no-accuracy",
+            help="Also the list path's miss rate against the exhaustive match (simulated).",
+        ),
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Registry lookups over HTTP (/decode, /decode/batch, /provenance) at growing
+    registry sizes on Redis: latency and its ratio to the smallest, memory per entry,
+    fill rate; the codec's rate; the list path's miss rate."""
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from worldcup_cli.registry_bench import (
+            codec_rate,
+            format_registry_bench,
+            list_accuracy,
+            memory_per_entry,
+            run_registry_bench,
+        )
+    except ImportError as exc:
+        fail(f"the service extras are not installed ({exc.name}): pip install 'worldcup[service]'")
+    try:
+        chosen = tuple(int(x) for x in sizes.split(",") if x.strip())
+    except ValueError:
+        fail(f"--sizes: comma-separated integers, got {sizes!r}")
+    if not chosen or any(n < 10 for n in chosen) or list(chosen) != sorted(chosen):
+        fail(f"--sizes: ascending sizes of at least 10, got {sizes!r}")
+
+    def progress(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    rate = codec_rate()
+    progress(f"codec: {rate}")
+    result = run_registry_bench(redis_url=redis_url, sizes=chosen, progress=progress)
+    result["codec"] = rate
+    progress("memory per entry, small and 4096-byte metadata (Redis and SQLite)")
+    result["memory"] = memory_per_entry(redis_url)
+    if accuracy:
+        progress("list path against the exhaustive match (simulated texts)")
+        result["accuracy"] = list_accuracy()
+    human = format_registry_bench(result) + (
+        f"\ncodec (32-bit): {rate['payload_ids_per_s']:,} ids/s payload, "
+        f"{rate['message_id_ids_per_s']:,} ids/s message id (tables built in "
+        f"{rate['table_build_s']} s; scalar {rate['scalar_us_per_id']} us/id)"
+    )
+    _emit(as_json, result, human)
+
+
 @_command("eval")
 def eval_(
     config: Annotated[

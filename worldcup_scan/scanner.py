@@ -26,12 +26,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from app.core.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult, RegistryMatch
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
+from worldcup_core.registry_lookup import (
+    exhaustive_match,
+    list_match,
+    payload_list,
+    text_cells,
+    use_list,
+)
 from worldcup_core.verdict import verdict_of
 from worldcup_scan.keys import ScanKeys
 
@@ -97,6 +105,13 @@ class ScanSpec:
 
 
 @dataclass(frozen=True)
+class _Registry:
+    codec: MessageIdCodec
+    ids: npt.NDArray[np.uint64]
+    payloads: npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
 class _Decoded:
     result: DecodeResult
     match: RegistryMatch | None
@@ -114,7 +129,7 @@ class Scanner:
         self.tokenizer = tokenizer
         self.schemes: list[WorldCup] = [k.worldcup() for k in spec.keys.keys]
         self.bank = KeyBank(self.schemes) if spec.mode == "provenance" else None
-        self._candidates: dict[tuple[int, int], list[str]] = {}
+        self._candidates: dict[tuple[int, int], _Registry] = {}
 
     def __repr__(self) -> str:
         return f"Scanner({self.spec.mode}, {len(self.schemes)} keys)"
@@ -190,15 +205,40 @@ class Scanner:
         return out
 
     # ------------------------------------------------------------------ payload and registry
-    def _registry_bits(self, key_index: int, num_bits: int) -> list[str]:
+    def _registry(self, key_index: int, num_bits: int) -> _Registry:
+        """The key's registry at this payload length: ids (ascending) and their payloads
+        (the vectorised codec), made once per scan."""
         cached = self._candidates.get((key_index, num_bits))
         if cached is None:
             spec = self.spec.keys.keys[key_index]
             ids = self.spec.keys.registry.get((spec.tenant_id, spec.version), {}).get(num_bits, [])
             codec = MessageIdCodec(self.schemes[key_index].key, num_bits)
-            cached = [codec.payload(i).bits for i in ids]
+            ordered = np.unique(np.asarray(ids, dtype=np.uint64))
+            cached = _Registry(codec, ordered, codec.payload_ints(ordered))
             self._candidates[(key_index, num_bits)] = cached
         return cached
+
+    def _match(
+        self, key_index: int, ids: list[int], num_bits: int
+    ) -> tuple[RegistryMatch, int] | None:
+        """The registry's best entry for the text, and its id: exhaustive for a small
+        registry, else by list decoding (see :mod:`worldcup_core.registry_lookup`)."""
+        registry = self._registry(key_index, num_bits)
+        size = int(registry.ids.size)
+        if size == 0:
+            return None
+        scheme = self.schemes[key_index]
+        ones, trials, _ = scheme.evidence(ids).cells(scheme.config.symbols_for(num_bits))
+        cells = text_cells(ones, trials, num_bits)
+        if not use_list(num_bits, size):
+            match = exhaustive_match(cells, registry.payloads, size)
+            return None if match is None else (match, int(registry.ids[match.index]))
+        plist = payload_list(cells)
+        listed = registry.codec.message_id_ints(plist.payloads)
+        at = np.minimum(np.searchsorted(registry.ids, listed), size - 1)
+        live = registry.ids[at] == listed
+        found = list_match(cells, plist, listed, live, np.zeros_like(live), size)
+        return None if found is None else (found.match, found.message_id)
 
     def _decode(self, key_index: int, ids: list[int]) -> _Decoded | None:
         """The payload under the best key at each registry payload length; the best match."""
@@ -209,15 +249,15 @@ class Scanner:
         best: _Decoded | None = None
         for num_bits in lengths:
             result = scheme.decode(ids, num_bits, significance=self.spec.significance)
-            candidates = self._registry_bits(key_index, num_bits)
-            match = scheme.match(ids, candidates) if candidates else None
+            matched = self._match(key_index, ids, num_bits)
+            match = matched[0] if matched is not None else None
             message_id = None
             if (
-                match is not None
-                and match.p_value < self.spec.significance
-                and match.posterior >= self.spec.registry_min_confidence
+                matched is not None
+                and matched[0].p_value < self.spec.significance
+                and matched[0].posterior >= self.spec.registry_min_confidence
             ):
-                message_id = registry[num_bits][match.index]
+                message_id = matched[1]
             decoded = _Decoded(result, match, message_id)
             if best is None or _better(decoded, best):
                 best = decoded

@@ -158,6 +158,8 @@ class Settings(BaseSettings):
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000
     max_batch_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1_048_576
     provenance_refresh_s: Annotated[float, Field(ge=0)] = 30.0
+    # registry retention: how often the sweep runs (0: never; POST /admin/registry/sweep)
+    registry_sweep_interval_s: Annotated[float, Field(ge=0)] = 3600.0
 
     # console cases (saved checks): forgotten after this many days (0 = kept until
     # deleted); a console batch upload holds at most console_batch_limit texts

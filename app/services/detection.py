@@ -34,6 +34,7 @@ from app.schemas.watermark import (
 )
 from app.services.cpu import TOKEN_CHARS
 from app.services.probes import Sketch
+from app.services.registry import expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
 from app.services.watermark import DecodeOutcome, DetectOutcome, corrected
@@ -144,6 +145,7 @@ def _decode_response(runtime: Runtime, outcome: DecodeOutcome) -> DecodeResponse
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
         registry_match=registry_match(runtime, outcome),
+        registry_expired=expired_answer(outcome.match, outcome.expired, runtime.settings),
     )
 
 

@@ -38,6 +38,7 @@ from app.services.detection import (
 )
 from app.services.evidence import evidence_block, unmatched_evidence
 from app.services.probes import Sketch
+from app.services.registry import expired_answer
 from app.services.runtime import Runtime
 from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
@@ -141,6 +142,7 @@ async def provenance(
             bits=decoded.result.bits,
             num_bits=num_bits,
             registry_entry=registry_match(runtime, decoded),
+            registry_expired=expired_answer(decoded.match, decoded.expired, settings),
         )
     candidates = [
         ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)

@@ -25,6 +25,10 @@ One tenant (tag ``{t}``: one slot)::
     p:{t}:keys                hash  version -> KeyRecord JSON (wrapped key in base64)
     p:{t}:msgseq              str   last allocated message id (INCR)
     p:{t}:msgbits:<kv>        set   payload lengths issued under a key version
+    p:{t}:msglive:<kv>:<bits> str   live entries of (key version, bits), counted at write time
+    p:{t}:msgexp:<kv>:<bits>  str   entries of (key version, bits) the retention sweep deleted
+    p:{t}:msgexpired          str   the retention watermark: every id below it is expired
+    p:{t}:retention           str   registry retention in days (absent: keep forever)
     p:{t}:ratelimit           hash  token bucket (tokens, ts), expires when full
     p:{t}:apikeys             hash  key id -> ApiKeyRecord JSON
     p:{t}:apikeys-revoked     hash  key id -> revocation time
@@ -53,6 +57,11 @@ BUCKET_IDS = 65_536  # ids per registry bucket: ~13 MB of entries at ~200 bytes 
 
 def bucket_of(message_id: int) -> int:
     return (int(message_id) - 1) // BUCKET_IDS
+
+
+def bucket_ids(bucket: int) -> range:
+    """The message ids of one bucket."""
+    return range(int(bucket) * BUCKET_IDS + 1, (int(bucket) + 1) * BUCKET_IDS + 1)
 
 
 def check_prefix(prefix: str) -> str:

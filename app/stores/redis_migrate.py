@@ -8,9 +8,9 @@ names. The migration reads the source (one Redis, legacy layout) and writes the 
 
 - every tenant's keys are copied under their new names (``DUMP``/``RESTORE``, TTLs
   kept); rate-limit buckets and probe counters (short-lived) are left behind;
-- the registry's entries and indexes are re-written bucket by bucket; message ids,
-  counters and key versions are unchanged, so every text issued before decodes to its
-  entry afterwards;
+- the registry's entries and indexes are re-written bucket by bucket, and each
+  index's live counter is set from its size; message ids, the id counter and key
+  versions are unchanged, so every text issued before decodes to its entry afterwards;
 - global keys are copied only when the target is another server (in place they stay);
 - last, ``p:layout`` is written: the service refuses a namespace without it.
 
@@ -143,6 +143,8 @@ async def _migrate_tenant(
             break
     for index in await _scan(src, _glob(layout.legacy(tid, "msgidx:")) + "*"):
         kv, bits = index.decode().rsplit(":", 2)[-2:]
+        # the live counter the lookup's registry size reads (the legacy layout had none)
+        await dst.set(layout.t(tid, "msglive", int(kv), int(bits)), int(await src.zcard(index)))
         start = 0
         while True:
             rows = await src.zrange(index, start, start + _BATCH - 1, withscores=True)

@@ -67,13 +67,52 @@ return 1
 """
 
 # Registry allocation, phase 1 (tenant slot). KEYS: msgseq, bit-length set of the key
-# version. ARGV: num_bits, max id (-1: none). The new id, or -1 (nothing written).
+# version, live counter of (key version, bits). ARGV: num_bits, max id (-1: none).
+# The new id, or -1 (nothing written). The live counter counts the id now: should the
+# entry's write fail, it over-counts by one (a conservative registry-size correction).
 NEXT_ID = """
 local max = tonumber(ARGV[2])
 if max >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= max then return -1 end
 local id = redis.call('INCR', KEYS[1])
 redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('INCR', KEYS[3])
 return id
+"""
+
+# Bulk ids (tenant slot), as NEXT_ID for ARGV[2] ids at once. KEYS: as NEXT_ID.
+# ARGV: num_bits, count. Returns the last id.
+NEXT_IDS = """
+local last = redis.call('INCRBY', KEYS[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('INCRBY', KEYS[3], ARGV[2])
+return last
+"""
+
+# Retention counters (tenant slot). KEYS: live counter, expired counter. ARGV: n.
+MOVE_EXPIRED = """
+redis.call('DECRBY', KEYS[1], ARGV[1])
+redis.call('INCRBY', KEYS[2], ARGV[1])
+return 1
+"""
+
+# Registry retention. KEYS: the watermark. ARGV: the new watermark (it never goes back).
+ADVANCE_WATERMARK = """
+if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: an index zset (one bucket). ARGV: ids separated by spaces.
+# Returns the 1-based positions of the ids in the index: a few integers, however many
+# were asked (ZMSCORE would send back, and redis-py parse, one reply per id).
+ISSUED_AMONG = """
+local out, i = {}, 0
+for id in string.gmatch(ARGV[1], '%S+') do
+  i = i + 1
+  if redis.call('ZSCORE', KEYS[1], id) then out[#out + 1] = i end
+end
+return out
 """
 
 # Registry allocation, phase 2 (bucket slot). KEYS: bucket hash, bucket index zset.

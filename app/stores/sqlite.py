@@ -31,6 +31,7 @@ from app.stores.base import (
     RateDecision,
     RegistryEntry,
     RegistryFull,
+    RegistrySize,
     StoreUnavailable,
     TenantRecord,
     api_key_from_json,
@@ -78,6 +79,19 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_key
     ON messages (tenant_id, key_version, num_bits, message_id);
+CREATE TABLE IF NOT EXISTS registry_counts (
+    tenant_id   TEXT NOT NULL,
+    key_version INTEGER NOT NULL,
+    num_bits    INTEGER NOT NULL,
+    live        INTEGER NOT NULL DEFAULT 0,
+    expired     INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant_id, key_version, num_bits)
+);
+CREATE TABLE IF NOT EXISTS registry_state (
+    tenant_id      TEXT PRIMARY KEY,
+    retention_days REAL,
+    expired_below  INTEGER NOT NULL DEFAULT 0
+);
 CREATE TABLE IF NOT EXISTS idempotency (
     tenant_id   TEXT NOT NULL,
     key         TEXT NOT NULL,
@@ -172,6 +186,30 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row["name"] for row in conn.execute("PRAGMA table_info(messages)")}
     if "voided" not in columns:  # void_message: the row stays, so its id is never reused
         conn.execute("ALTER TABLE messages ADD COLUMN voided TEXT")
+    counted = conn.execute("SELECT 1 FROM registry_counts LIMIT 1").fetchone()
+    if counted is None:  # a registry written before the counters existed: count it once
+        conn.execute(
+            "INSERT INTO registry_counts (tenant_id, key_version, num_bits, live)"
+            " SELECT tenant_id, key_version, num_bits, COUNT(*) FROM messages"
+            " WHERE voided IS NULL GROUP BY tenant_id, key_version, num_bits"
+        )
+
+
+def _count(
+    c: sqlite3.Connection,
+    tenant_id: str,
+    key_version: int,
+    num_bits: int,
+    live: int,
+    expired: int = 0,
+) -> None:
+    """Move a registry's counters (inside the caller's transaction)."""
+    c.execute(
+        "INSERT INTO registry_counts (tenant_id, key_version, num_bits, live, expired)"
+        " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant_id, key_version, num_bits)"
+        " DO UPDATE SET live = live + excluded.live, expired = expired + excluded.expired",
+        (tenant_id, int(key_version), int(num_bits), live, expired),
+    )
 
 
 def _tenant(row: sqlite3.Row | None) -> TenantRecord | None:
@@ -448,8 +486,10 @@ class SQLiteStore:
         def op(c: sqlite3.Connection) -> int:
             with _transaction(c):
                 (next_id,) = c.execute(
-                    "SELECT COALESCE(MAX(message_id), 0) + 1 FROM messages WHERE tenant_id = ?",
-                    (tenant_id,),
+                    "SELECT MAX(COALESCE((SELECT MAX(message_id) FROM messages"
+                    " WHERE tenant_id = ?), 0) + 1, COALESCE((SELECT expired_below"
+                    " FROM registry_state WHERE tenant_id = ?), 0))",
+                    (tenant_id, tenant_id),
                 ).fetchone()
                 if max_id is not None and next_id > max_id:
                     raise RegistryFull(f"no message id left below {max_id}")
@@ -458,6 +498,7 @@ class SQLiteStore:
                     " metadata, issued_at) VALUES (?, ?, ?, ?, ?, ?)",
                     (tenant_id, next_id, key_version, num_bits, meta, issued_at),
                 )
+                _count(c, tenant_id, key_version, num_bits, live=1)
             return int(next_id)
 
         message_id = await self._run(op)
@@ -489,13 +530,15 @@ class SQLiteStore:
             issued_at=row["issued_at"],
         )
 
-    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
+    async def message_ids(
+        self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
+    ) -> list[int]:
         check_tenant_id(tenant_id)
         rows = await self._run(
             lambda c: c.execute(
                 "SELECT message_id FROM messages WHERE tenant_id = ? AND key_version = ?"
-                " AND num_bits = ? AND voided IS NULL ORDER BY message_id",
-                (tenant_id, int(key_version), int(num_bits)),
+                " AND num_bits = ? AND voided IS NULL AND message_id > ? ORDER BY message_id",
+                (tenant_id, int(key_version), int(num_bits), int(after)),
             ).fetchall()
         )
         return [int(r[0]) for r in rows]
@@ -518,12 +561,123 @@ class SQLiteStore:
             with _transaction(c):
                 cur = c.execute(
                     "UPDATE messages SET voided = ?"
-                    " WHERE tenant_id = ? AND message_id = ? AND voided IS NULL",
+                    " WHERE tenant_id = ? AND message_id = ? AND voided IS NULL"
+                    " RETURNING key_version, num_bits",
                     (reason, tenant_id, int(message_id)),
                 )
-            return cur.rowcount > 0
+                row = cur.fetchone()
+                if row is not None:
+                    _count(c, tenant_id, row[0], row[1], live=-1)
+            return row is not None
 
         return bool(await self._run(op))
+
+    # -- registry lookup and retention (issue #36) -----------------------------
+
+    async def registry_size(self, tenant_id: str, key_version: int, num_bits: int) -> RegistrySize:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> RegistrySize:
+            row = c.execute(
+                "SELECT live, expired FROM registry_counts"
+                " WHERE tenant_id = ? AND key_version = ? AND num_bits = ?",
+                (tenant_id, int(key_version), int(num_bits)),
+            ).fetchone()
+            state = c.execute(
+                "SELECT expired_below FROM registry_state WHERE tenant_id = ?", (tenant_id,)
+            ).fetchone()
+            (last,) = c.execute(
+                "SELECT MAX(message_id) FROM messages WHERE tenant_id = ?", (tenant_id,)
+            ).fetchone()
+            live, expired = (int(row[0]), int(row[1])) if row is not None else (0, 0)
+            below = int(state[0]) if state is not None else 0
+            return RegistrySize(live, expired, below, max(int(last or 0), below - 1, 0))
+
+        return await self._run(op)
+
+    async def issued_among(
+        self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]
+    ) -> list[bool]:
+        check_tenant_id(tenant_id)
+        wanted = [int(i) for i in message_ids]
+        if not wanted:
+            return []
+
+        def op(c: sqlite3.Connection) -> set[int]:
+            found: set[int] = set()
+            for start in range(0, len(wanted), 30_000):  # below SQLite's variable limit
+                chunk = wanted[start : start + 30_000]
+                rows = c.execute(
+                    "SELECT message_id FROM messages WHERE tenant_id = ? AND key_version = ?"
+                    " AND num_bits = ? AND voided IS NULL"
+                    f" AND message_id IN ({','.join('?' * len(chunk))})",
+                    (tenant_id, int(key_version), int(num_bits), *chunk),
+                ).fetchall()
+                found.update(int(r[0]) for r in rows)
+            return found
+
+        found = await self._run(op)
+        return [i in found for i in wanted]
+
+    async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> None:
+            with _transaction(c):
+                c.execute(
+                    "INSERT INTO registry_state (tenant_id, retention_days) VALUES (?, ?)"
+                    " ON CONFLICT (tenant_id)"
+                    " DO UPDATE SET retention_days = excluded.retention_days",
+                    (tenant_id, None if days is None else float(days)),
+                )
+
+        await self._run(op)
+
+    async def registry_retention(self, tenant_id: str) -> float | None:
+        check_tenant_id(tenant_id)
+        row = await self._run(
+            lambda c: c.execute(
+                "SELECT retention_days FROM registry_state WHERE tenant_id = ?", (tenant_id,)
+            ).fetchone()
+        )
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def expire_registry(self, tenant_id: str, issued_before: float) -> int:
+        check_tenant_id(tenant_id)
+
+        def op(c: sqlite3.Connection) -> int:
+            with _transaction(c):
+                (new,) = c.execute(
+                    "SELECT COALESCE(MIN(message_id), (SELECT COALESCE(MAX(message_id), 0) + 1"
+                    " FROM messages WHERE tenant_id = ?)) FROM messages"
+                    " WHERE tenant_id = ? AND issued_at >= ? AND voided IS NULL",
+                    (tenant_id, tenant_id, float(issued_before)),
+                ).fetchone()
+                state = c.execute(
+                    "SELECT expired_below FROM registry_state WHERE tenant_id = ?", (tenant_id,)
+                ).fetchone()
+                old = int(state[0]) if state is not None else 0
+                if int(new) <= max(old, 1):  # ids start at 1
+                    return 0
+                c.execute(
+                    "INSERT INTO registry_state (tenant_id, expired_below) VALUES (?, ?)"
+                    " ON CONFLICT (tenant_id) DO UPDATE SET expired_below = excluded.expired_below",
+                    (tenant_id, int(new)),
+                )
+                gone = c.execute(
+                    "SELECT key_version, num_bits, COUNT(*) FROM messages WHERE tenant_id = ?"
+                    " AND message_id < ? AND voided IS NULL GROUP BY key_version, num_bits",
+                    (tenant_id, int(new)),
+                ).fetchall()
+                for kv, bits, n in gone:
+                    _count(c, tenant_id, kv, bits, live=-n, expired=n)
+                c.execute(
+                    "DELETE FROM messages WHERE tenant_id = ? AND message_id < ?",
+                    (tenant_id, int(new)),
+                )
+            return sum(int(n) for _, _, n in gone)
+
+        return await self._run(op)
 
     # -- audit log ------------------------------------------------------------
 

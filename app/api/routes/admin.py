@@ -4,6 +4,7 @@ registry lookup and the provenance audit log."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
@@ -16,13 +17,17 @@ from app.schemas.admin import (
     CreateTenant,
     KeyRotated,
     RegistryEntryOut,
+    RetentionOut,
     Rewrapped,
+    SetRetention,
     SetScopes,
+    SweepOut,
     TenantCreated,
     TenantOut,
 )
 from app.schemas.common import ERROR_RESPONSES
 from app.services.detection import readable_metadata
+from app.services.registry import sweep_registries
 from app.services.tenants import UnknownTenant
 from app.stores.base import Conflict
 
@@ -59,6 +64,27 @@ async def set_scopes(
         scopes=list(tenant.scopes),
         created_at=dt.datetime.fromtimestamp(tenant.created_at, tz=dt.UTC),
     )
+
+
+@router.put(
+    "/tenants/{tenant_id}/retention", response_model=RetentionOut, responses=ERROR_RESPONSES
+)
+async def set_retention(
+    tenant_id: TenantId, body: SetRetention, runtime: RuntimeDep, _: AdminDep
+) -> RetentionOut:
+    """The tenant's registry retention: entries issued longer ago than this are deleted by
+    the periodic sweep (``WORLDCUP_REGISTRY_SWEEP_INTERVAL_S``); their texts then decode
+    as ``registry_expired``, never as another entry."""
+    if await runtime.store.get_tenant(tenant_id) is None:
+        raise APIError(404, "no such tenant", "unknown_tenant")
+    await runtime.store.set_registry_retention(tenant_id, body.days)
+    return RetentionOut(tenant_id=tenant_id, days=body.days)
+
+
+@router.post("/registry/sweep", response_model=SweepOut, responses=ERROR_RESPONSES)
+async def sweep_registry(runtime: RuntimeDep, _: AdminDep) -> SweepOut:
+    """Run the registry retention sweep now (it also runs periodically)."""
+    return SweepOut(expired=await sweep_registries(runtime.store, time.time()))
 
 
 @router.post("/master-key/rewrap", response_model=Rewrapped, responses=ERROR_RESPONSES)
