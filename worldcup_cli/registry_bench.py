@@ -113,8 +113,10 @@ async def _measure(
 
 async def _registry_bytes(redis: Any, prefix: str, tenant_id: str) -> int:
     total = 0
-    async for key in redis.scan_iter(match=f"{prefix}:{tenant_id}:msg*", count=1000):
-        total += int(await redis.memory_usage(key, samples=0) or 0)
+    # the tenant's registry counters and its id-range buckets (app/stores/redis_layout.py)
+    for pattern in (f"{prefix}:{{{tenant_id}}}:msg*", f"{prefix}:{{{tenant_id}:*}}:*"):
+        async for key in redis.scan_iter(match=pattern, count=1000):
+            total += int(await redis.memory_usage(key, samples=0) or 0)
     return total
 
 
