@@ -719,6 +719,16 @@ def test_make_store_picks_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     store = make_store(settings)
     assert isinstance(store, RedisStore)
     asyncio.run(store.close())
+    # cluster mode: the same store on redis-py's cluster client, WAIT on by default
+    clustered = Settings(
+        master_key=master, admin_token=admin, redis_url="redis://127.0.0.1:7000", redis_cluster=True
+    )
+    store = make_store(clustered)
+    assert isinstance(store, RedisStore) and "cluster" in repr(store)
+    assert store._wait_replicas == 1
+    asyncio.run(store.close())
+    with pytest.raises(ValueError, match="WORLDCUP_REDIS_URL"):
+        Settings(master_key=master, admin_token=admin, redis_cluster=True)
 
 
 # -- issue 4: scopes, key listing, bit lengths, audit log, rate limits ----------

@@ -185,6 +185,12 @@ class Settings(BaseSettings):
             setattr(self, field, value)
         return self
 
+    @model_validator(mode="after")
+    def _check_redis_cluster(self) -> Self:
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError("WORLDCUP_REDIS_CLUSTER=true needs WORLDCUP_REDIS_URL (any node)")
+        return self
+
     _throwaway: set[str] = PrivateAttr(default_factory=set)
 
     @model_validator(mode="after")
