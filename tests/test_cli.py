@@ -244,6 +244,8 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("bench-service", ["--detect-seconds", "0"], b"", "positive"),
         ("migrate-store", ["--from", "redis://127.0.0.1:1/0"], b"", "migration failed"),
         ("bench-attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
+        ("bench-registry", ["--sizes", "abc"], b"", "--sizes"),
+        ("bench-registry", ["--redis-url", "redis://127.0.0.1:1/0"], b"", "unreachable"),
         ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),
         ("eval", ["--config", "{dir}"], b"", "Is a directory"),
         ("eval", ["--config", "{bin}"], b"", "not a UTF-8 text file"),

@@ -8,6 +8,7 @@ read the text on stdin and need only the tokenizer, never the model weights.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.metadata
 import importlib.util
@@ -869,6 +870,20 @@ def bench_registry(
         fail(f"--sizes: comma-separated integers, got {sizes!r}")
     if not chosen or any(n < 10 for n in chosen) or list(chosen) != sorted(chosen):
         fail(f"--sizes: ascending sizes of at least 10, got {sizes!r}")
+    from app.stores.base import StoreUnavailable
+    from app.stores.redis import RedisStore
+
+    async def ping() -> None:
+        store = RedisStore(redis_url, prefix="wcbench", timeout_s=2.0)
+        try:
+            await store.ping()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(ping())
+    except (StoreUnavailable, ValueError) as exc:
+        fail(f"the Redis at --redis-url is unreachable ({exc})")
 
     def progress(msg: str) -> None:
         typer.echo(msg, err=True)

@@ -30,6 +30,7 @@ the store is asked about just those.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,12 +148,19 @@ def payload_list(cells: TextCells, list_size: int = LIST_SIZE) -> PayloadList:
     return PayloadList(np.uint64(cells.decoded) ^ flips, costs, bound)
 
 
+@functools.cache
+def _selections(n: int) -> tuple[F64, U64]:
+    """Every subset of n items as 0/1 rows (2^n, n), as floats and as integers."""
+    rows = np.arange(1 << n, dtype=np.uint64)[:, None] >> np.arange(n, dtype=np.uint64)
+    sel: U64 = rows & np.uint64(1)
+    return sel.astype(np.float64), sel
+
+
 def _subsets(cost: F64, weight: U64) -> tuple[F64, U64]:
     """Every subset of these bits: (total cost, OR of their weights), cheapest first."""
-    n = cost.size
-    sel = (np.arange(1 << n, dtype=np.uint64)[:, None] >> np.arange(n, dtype=np.uint64)) & 1
-    costs = sel.astype(np.float64) @ cost
-    flips = np.bitwise_or.reduce(sel * weight, axis=1, initial=np.uint64(0))
+    sel_f, sel_u = _selections(cost.size)
+    costs = sel_f @ cost
+    flips: U64 = sel_u @ weight  # distinct powers of two: the sum is the OR
     rank = np.argsort(costs, kind="stable")
     return costs[rank], flips[rank]
 

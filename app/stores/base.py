@@ -341,8 +341,10 @@ class Store(Protocol):
         """Counters of this (key version, payload length) registry, kept at write time:
         ``allocate_message`` adds 1 to ``live``, ``void_message`` takes 1 off, the sweep
         (``expire_registry``) moves what it deletes from ``live`` to ``expired``. One
-        round trip, independent of the registry's size (Redis: ZCARD of the index plus
-        three GETs, ``msgseq`` for ``last_id``; SQLite: one row of ``registry_counts``
+        round trip, independent of the registry's size (Redis: one MGET of the counters
+        in the tenant's slot, ``msgseq`` for ``last_id``; the live counter is taken at
+        the id's allocation, so an allocation that failed half way over-counts it by
+        one, a conservative correction; SQLite: one row of ``registry_counts``
         and the tenant's MAX(message_id) from the primary key)."""
 
     async def issued_among(
@@ -351,7 +353,8 @@ class Store(Protocol):
         """For each of ``message_ids`` (any order, duplicates allowed, ids out of range
         simply False): whether it is a live entry issued under this key version and
         payload length (voided and expired ones are not). One round trip whatever the
-        number of ids (Redis: ZMSCORE on the index; SQLite: one IN query)."""
+        number of ids (Redis: one script per id-range bucket the ids fall in, pipelined;
+        SQLite: one IN query)."""
 
     # registry retention (issue #36)
     async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
