@@ -54,7 +54,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Any:
     """A real six-node Redis Cluster (tests/redis_cluster.py), for `-m cluster` tests."""
-    from tests.redis_cluster import RedisClusterProcs
+    from redis_cluster import RedisClusterProcs
 
     cluster = RedisClusterProcs().start()
     try:

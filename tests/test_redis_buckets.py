@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+from test_store_contract import REDIS_URL, redis_namespace, tenant_records
 
 from app.stores import redis_layout
 from app.stores.base import RegistrySize
 from app.stores.redis import RedisStore
-from tests.test_store_contract import REDIS_URL, redis_namespace, tenant_records
 
 pytestmark = pytest.mark.anyio
 

@@ -35,13 +35,13 @@ import redis
 from legacy_redis import downgrade
 from redis_cluster import RedisClusterProcs
 from servers import LiveServer, free_port
+from test_store_contract import REDIS_URL, tenant_records
 
 from app.core.config import Settings
 from app.stores import redis_layout
 from app.stores.base import StoreUnavailable
 from app.stores.redis import RedisStore
 from app.stores.redis_migrate import migrate_store
-from tests.test_store_contract import REDIS_URL, tenant_records
 
 pytestmark = pytest.mark.cluster
 

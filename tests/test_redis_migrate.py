@@ -11,19 +11,19 @@ from typing import Any
 import pytest
 from legacy_redis import downgrade
 from redis import Redis
-from typer.testing import CliRunner
-
-from app.stores import redis_layout
-from app.stores.base import CaseRecord, IdempotencyRecord, StoreUnavailable
-from app.stores.redis import RedisStore
-from app.stores.redis_migrate import migrate_store
-from tests.test_store_contract import (
+from test_store_contract import (
     REDIS_URL,
     api_key_record,
     key_record,
     redis_namespace,
     tenant_records,
 )
+from typer.testing import CliRunner
+
+from app.stores import redis_layout
+from app.stores.base import CaseRecord, IdempotencyRecord, StoreUnavailable
+from app.stores.redis import RedisStore
+from app.stores.redis_migrate import migrate_store
 from worldcup_cli.main import app as cli
 
 pytestmark = pytest.mark.anyio
