@@ -479,6 +479,24 @@ async def test_redis_two_clients_allocate_distinct_ids() -> None:
         assert await s1.get_tenant(tid) == await s2.get_tenant(tid) == tenant
 
 
+async def test_redis_write_without_replica_acknowledgement_is_refused() -> None:
+    """``wait_replicas``: a registry write that too few replicas acknowledged (here: a
+    Redis without replicas) is refused, never reported as issued; its id is spent."""
+    async with two_replicas() as (plain, _):
+        waiting = RedisStore(REDIS_URL, prefix=plain._prefix, wait_replicas=1, wait_timeout_ms=50)
+        try:
+            tenant, key = tenant_records("acme")
+            await plain.create_tenant(tenant, key)
+            tid = tenant.tenant_id
+            with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
+                await waiting.allocate_message(tid, 1, 32, {"m": 1}, 0.0)
+            with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
+                await waiting.add_key_version(key_record(tid, 2))
+            assert (await plain.allocate_message(tid, 1, 32, {}, 0.0)).message_id == 2
+        finally:
+            await waiting.close()
+
+
 async def test_redis_rate_limit_is_shared_by_replicas() -> None:
     """Two API replicas (two clients) draw from one bucket per tenant."""
     async with two_replicas() as (s1, s2):

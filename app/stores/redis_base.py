@@ -195,7 +195,7 @@ class RedisBase:
         if int(acked) < self._wait_replicas:
             raise NotAcknowledged(
                 f"redis unavailable: {int(acked)} of {self._wait_replicas} replicas "
-                f"acknowledged a registry write within {self._wait_ms} ms"
+                f"acknowledged a write within {self._wait_ms} ms"
             )
         return result
 
