@@ -3,10 +3,14 @@ counters kept at write time, one-round-trip membership, the retention watermark.
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import pytest
 from test_store_contract import clock, store, tenant_records  # noqa: F401 - fixtures
 
 from app.stores.base import RegistrySize, Store
+from app.stores.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.anyio
 
@@ -87,3 +91,24 @@ async def test_retention_sweep_moves_old_entries_behind_the_watermark(store: Sto
     assert await store.registry_size(tid, 1, 32) == RegistrySize(1, 3, 9, 9)
     await store.set_registry_retention(tid, None)
     assert await store.registry_retention(tid) is None
+
+
+@pytest.mark.anyio
+async def test_sqlite_counts_a_registry_written_before_the_counters(tmp_path: Path) -> None:
+    """A file from an older release (no registry_counts rows) is counted once at open."""
+    path = tmp_path / "old.sqlite3"
+    s = SQLiteStore(path)
+    tenant, key = tenant_records("acme")
+    await s.create_tenant(tenant, key)
+    for bits in (32, 32, 16, 32):
+        await s.allocate_message(tenant.tenant_id, 1, bits, {}, 0.0)
+    await s.void_message(tenant.tenant_id, 2, "growth")
+    await s.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE registry_counts")
+    s = SQLiteStore(path)
+    try:
+        assert (await s.registry_size(tenant.tenant_id, 1, 32)).live == 2
+        assert (await s.registry_size(tenant.tenant_id, 1, 16)).live == 1
+    finally:
+        await s.close()

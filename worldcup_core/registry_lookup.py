@@ -132,20 +132,28 @@ def payload_list(cells: TextCells, list_size: int = LIST_SIZE) -> PayloadList:
     costs_b, flips_b = _subsets(cost[order[half:m]], weights[order[half:m]])
     # the list_size cheapest sums of one subset of each half: pair (i, j) of the two
     # sorted lists is among them only if (i + 1) (j + 1) <= list_size
-    i = np.arange(costs_a.size)
-    reach = np.minimum(list_size // (i + 1), costs_b.size)
-    ia = np.repeat(i, reach)
-    ib = np.arange(int(reach.sum())) - np.repeat(np.cumsum(reach) - reach, reach)
+    ia, ib = _pairs(costs_a.size, costs_b.size, list_size)
     sums = costs_a[ia] + costs_b[ib]
     keep = min(list_size, sums.size)
     top = np.argpartition(sums, keep - 1)[:keep] if keep < sums.size else np.arange(sums.size)
-    top = top[np.lexsort((top, sums[top]))]
+    top = np.sort(top)  # ties in cost go to the lower pair, as a stable sort would
+    top = top[np.argsort(sums[top], kind="stable")]
     costs = sums[top]
     flips = flips_a[ia[top]] | flips_b[ib[top]]
     bound = float(cost[order[m]]) if m < num_bits else math.inf
     if keep == list_size and list_size < (1 << m):
         bound = min(bound, float(costs[-1]))
     return PayloadList(np.uint64(cells.decoded) ^ flips, costs, bound)
+
+
+@functools.cache
+def _pairs(na: int, nb: int, list_size: int) -> tuple[I64, I64]:
+    """The pairs (i, j) of two sorted lists' ranks with (i + 1) (j + 1) <= list_size."""
+    i = np.arange(na)
+    reach = np.minimum(list_size // (i + 1), nb)
+    ia = np.repeat(i, reach)
+    ib = np.arange(int(reach.sum())) - np.repeat(np.cumsum(reach) - reach, reach)
+    return ia, ib
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from app.core.config import Settings
 from app.stores.base import RegistrySize, Store, StoreError
@@ -140,25 +141,35 @@ class RegistryLookup:
         plist = payload_list(cells, self.list_size)
         return Pending(cells, plist, plan.codec.message_id_ints(plist.payloads))
 
-    async def finish_list(
-        self, tenant_id: str, key_version: int, plan: Plan, pending: Pending
-    ) -> Found | None:
-        """Ask the store which listed ids were issued, and match among them."""
-        ids = pending.ids
-        # ids are handed out from 1 up: only listed ids up to the last one can be entries
-        # (a few of the 4096 unless the registry fills much of the payload space)
-        maybe = np.flatnonzero((ids >= 1) & (ids <= plan.size.last_id))
-        live = np.zeros(ids.size, dtype=bool)
-        if maybe.size:
-            asked = ids[maybe].tolist()
-            live[maybe] = await self.store.issued_among(
-                tenant_id, key_version, plan.codec.num_bits, asked
+    async def finish_lists(
+        self, tenant_id: str, plans: dict[int, Plan], pending: list[tuple[int, Pending]]
+    ) -> list[Found | None]:
+        """Ask the store which listed ids were issued (one round trip per key version for
+        the whole batch), and match each text among its own."""
+        live: list[npt.NDArray[np.bool_]] = []
+        asks: dict[int, list[tuple[int, npt.NDArray[np.intp]]]] = {}
+        for n, (version, p) in enumerate(pending):
+            # ids are handed out from 1 up: only listed ids up to the last one can be
+            # entries (a few of the 4096 unless the registry fills much of the space)
+            maybe = np.flatnonzero((p.ids >= 1) & (p.ids <= plans[version].size.last_id))
+            live.append(np.zeros(p.ids.size, dtype=bool))
+            if maybe.size:
+                asks.setdefault(version, []).append((n, maybe))
+        for version, items in asks.items():
+            asked = [int(i) for n, maybe in items for i in pending[n][1].ids[maybe]]
+            bits = plans[version].codec.num_bits
+            answers = iter(await self.store.issued_among(tenant_id, version, bits, asked))
+            for n, maybe in items:
+                live[n][maybe] = [next(answers) for _ in range(maybe.size)]
+        out: list[Found | None] = []
+        for (version, p), hits in zip(pending, live, strict=True):
+            below = plans[version].size.expired_below
+            expired = (p.ids >= 1) & (p.ids < below) & ~hits
+            found = list_match(p.cells, p.plist, p.ids, hits, expired, plans[version].candidates)
+            out.append(
+                None if found is None else Found(found.match, found.message_id, found.expired)
             )
-        expired = (ids >= 1) & (ids < plan.size.expired_below) & ~live
-        found = list_match(pending.cells, pending.plist, ids, live, expired, plan.candidates)
-        if found is None:
-            return None
-        return Found(found.match, found.message_id, found.expired)
+        return out
 
 
 async def sweep_registries(store: Store, now: float) -> dict[str, int]:

@@ -155,17 +155,18 @@ class WatermarkService:
 
         # one job per chunk of texts: a big batch does not hold the workers for long
         decoded = await offload_map(self.cpu, work, texts, lambda ids: TOKEN_CHARS * len(ids))
+        waiting = [(best.key_version, p) for best, _, p in decoded if p is not None]
+        listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting))
         outcomes = []
         for best, found, pending in decoded:
-            version = best.key_version
-            if pending is not None:  # one round trip: which of the listed ids were issued
-                found = await self.registry.finish_list(tenant_id, version, plans[version], pending)
+            if pending is not None:
+                found = next(listed)
             entry = None
             if found is not None and not found.expired:
                 entry = await self.store.registry_entry(tenant_id, found.message_id)
             outcomes.append(
                 DecodeOutcome(
-                    version,
+                    best.key_version,
                     best.result,
                     found.match if found is not None else None,
                     entry,
