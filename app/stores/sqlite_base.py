@@ -82,7 +82,8 @@ class SQLiteBase:
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.executescript(SCHEMA)
-            migrate(conn)
+            with transaction(conn):  # another process may be writing (or migrating) now
+                migrate(conn)
         except BaseException:
             conn.close()
             raise

@@ -1,7 +1,7 @@
 """The SQLite store's schema, and the migrations that bring an older file up to it.
 
 ``SCHEMA`` is idempotent (``IF NOT EXISTS``) and runs on every open; :func:`migrate`
-then adds what a file written by an older release lacks.
+then adds what a file written by an older release lacks, in one write transaction.
 """
 
 from __future__ import annotations
@@ -128,7 +128,12 @@ CREATE TABLE IF NOT EXISTS marker (
 
 
 def migrate(conn: sqlite3.Connection) -> None:
-    """Bring a file written by an older release up to the current schema."""
+    """Bring a file written by an older release up to the current schema.
+
+    Run it inside a ``BEGIN IMMEDIATE`` transaction: otherwise another process sharing
+    the file could allocate between the check for counters and the count (a message
+    counted twice, or a UNIQUE conflict that fails the open).
+    """
     columns = {row["name"] for row in conn.execute("PRAGMA table_info(keys)")}
     if "scheme" not in columns:  # key versions created before scheme worldcup-v2 existed
         conn.execute("ALTER TABLE keys ADD COLUMN scheme TEXT NOT NULL DEFAULT 'worldcup-v1'")
