@@ -497,6 +497,23 @@ async def test_redis_write_without_replica_acknowledgement_is_refused() -> None:
             await waiting.close()
 
 
+async def test_redis_name_claim_of_a_creation_that_died_is_taken_over() -> None:
+    """A creation that died between claiming the name and writing the tenant leaves a
+    claim: refused while its ``creating`` marker lives, taken over once it expired."""
+    async with two_replicas() as (store, _):
+        raw, keys = store._redis, store._keys
+        await raw.hset(keys.g("tenant-names"), "acme", "t_dead")
+        await raw.set(keys.t("t_dead", "creating"), "1", px=60_000)
+        tenant, key = tenant_records("acme")
+        with pytest.raises(Conflict):
+            await store.create_tenant(tenant, key)
+        assert await store.get_tenant(tenant.tenant_id) is None
+        await raw.delete(keys.t("t_dead", "creating"))  # the marker expired
+        await store.create_tenant(tenant, key)
+        assert await store.list_tenants() == [tenant]
+        assert await raw.hget(keys.g("tenant-names"), "acme") == tenant.tenant_id
+
+
 async def test_redis_rate_limit_is_shared_by_replicas() -> None:
     """Two API replicas (two clients) draw from one bucket per tenant."""
     async with two_replicas() as (s1, s2):
