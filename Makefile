@@ -1,4 +1,4 @@
-.PHONY: setup setup-vllm run demo test test-vllm test-container test-serve lint typecheck pytest bench soak fuzz console-screenshots gpu-bundle
+.PHONY: setup setup-vllm run demo test test-vllm test-container test-serve test-cluster lint typecheck pytest bench soak fuzz console-screenshots gpu-bundle
 VENV := .venv/bin
 
 setup:
@@ -47,6 +47,13 @@ test-container: setup
 ## Redis; round trips through the proxies, a replica killed under load, a downscale under load.
 test-serve: setup
 	bash scripts/pytest.sh tests/test_serve.py -m serve -p no:cacheprovider -s
+
+## The Redis store on a real Redis Cluster (pytest mark `cluster`): six local
+## redis-server processes (ports 21201-21206, bus +10000; WORLDCUP_TEST_CLUSTER_PORT
+## moves them); the store contract, a service round trip, a failover soak and the
+## migration. A missing redis-server fails, never skips.
+test-cluster: setup
+	bash scripts/pytest.sh tests/test_store_contract.py tests/test_registry_store.py tests/test_redis_buckets.py tests/test_redis_cluster.py -m cluster -p no:cacheprovider
 
 bench: setup
 	$(VENV)/worldcup bench

@@ -39,6 +39,7 @@ from app.core.security import KeyWrapper
 from app.engines import Engine, load_engine
 from app.services.cpu import CpuPool
 from app.services.probes import ProbeAccountant, probe_secret
+from app.services.registry import sweep_forever
 from app.services.runtime import Runtime
 from app.services.tenants import TenantService
 from app.services.watermark import WatermarkService
@@ -116,12 +117,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 tokenizer,
             ),
         )
-        with contextlib.suppress(StoreUnavailable):  # else /ready writes it later
+        try:  # else /ready writes it later
             runtime.marker = await store.ensure_marker(uuid.uuid4().hex)
+        except StoreUnavailable as exc:  # down, or a Redis in the legacy key layout
+            logger.warning("store marker not written: %s", exc)
         app.state.runtime = runtime
         if engine is not None:
             engine.start()
         runtime.warm = True
+        sweeper = (
+            asyncio.create_task(sweep_forever(store, settings.registry_sweep_interval_s))
+            if settings.registry_sweep_interval_s > 0
+            else None
+        )
         logger.info(
             "ready",
             extra={
@@ -136,6 +144,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             runtime.draining = True
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
             if engine is not None:
                 drained = await engine.drain(settings.drain_timeout_s)
                 if not drained:

@@ -264,7 +264,7 @@ async def _registry(
     r.raise_for_status()
     probe = r.json()
     store = RedisStore(redis_server.url, prefix="wcb", timeout_s=30)
-    done = int(redis_server.client.hlen(f"wcb:{tenant_id}:msgs"))
+    done = int(redis_server.client.get(f"wcb:{{{tenant_id}}}:msgseq") or 0)  # no voids
     added = 0  # bytes the allocations added (the decodes' own writes left out)
     for target in sorted({1_000, 10_000, 100_000, entries}):
         if target > entries:

@@ -49,3 +49,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     lm.model.save_pretrained(path)
     lm.tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Any:
+    """A real six-node Redis Cluster (tests/redis_cluster.py), for `-m cluster` tests."""
+    from redis_cluster import RedisClusterProcs
+
+    cluster = RedisClusterProcs().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

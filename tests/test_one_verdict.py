@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from app.services.corpus import RawRow
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from app.main import create_app
+from app.services.corpus import RawRow
 from app.stores.sqlite import SQLiteStore
 from tests.test_exposure import new_key
 from tests.test_service_api import (

@@ -1,4 +1,7 @@
-"""One contract suite for every store backend (SQLite and Redis).
+"""One contract suite for every store backend (SQLite, Redis and Redis Cluster).
+
+The Redis Cluster runs (pytest mark ``cluster``, ``make test-cluster``) use a real
+six-node cluster that the session starts (tests/redis_cluster.py).
 
 Redis tests use a real server (``WORLDCUP_TEST_REDIS_URL``, default
 ``redis://127.0.0.1:6379/15``) with a unique key prefix per test, removed
@@ -89,7 +92,7 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", pytest.param("cluster", marks=pytest.mark.cluster)])
 async def store(
     request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
 ) -> AsyncIterator[Store]:
@@ -99,6 +102,14 @@ async def store(
             yield s
         finally:
             await s.close()
+        return
+    if request.param == "cluster":  # a real Redis Cluster (make test-cluster)
+        cluster = request.getfixturevalue("redis_cluster")
+        s = RedisStore(cluster.url, prefix=f"wctest-{uuid.uuid4().hex}", cluster=True)
+        try:
+            yield s
+        finally:
+            await s.close()  # the cluster and its data go at the end of the session
         return
     async with redis_namespace() as prefix:
         s = RedisStore(REDIS_URL, prefix=prefix)
@@ -468,6 +479,41 @@ async def test_redis_two_clients_allocate_distinct_ids() -> None:
         assert await s1.get_tenant(tid) == await s2.get_tenant(tid) == tenant
 
 
+async def test_redis_write_without_replica_acknowledgement_is_refused() -> None:
+    """``wait_replicas``: a registry write that too few replicas acknowledged (here: a
+    Redis without replicas) is refused, never reported as issued; its id is spent."""
+    async with two_replicas() as (plain, _):
+        waiting = RedisStore(REDIS_URL, prefix=plain._prefix, wait_replicas=1, wait_timeout_ms=50)
+        try:
+            tenant, key = tenant_records("acme")
+            await plain.create_tenant(tenant, key)
+            tid = tenant.tenant_id
+            with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
+                await waiting.allocate_message(tid, 1, 32, {"m": 1}, 0.0)
+            with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
+                await waiting.add_key_version(key_record(tid, 2))
+            assert (await plain.allocate_message(tid, 1, 32, {}, 0.0)).message_id == 2
+        finally:
+            await waiting.close()
+
+
+async def test_redis_name_claim_of_a_creation_that_died_is_taken_over() -> None:
+    """A creation that died between claiming the name and writing the tenant leaves a
+    claim: refused while its ``creating`` marker lives, taken over once it expired."""
+    async with two_replicas() as (store, _):
+        raw, keys = store._redis, store._keys
+        await raw.hset(keys.g("tenant-names"), "acme", "t_dead")
+        await raw.set(keys.t("t_dead", "creating"), "1", px=60_000)
+        tenant, key = tenant_records("acme")
+        with pytest.raises(Conflict):
+            await store.create_tenant(tenant, key)
+        assert await store.get_tenant(tenant.tenant_id) is None
+        await raw.delete(keys.t("t_dead", "creating"))  # the marker expired
+        await store.create_tenant(tenant, key)
+        assert await store.list_tenants() == [tenant]
+        assert await raw.hget(keys.g("tenant-names"), "acme") == tenant.tenant_id
+
+
 async def test_redis_rate_limit_is_shared_by_replicas() -> None:
     """Two API replicas (two clients) draw from one bucket per tenant."""
     async with two_replicas() as (s1, s2):
@@ -708,6 +754,16 @@ def test_make_store_picks_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     store = make_store(settings)
     assert isinstance(store, RedisStore)
     asyncio.run(store.close())
+    # cluster mode: the same store on redis-py's cluster client, WAIT on by default
+    clustered = Settings(
+        master_key=master, admin_token=admin, redis_url="redis://127.0.0.1:7000", redis_cluster=True
+    )
+    store = make_store(clustered)
+    assert isinstance(store, RedisStore) and "cluster" in repr(store)
+    assert store._wait_replicas == 1
+    asyncio.run(store.close())
+    with pytest.raises(ValueError, match="WORLDCUP_REDIS_URL"):
+        Settings(master_key=master, admin_token=admin, redis_cluster=True)
 
 
 # -- issue 4: scopes, key listing, bit lengths, audit log, rate limits ----------

@@ -8,6 +8,7 @@ read the text on stdin and need only the tokenizer, never the model weights.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.metadata
 import importlib.util
@@ -705,6 +706,58 @@ def serve(
     run(settings)
 
 
+@_command("migrate-store")
+def migrate_store(
+    source: Annotated[
+        str, typer.Option("--from", envvar="WORLDCUP_REDIS_URL", help="The legacy Redis.")
+    ],
+    target: Annotated[
+        str | None, typer.Option("--to", help="Target Redis (a cluster node); default: --from.")
+    ] = None,
+    to_cluster: Annotated[
+        bool,
+        typer.Option("--to-cluster", envvar="WORLDCUP_REDIS_CLUSTER", help="Target is a cluster."),
+    ] = False,
+    prefix: Annotated[str, typer.Option("--prefix", envvar="WORLDCUP_REDIS_PREFIX")] = "wc",
+    delete_legacy: Annotated[
+        bool, typer.Option("--delete-legacy", help="Delete the legacy keys after the copy.")
+    ] = False,
+) -> None:
+    """Move a Redis store from the legacy key layout to the cluster layout (stop the API
+    first; safe to re-run). See docs/operations.md."""
+    import asyncio
+
+    from redis.exceptions import RedisError
+
+    from app.stores.base import StoreUnavailable
+    from app.stores.redis_migrate import migrate_store as run_migration
+
+    for option, url in (("--from", source), ("--to", target)):
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            fail(f"{option} must be a redis://, rediss:// or unix:// URL")
+    try:
+        report = asyncio.run(
+            run_migration(
+                source,
+                prefix=prefix,
+                target_url=target,
+                target_cluster=to_cluster,
+                delete_legacy=delete_legacy,
+                progress=lambda msg: typer.echo(msg, err=True),
+            )
+        )
+    except (RedisError, StoreUnavailable, OSError) as exc:
+        fail(f"migration failed ({type(exc).__name__}); it is safe to re-run")
+    if report.already_migrated:
+        typer.echo("already in the current layout: nothing to do")
+        return
+    typer.echo(
+        f"migrated {report.tenants} tenants, {report.entries} registry entries, "
+        f"{report.keys_copied} tenant keys, {report.global_keys} global keys"
+        + (f"; {report.legacy_deleted} legacy keys deleted" if delete_legacy else "")
+    )
+
+
 @_command("bench-service")
 def bench_service(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
@@ -853,6 +906,85 @@ def bench_attack(
         model=model, max_queries=max_queries, strategies=chosen, progress=progress
     )
     _emit(as_json, result, format_attack_bench(result))
+
+
+@_command("bench-registry")
+def bench_registry(
+    redis_url: Annotated[
+        str,
+        typer.Option(
+            "--redis-url",
+            help="The Redis to fill (a key prefix of its own, deleted at the end).",
+        ),
+    ] = "redis://127.0.0.1:6379/0",
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated registry sizes, ascending.")
+    ] = "100,10000,100000,1000000",
+    accuracy: Annotated[
+        bool,
+        typer.Option(
+            "--accuracy/--no-accuracy",
+            help="Also the list path's miss rate against the exhaustive match (simulated).",
+        ),
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Registry lookups over HTTP (/decode, /decode/batch, /provenance) at growing
+    registry sizes on Redis: latency and its ratio to the smallest, memory per entry,
+    fill rate; the codec's rate; the list path's miss rate."""
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from worldcup_cli.registry_bench import (
+            codec_rate,
+            format_registry_bench,
+            list_accuracy,
+            memory_per_entry,
+            run_registry_bench,
+        )
+    except ImportError as exc:
+        fail(f"the service extras are not installed ({exc.name}): pip install 'worldcup[service]'")
+    try:
+        chosen = tuple(int(x) for x in sizes.split(",") if x.strip())
+    except ValueError:
+        fail(f"--sizes: comma-separated integers, got {sizes!r}")
+    if not chosen or any(n < 10 for n in chosen) or list(chosen) != sorted(chosen):
+        fail(f"--sizes: ascending sizes of at least 10, got {sizes!r}")
+    from app.stores.base import StoreUnavailable
+    from app.stores.redis import RedisStore
+
+    async def ping() -> None:
+        store = RedisStore(redis_url, prefix="wcbench", timeout_s=2.0)
+        try:
+            await store.ping()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(ping())
+    except (StoreUnavailable, ValueError) as exc:
+        fail(f"the Redis at --redis-url is unreachable ({exc})")
+
+    def progress(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    rate = codec_rate()
+    progress(f"codec: {rate}")
+    result = run_registry_bench(redis_url=redis_url, sizes=chosen, progress=progress)
+    result["codec"] = rate
+    progress("memory per entry, small and 4096-byte metadata (Redis and SQLite)")
+    result["memory"] = memory_per_entry(redis_url)
+    if accuracy:
+        progress("list path against the exhaustive match (simulated texts)")
+        result["accuracy"] = list_accuracy()
+    human = format_registry_bench(result) + (
+        f"\ncodec (32-bit): {rate['payload_ids_per_s']:,} ids/s payload, "
+        f"{rate['message_id_ids_per_s']:,} ids/s message id (tables built in "
+        f"{rate['table_build_s']} s; scalar {rate['scalar_us_per_id']} us/id)"
+    )
+    _emit(as_json, result, human)
 
 
 @_command("eval")

@@ -78,7 +78,7 @@ class RegistryMatch:
     index: int
     bits: str
     agreement_z: float
-    p_value: float  # Bonferroni-corrected for the number of candidates
+    p_value: float  # Bonferroni-corrected for the registry size
     log10_p_value: float
     posterior: float
     runner_up_index: int | None
@@ -212,13 +212,27 @@ def _contradicted(
 
 
 def match_registry(
-    config: WatermarkConfig, evidence: TokenEvidence, candidates: list[str]
+    config: WatermarkConfig,
+    evidence: TokenEvidence,
+    candidates: list[str],
+    registry_size: int | None = None,
 ) -> RegistryMatch | None:
-    """Maximum-likelihood candidate among equal-length bit strings."""
+    """Maximum-likelihood candidate among equal-length bit strings; the p-value is
+    Bonferroni-corrected for ``registry_size`` (default: the number of candidates)."""
     if not candidates:
         return None
-    cand = bits_matrix(candidates, config.groups)  # (R, B, k), pad bits zero
-    ones, trials, _ = evidence.cells(cand.shape[1])
+    ones, trials, _ = evidence.cells(-(-len(candidates[0]) // config.groups))
+    return match_cells(ones, trials, candidates, registry_size)
+
+
+def match_cells(
+    ones: I64, trials: I64, candidates: list[str], registry_size: int | None = None
+) -> RegistryMatch | None:
+    """:func:`match_registry` on a text's cells ``ones``/``trials`` (B, k)."""
+    if not candidates:
+        return None
+    groups = ones.shape[-1]
+    cand = bits_matrix(candidates, groups)  # (R, B, k), pad bits zero
     total = int(trials.sum())
     if total == 0:
         return None
@@ -231,7 +245,7 @@ def match_registry(
             return 0.0  # the payload is not this entry, whatever the others say
         return posterior
 
-    return registry_match(candidates, agreement, total, adjust)
+    return registry_match(candidates, agreement, total, adjust, registry_size)
 
 
 PosteriorAdjust = Callable[[int, float, float], float]
@@ -242,21 +256,25 @@ def registry_match(
     agreement: npt.NDArray[np.int64],
     total: int,
     adjust: PosteriorAdjust | None = None,
+    registry_size: int | None = None,
 ) -> RegistryMatch:
     """The best of ``candidates`` by ``agreement`` (R,): scored tokens that agree with
     each entry, out of ``total``, each agreeing with probability exactly 1/2 under H0.
 
     The p-value is the exact binomial tail, Bonferroni-corrected for the registry
-    size; the posterior is uniform over the registry with the bias estimated from the
-    best entry. ``adjust(best, delta, posterior)`` lets a scheme revise the posterior
-    (an entry the evidence contradicts, a competitor outside the registry).
+    size (``registry_size``, a count the store keeps, when the candidates are only
+    part of the registry; else their number); the posterior is uniform over the
+    registry with the bias estimated from the best entry. ``adjust(best, delta,
+    posterior)`` lets a scheme revise the posterior (an entry the evidence
+    contradicts, a competitor outside the registry).
     """
     order = np.argsort(-agreement, kind="stable")
     best = int(order[0])
     a_best = int(agreement[best])
     # P(X >= a) = P(X <= total - a) for X ~ Bin(total, 1/2); log space never underflows
     log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
-    log_p = min(log_p_single + math.log(len(candidates)), 0.0)  # Bonferroni
+    size = max(len(candidates), registry_size or 0)
+    log_p = min(log_p_single + math.log(size), 0.0)  # Bonferroni
     delta = a_best / total - 0.5
     logits = llr_scale(delta) * (agreement - a_best).astype(np.float64)
     posterior = float(1.0 / np.exp(logits).sum())

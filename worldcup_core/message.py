@@ -10,6 +10,8 @@ them from what it reports.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,13 @@ import numpy.typing as npt
 
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.prf import WatermarkKey
+
+U64 = npt.NDArray[np.uint64]
+
+TABLE_MAX_HALF = 16  # round functions tabulated up to this many bits per Feistel half
+_TABLES: OrderedDict[tuple[bytes, int], npt.NDArray[np.uint32]] = OrderedDict()
+_TABLES_MAX = 32  # 32 codecs' tables (1 MiB each at 32-bit payloads) per process
+_TABLES_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -97,17 +106,24 @@ def bits_matrix(messages: list[str], groups: int) -> npt.NDArray[np.uint8]:
 class MessageIdCodec:
     """A keyed permutation between registry message ids and b-bit payloads.
 
-    Sequential ids would make neighbouring payloads differ in a single bit, so a
-    couple of bit errors would point at the wrong registry entry. Instead the
-    payload is an 8-round Feistel permutation of the id over 2*ceil(b/2) bits
-    (round function: keyed BLAKE2b on the subkey ``message-id``), cycle-walked
-    into [0, 2^b): payloads look uniformly random, stay unique, and decode
-    straight back to the id.
+        Sequential ids would make neighbouring payloads differ in a single bit, so a
+        couple of bit errors would point at the wrong registry entry. Instead the
+        payload is an 8-round Feistel permutation of the id over 2*ceil(b/2) bits
+        (round function: keyed BLAKE2b on the subkey ``message-id``), cycle-walked
+        into [0, 2^b): payloads look uniformly random, stay unique, and decode
+        straight back to the id.
 
-    >>> from worldcup_core.prf import WatermarkKey
-    >>> codec = MessageIdCodec(WatermarkKey(bytes(32)), 16)
-    >>> codec.message_id(codec.payload(42))
-    42
+        >>> from worldcup_core.prf import WatermarkKey
+
+    U64 = npt.NDArray[np.uint64]
+
+    TABLE_MAX_HALF = 16  # round functions tabulated up to this many bits per Feistel half
+    _TABLES: OrderedDict[tuple[bytes, int], npt.NDArray[np.uint32]] = OrderedDict()
+    _TABLES_MAX = 32  # 32 codecs' tables (1 MiB each at 32-bit payloads) per process
+    _TABLES_LOCK = threading.Lock()
+        >>> codec = MessageIdCodec(WatermarkKey(bytes(32)), 16)
+        >>> codec.message_id(codec.payload(42))
+        42
     """
 
     ROUNDS = 8
@@ -119,6 +135,8 @@ class MessageIdCodec:
         self._half = (num_bits + 1) // 2
         self._mask = (1 << self._half) - 1
         self._hasher = hashlib.blake2b(key=key.subkey("message-id"), digest_size=8)
+        # the table cache is keyed by a digest of the subkey, never the subkey itself
+        self._table_id = hashlib.blake2b(key.subkey("message-id"), digest_size=16).digest()
 
     def __repr__(self) -> str:
         return f"MessageIdCodec(num_bits={self.num_bits})"
@@ -158,3 +176,68 @@ class MessageIdCodec:
         if payload.num_bits != self.num_bits:
             raise ValueError(f"expected a {self.num_bits}-bit payload, got {payload.num_bits}")
         return self._walk(payload.to_int(), inverse=True)
+
+    # -- many ids at once -------------------------------------------------------
+    def _round_table(self) -> npt.NDArray[np.uint32] | None:
+        """Every round function value, (ROUNDS, 2^half), when the half is small enough
+        to tabulate (payloads of up to 32 bits): built once per key and payload length
+        (8 x 65 536 BLAKE2b calls at 32 bits, ~0.3 s), then each permutation is array
+        look-ups. None for longer payloads (their halves are too wide to tabulate)."""
+        if self._half > TABLE_MAX_HALF:
+            return None
+        cache_key = (self._table_id, self.num_bits)
+        with _TABLES_LOCK:
+            table = _TABLES.get(cache_key)
+            if table is not None:
+                _TABLES.move_to_end(cache_key)
+                return table
+        size = 1 << self._half
+        table = np.empty((self.ROUNDS, size), dtype=np.uint32)
+        for i in range(self.ROUNDS):
+            table[i] = [self._round(i, x) for x in range(size)]
+        with _TABLES_LOCK:
+            _TABLES[cache_key] = table
+            while len(_TABLES) > _TABLES_MAX:
+                _TABLES.popitem(last=False)
+        return table
+
+    def _permute_many(self, values: U64, inverse: bool, table: npt.NDArray[np.uint32]) -> U64:
+        half, mask = np.uint64(self._half), np.uint64(self._mask)
+        left, right = values >> half, values & mask
+        if inverse:
+            for i in range(self.ROUNDS - 1, -1, -1):
+                left, right = right ^ table[i][left], left
+        else:
+            for i in range(self.ROUNDS):
+                left, right = right, left ^ table[i][right]
+        out: U64 = (left << half) | right
+        return out
+
+    def _walk_many(self, values: U64, inverse: bool) -> U64:
+        table = self._round_table()
+        if table is None:
+            return np.array([self._walk(int(v), inverse) for v in values.tolist()], dtype=np.uint64)
+        out = self._permute_many(values, inverse, table)
+        cap = np.uint64(self.capacity)
+        todo = np.flatnonzero(out >= cap)
+        while todo.size:  # cycle-walking, only for the values still outside [0, 2^b)
+            out[todo] = self._permute_many(out[todo], inverse, table)
+            todo = todo[out[todo] >= cap]
+        return out
+
+    def _checked(self, values: npt.ArrayLike, what: str) -> U64:
+        arr = np.asarray(values)
+        if arr.ndim != 1:
+            raise ValueError(f"{what} must be a 1-d array")
+        if arr.size and (arr.min() < 0 or int(arr.max()) >= self.capacity):
+            raise ValueError(f"{what} must fit in {self.num_bits} bits")
+        return arr.astype(np.uint64)
+
+    def payload_ints(self, message_ids: npt.ArrayLike) -> U64:
+        """The payloads of many ids as integers, equal to ``payload(i).to_int()`` each:
+        array look-ups up to 32-bit payloads, the scalar rounds beyond."""
+        return self._walk_many(self._checked(message_ids, "message ids"), inverse=False)
+
+    def message_id_ints(self, payloads: npt.ArrayLike) -> U64:
+        """The ids of many payloads given as integers, equal to ``message_id`` each."""
+        return self._walk_many(self._checked(payloads, "payloads"), inverse=True)

@@ -75,6 +75,12 @@ def scan(
         typer.Option("--master-key-file", help="Default: WORLDCUP_MASTER_KEY(_FILE)."),
     ] = None,
     redis_prefix: Annotated[str, typer.Option("--redis-prefix")] = "wc",
+    redis_cluster: Annotated[
+        bool,
+        typer.Option(
+            "--redis-cluster", envvar="WORLDCUP_REDIS_CLUSTER", help="The store is a Redis Cluster."
+        ),
+    ] = False,
     tenant: Annotated[
         str | None, typer.Option("--tenant", help="Detect mode: the tenant's id or name.")
     ] = None,
@@ -149,7 +155,8 @@ def scan(
             if mode == "provenance" and tenant is not None:
                 _fail("--tenant is for --mode detect; provenance searches every tenant")
             master_key = master_key_from_env(master_key_file)
-            session = StoreSession(open_store(url, redis_prefix), master_key)
+            opened = open_store(url, redis_prefix, cluster=redis_cluster)
+            session = StoreSession(opened, master_key)
             keys = session.load_keys(tenant)
         spec = ScanSpec(
             keys,

@@ -144,7 +144,9 @@ def master_key_from_env(path: Path | None) -> bytes:
     return key
 
 
-def open_store(url: str, redis_prefix: str = "wc", timeout_s: float = 5.0) -> Store:
+def open_store(
+    url: str, redis_prefix: str = "wc", timeout_s: float = 5.0, cluster: bool = False
+) -> Store:
     """``redis://…`` or ``rediss://…``, ``sqlite:///path`` or a plain path to a SQLite file.
 
     A SQLite file must exist: opening a missing one would create an empty store.
@@ -152,7 +154,7 @@ def open_store(url: str, redis_prefix: str = "wc", timeout_s: float = 5.0) -> St
     if url.startswith(("redis://", "rediss://", "unix://")):
         from app.stores.redis import RedisStore
 
-        return RedisStore(url, prefix=redis_prefix, timeout_s=timeout_s)
+        return RedisStore(url, prefix=redis_prefix, timeout_s=timeout_s, cluster=cluster)
     path = Path(url.removeprefix("sqlite://")) if url.startswith("sqlite://") else Path(url)
     if not path.is_file():
         raise KeySourceError(f"no SQLite store at {path}")

@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from app.services.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
@@ -32,6 +35,13 @@ from worldcup_core.decoder import DecodeResult, RegistryMatch
 from worldcup_core.detector_weighted import best_verdict_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
+from worldcup_core.registry_lookup import (
+    exhaustive_match,
+    list_match,
+    payload_list,
+    text_cells,
+    use_list,
+)
 from worldcup_scan.keys import ScanKeys
 
 MODES = ("detect", "provenance")
@@ -98,6 +108,13 @@ class ScanSpec:
 
 
 @dataclass(frozen=True)
+class _Registry:
+    codec: MessageIdCodec
+    ids: npt.NDArray[np.uint64]
+    payloads: npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
 class _Decoded:
     result: DecodeResult
     match: RegistryMatch | None
@@ -124,7 +141,7 @@ class Scanner:
         self.tokenizer = tokenizer
         self.schemes: list[WorldCup] = [k.worldcup() for k in spec.keys.keys]
         self.bank = KeyBank(self.schemes) if spec.mode == "provenance" else None
-        self._candidates: dict[tuple[int, int], list[str]] = {}
+        self._candidates: dict[tuple[int, int], _Registry] = {}
 
     def __repr__(self) -> str:
         return f"Scanner({self.spec.mode}, {len(self.schemes)} keys)"
@@ -223,14 +240,39 @@ class Scanner:
         spec = self.spec.keys.keys[key_index]
         return self.spec.keys.registry.get((spec.tenant_id, spec.version), {})
 
-    def _registry_bits(self, key_index: int, num_bits: int) -> list[str]:
+    def _registry_of(self, key_index: int, num_bits: int) -> _Registry:
+        """The key's registry at this payload length: ids (ascending) and their payloads
+        (the vectorised codec), made once per scan."""
         cached = self._candidates.get((key_index, num_bits))
         if cached is None:
             ids = self._registry(key_index).get(num_bits, [])
             codec = MessageIdCodec(self.schemes[key_index].key, num_bits)
-            cached = [codec.payload(i).bits for i in ids]
+            ordered = np.unique(np.asarray(ids, dtype=np.uint64))
+            cached = _Registry(codec, ordered, codec.payload_ints(ordered))
             self._candidates[(key_index, num_bits)] = cached
         return cached
+
+    def _match(
+        self, key_index: int, ids: list[int], num_bits: int
+    ) -> tuple[RegistryMatch, int] | None:
+        """The registry's best entry for the text, and its id: exhaustive for a small
+        registry, else by list decoding (see :mod:`worldcup_core.registry_lookup`)."""
+        registry = self._registry_of(key_index, num_bits)
+        size = int(registry.ids.size)
+        if size == 0:
+            return None
+        scheme = self.schemes[key_index]
+        ones, trials, _ = scheme.evidence(ids).cells(scheme.config.symbols_for(num_bits))
+        cells = text_cells(ones, trials, num_bits)
+        if not use_list(num_bits, size):
+            match = exhaustive_match(cells, registry.payloads, size)
+            return None if match is None else (match, int(registry.ids[match.index]))
+        plist = payload_list(cells)
+        listed = registry.codec.message_id_ints(plist.payloads)
+        at = np.minimum(np.searchsorted(registry.ids, listed), size - 1)
+        live = registry.ids[at] == listed
+        found = list_match(cells, plist, listed, live, np.zeros_like(live), size)
+        return None if found is None else (found.match, found.message_id)
 
     def _decode(self, indices: list[int], ids: list[int], num_bits: int) -> _Decoded:
         """As the service's decode_texts: decode under each key, keep the most
@@ -243,9 +285,8 @@ class Scanner:
             ):
                 best_index, best_result = i, result
         assert best_result is not None
-        candidates = self._registry_bits(best_index, num_bits)
-        match = self.schemes[best_index].match(ids, candidates) if candidates else None
-        message_id = self._registry(best_index)[num_bits][match.index] if match else None
+        matched = self._match(best_index, ids, num_bits)
+        match, message_id = matched if matched is not None else (None, None)
         return _Decoded(best_result, match, message_id, best_index)
 
 

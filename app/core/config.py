@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     # store: Redis when a URL is set, otherwise embedded SQLite
     redis_url: str | None = None
     redis_prefix: str = "wc"
+    # Redis Cluster: WORLDCUP_REDIS_URL names any one node (redis-py's cluster client)
+    redis_cluster: bool = False
+    # replicas that must acknowledge each registry write (WAIT) before /generate answers;
+    # unset: 1 in cluster mode, 0 on a single Redis (docs/operations.md)
+    redis_wait_replicas: Annotated[int, Field(ge=0, le=16)] | None = None
+    redis_wait_timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 500
     sqlite_path: Path = Path("worldcup.sqlite3")
     store_timeout_s: Annotated[float, Field(gt=0)] = 2.0
 
@@ -155,6 +161,8 @@ class Settings(BaseSettings):
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000
     max_batch_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1_048_576
     provenance_refresh_s: Annotated[float, Field(ge=0)] = 30.0
+    # registry retention: how often the sweep runs (0: never; POST /admin/registry/sweep)
+    registry_sweep_interval_s: Annotated[float, Field(ge=0)] = 3600.0
 
     # console cases (saved checks): forgotten after this many days (0 = kept until
     # deleted); a console batch upload holds at most console_batch_limit texts
@@ -178,6 +186,12 @@ class Settings(BaseSettings):
                     f"WORLDCUP_{field.upper()}={getattr(self, field)} contradicts it"
                 )
             setattr(self, field, value)
+        return self
+
+    @model_validator(mode="after")
+    def _check_redis_cluster(self) -> Self:
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError("WORLDCUP_REDIS_CLUSTER=true needs WORLDCUP_REDIS_URL (any node)")
         return self
 
     _throwaway: set[str] = PrivateAttr(default_factory=set)

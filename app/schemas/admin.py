@@ -34,6 +34,21 @@ class SetScopes(StrictModel):
     scopes: Annotated[list[Scope], Field(max_length=8)]
 
 
+class SetRetention(StrictModel):
+    days: Annotated[float | None, Field(gt=0, le=36_500)] = Field(
+        description="Registry retention in days; null keeps entries forever (the default)."
+    )
+
+
+class RetentionOut(StrictModel):
+    tenant_id: str
+    days: float | None
+
+
+class SweepOut(StrictModel):
+    expired: dict[str, int] = Field(description="Entries deleted, per tenant with retention.")
+
+
 class TenantOut(StrictModel):
     tenant_id: str
     name: str

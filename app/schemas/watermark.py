@@ -494,6 +494,11 @@ class DecodeResponse(_VerdictAnswer):
     num_scored_tokens: int
     key_version: int
     registry_match: RegistryMatchOut | None
+    registry_expired: bool = Field(
+        False,
+        description="The text matches a registry entry past the tenant's registry "
+        "retention: it was issued by this tenant, but its entry is gone.",
+    )
     evidence: EvidenceOut | None = None
 
 
@@ -601,6 +606,9 @@ class ProvenanceMatch(StrictModel):
     bits: str = Field(description="The decoded payload under this key ('?' = erasure).")
     num_bits: int
     registry_entry: RegistryMatchOut | None
+    registry_expired: bool = Field(
+        False, description="The text matches an entry past the tenant's registry retention."
+    )
 
 
 class TokenScore(StrictModel):

@@ -30,6 +30,7 @@ from app.schemas.watermark import (
     verdict_fields,
 )
 from app.services import intake
+from app.services.registry import expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
 from app.services.watermark import Assessed, DecodeOutcome, corrected
@@ -63,6 +64,9 @@ def _decode_response(
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
         registry_match=intake.registry_match(runtime, outcome, assessment),
+        registry_expired=expired_answer(
+            outcome.match, outcome.expired, assessment, runtime.settings
+        ),
     )
 
 

@@ -41,6 +41,7 @@ from app.services.intake import (
     token_pieces,
 )
 from app.services.probes import Sketch
+from app.services.registry import expired_answer
 from app.services.runtime import Runtime
 from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
@@ -179,6 +180,9 @@ async def _search(
             bits=decoded.result.bits,
             num_bits=num_bits,
             registry_entry=registry_match(runtime, decoded, outcome.assessment),
+            registry_expired=expired_answer(
+                decoded.match, decoded.expired, outcome.assessment, settings
+            ),
         )
     candidates = [
         ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import TypeVar
 from app.schemas.watermark import EvidenceOut
 from app.services.cpu import TOKEN_CHARS, CpuPool, offload, offload_map
 from app.services.evidence import evidence_block
+from app.services.registry import Found, Pending, RegistryLookup
 from app.services.tenants import TenantService
 from app.stores.base import RegistryEntry, Store, TenantRecord
 from worldcup_core import DecodeResult, DetectionResult, WorldCup
@@ -30,6 +30,7 @@ from worldcup_core.detector import z_from_log_p
 from worldcup_core.detector_weighted import best_verdict_log_p
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
+from worldcup_core.registry_lookup import text_cells
 from worldcup_core.scoring import sidak_log_p
 
 T = TypeVar("T")
@@ -51,6 +52,7 @@ class DecodeOutcome:
     entry: RegistryEntry | None
     versions_tried: int = 1  # the best of these; its p-value is corrected for them
     entry_bits: str | None = None  # the matched entry's payload, as it was issued
+    expired: bool = False  # the best candidate is an entry past the tenant's retention
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class WatermarkService:
         self.cpu = cpu
         self.provenance_refresh_s = provenance_refresh_s
         self._bank: _Bank | None = None
+        self.registry = RegistryLookup(store)
         self._bank_lock = asyncio.Lock()
 
     async def offload(self, fn: Callable[[], T]) -> T:
@@ -171,43 +174,24 @@ class WatermarkService:
         key_version: int | None,
     ) -> list[DecodeOutcome]:
         """Decode under each candidate key version, keep the most significant, and
-        match it against that version's registry. Store reads happen once per batch."""
+        match it against that version's registry (:mod:`app.services.registry`: the
+        registry's counters once per batch, then its cached payloads, or one lookup
+        of the text's likeliest ids per text)."""
         versions = (
             [await self.tenants.version(tenant_id, key_version)]
             if key_version is not None
             else await self.tenants.versions(tenant_id)
         )
-        # Ids at or above the payload's capacity cannot be encoded; older releases
-        # could leave such entries behind a 409 registry_full, so skip them.
-        registry = {
-            v.version: [
-                i
-                for i in await self.store.message_ids(tenant_id, v.version, num_bits)
-                if i < 2**num_bits
-            ]
+        plans = {
+            v.version: await self.registry.plan(
+                tenant_id, MessageIdCodec(v.scheme.key, num_bits), v.version
+            )
             for v in versions
         }
 
-        made: list[dict[int, list[str]]] = []
-        making = threading.Lock()
-
-        def registry_bits() -> dict[int, list[str]]:
-            """The registry's payloads, made once per call by the first chunk's job."""
-            with making:
-                if not made:
-                    made.append(
-                        {
-                            v.version: [
-                                MessageIdCodec(v.scheme.key, num_bits).payload(i).bits for i in ids
-                            ]
-                            for v in versions
-                            if (ids := registry[v.version])
-                        }
-                    )
-                return made[0]
-
-        def work(chunk: list[list[int]]) -> list[tuple[DecodeOutcome, int | None, str | None]]:
-            candidates = registry_bits()
+        def work(
+            chunk: list[list[int]],
+        ) -> list[tuple[DecodeOutcome, Found | None, Pending | None]]:
             out = []
             for token_ids in chunk:
                 best: DecodeOutcome | None = None
@@ -219,25 +203,39 @@ class WatermarkService:
                         best = DecodeOutcome(v.version, result, None, None)
                 assert best is not None
                 scheme = next(v.scheme for v in versions if v.version == best.key_version)
-                cands = candidates.get(best.key_version)
-                match = scheme.match(token_ids, cands) if cands else None
-                message_id = registry[best.key_version][match.index] if match else None
-                bits = cands[match.index] if match and cands else None
-                out.append(
-                    (DecodeOutcome(best.key_version, best.result, match, None), message_id, bits)
-                )
+                plan = plans[best.key_version]
+                found, pending = None, None
+                if plan.candidates > 0:
+                    symbols = scheme.config.symbols_for(num_bits)
+                    ones, trials, _ = scheme.evidence(token_ids).cells(symbols)
+                    cells = text_cells(ones, trials, num_bits)
+                    if plan.payloads is not None:
+                        found = self.registry.match_small(plan, cells)
+                    else:
+                        pending = self.registry.prepare_list(plan, cells)
+                out.append((best, found, pending))
             return out
 
         # one job per chunk of texts: a big batch does not hold the workers for long
         decoded = await offload_map(self.cpu, work, texts, lambda ids: TOKEN_CHARS * len(ids))
+        waiting = [(best.key_version, p) for best, _, p in decoded if p is not None]
+        listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting))
         outcomes = []
-        for outcome, message_id, bits in decoded:
+        for best, found, pending in decoded:
+            if pending is not None:
+                found = next(listed)
             entry = None
-            if message_id is not None:
-                entry = await self.store.registry_entry(tenant_id, message_id)
+            if found is not None and not found.expired:
+                entry = await self.store.registry_entry(tenant_id, found.message_id)
             outcomes.append(
                 DecodeOutcome(
-                    outcome.key_version, outcome.result, outcome.match, entry, len(versions), bits
+                    best.key_version,
+                    best.result,
+                    found.match if found is not None else None,
+                    entry,
+                    len(versions),
+                    found.match.bits if found is not None else None,
+                    expired=found is not None and found.expired,
                 )
             )
         return outcomes

@@ -145,6 +145,25 @@ class RegistryEntry:
 
 
 @dataclass(frozen=True)
+class RegistrySize:
+    """How many candidates one (key version, payload length) registry holds, from
+    counters kept at write time (never a scan): ``live`` entries, ``expired`` ones the
+    retention sweep removed, ``expired_below``: every id below it is expired (0: none),
+    and ``last_id``: the tenant's highest id handed out so far (over every key version
+    and length; no id above it is an entry, so a lookup asks the store only about the
+    listed ids up to it). A p-value is Bonferroni-corrected for ``live + expired``."""
+
+    live: int
+    expired: int = 0
+    expired_below: int = 0
+    last_id: int = 0
+
+    @property
+    def candidates(self) -> int:
+        return self.live + self.expired
+
+
+@dataclass(frozen=True)
 class AuditRecord:
     """One provenance query: who asked, when, and what was found (never the text)."""
 
@@ -303,8 +322,11 @@ class Store(Protocol):
 
     async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None: ...
 
-    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
-        """Ids issued under this key version and payload length (registry ML decoding)."""
+    async def message_ids(
+        self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
+    ) -> list[int]:
+        """Ids issued under this key version and payload length (registry ML decoding),
+        ascending; only those above ``after`` when given (a cache's increment)."""
 
     async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
         """The payload lengths the registry has entries for under this key version."""
@@ -313,6 +335,41 @@ class Store(Protocol):
         """Withdraw an entry whose text could not be watermarked: it is no longer read
         nor matched (``registry_entry`` None, out of ``message_ids``), and its id is
         never handed out again. False if there was no such entry."""
+
+    # registry lookup without reading the registry (issue #36); both O(1) or O(ids)
+    async def registry_size(self, tenant_id: str, key_version: int, num_bits: int) -> RegistrySize:
+        """Counters of this (key version, payload length) registry, kept at write time:
+        ``allocate_message`` adds 1 to ``live``, ``void_message`` takes 1 off, the sweep
+        (``expire_registry``) moves what it deletes from ``live`` to ``expired``. One
+        round trip, independent of the registry's size (Redis: one MGET of the counters
+        in the tenant's slot, ``msgseq`` for ``last_id``; the live counter is taken at
+        the id's allocation, so an allocation that failed half way over-counts it by
+        one, a conservative correction; SQLite: one row of ``registry_counts``
+        and the tenant's MAX(message_id) from the primary key)."""
+
+    async def issued_among(
+        self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]
+    ) -> list[bool]:
+        """For each of ``message_ids`` (any order, duplicates allowed, ids out of range
+        simply False): whether it is a live entry issued under this key version and
+        payload length (voided and expired ones are not). One round trip whatever the
+        number of ids (Redis: one script per id-range bucket the ids fall in, pipelined;
+        SQLite: one IN query)."""
+
+    # registry retention (issue #36)
+    async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
+        """The tenant's registry retention in days; None keeps entries forever (default)."""
+
+    async def registry_retention(self, tenant_id: str) -> float | None:
+        """The tenant's registry retention in days, None if entries are kept forever."""
+
+    async def expire_registry(self, tenant_id: str, issued_before: float) -> int:
+        """The retention sweep: advance the tenant's watermark ``expired_below`` to the
+        first id issued at or after ``issued_before`` (ids are allocated in time order),
+        then delete every entry below it, moving them from the counters' ``live`` to
+        ``expired``. The watermark never goes back, and ids below it are never handed
+        out again (``allocate_message`` continues above it). Returns how many entries
+        were deleted. Idempotent; safe to run from several replicas at once."""
 
     # audit log
     async def append_audit(self, record: AuditRecord) -> None:

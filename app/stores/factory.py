@@ -15,7 +15,12 @@ def make_store(settings: Settings) -> Store:
         from app.stores.redis import RedisStore
 
         return RedisStore(
-            settings.redis_url, prefix=settings.redis_prefix, timeout_s=settings.store_timeout_s
+            settings.redis_url,
+            prefix=settings.redis_prefix,
+            timeout_s=settings.store_timeout_s,
+            cluster=settings.redis_cluster,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
         )
     from app.stores.sqlite import SQLiteStore
 

@@ -1,214 +1,68 @@
 """Redis store: the deployment backend, shared by every API replica.
 
-Layout (``p`` = prefix, ``t`` = tenant id)::
+Runs on one Redis or on Redis Cluster (``cluster=True``) with one key layout
+(:mod:`app.stores.redis_layout`): every script touches one hash tag, and global
+indexes are never in a script or transaction with a tenant's keys. Parts:
+:mod:`~app.stores.redis_base` (client, failure policy, acknowledged writes),
+:mod:`~app.stores.redis_registry` (the message registry), :mod:`~app.stores.redis_cases`
+(console cases), :mod:`~app.stores.redis_migrate` (from the legacy layout).
 
-    p:tenants                 set   tenant ids
-    p:tenant-names            hash  name -> tenant id (uniqueness)
-    p:apikey:{sha256}         str   tenant id (authentication lookup)
-    p:t:tenant                hash  TenantRecord fields
-    p:t:keys                  hash  version -> KeyRecord JSON (wrapped key in base64)
-    p:t:msgseq                str   last allocated message id (INCR)
-    p:t:msgs                  hash  message id -> RegistryEntry JSON
-    p:t:msgidx:{kv}:{bits}    zset  message ids issued under (key version, payload bits)
-    p:t:msgbits:{kv}          set   payload lengths issued under a key version
-    p:t:ratelimit             hash  token bucket (tokens, ts), expires when full
-    p:keyhash:{sha256}        str   "tenant id key id" of an API key (authentication lookup)
-    p:t:apikeys               hash  key id -> ApiKeyRecord JSON
-    p:t:apikeys-revoked       hash  key id -> revocation time
-    p:t:probe:{k}:band:{b}    str   cluster id an anchor hash b of account k points to (TTL)
-    p:t:probe:{k}:sk:{c}      str   the cluster's bottom-k sketches, base64 (TTL)
-    p:t:probe:{k}:hits:{c}    zset  times of the cluster's counted queries (TTL)
-    p:audit                   stream provenance audit log (one JSON field per entry)
-    p:t:idem:{key}            str   IdempotencyRecord JSON, with a TTL
-    p:marker                  str   the service's marker (written at first start)
-    p:case:{id}               str   CaseRecord JSON (its text too, if kept), expiring at retention
-    p:cases:all               zset  case ids by creation time (every case)
-    p:cases:t:{t}             zset  case ids of tenant t (``-`` for the admin's)
-    p:cases:b:{batch}         zset  case ids of one console batch
-
-Every write that must be atomic is one Lua script (or WATCH/MULTI), so
-concurrent API replicas can never hand out the same message id or create two
-tenants with one name. All scripts declare the keys they touch.
-
-Failure policy: fail fast. Each store call has a hard deadline of ``timeout_s``
-(pool wait + connect + command), redis-py's own retries are disabled, and any
-connection-level error becomes :class:`StoreUnavailable` whose message never
-contains the URL or its password. Broken pooled connections are re-opened on
-their next use, so the store recovers by itself when Redis comes back.
+Uniqueness across slots uses claims: a tenant's name (``tenant-names``) and API-key
+hash (``apikey:``), and an API key's hash (``keyhash:``), are claimed first with an
+atomic set-if-absent on their one global key; only then is the tenant (or key)
+written in its own slot. A conflict releases the claims made so far (compare and
+delete). Readers reach a tenant only through its own keys, so a claim whose tenant
+was never written is invisible; a name claim left by a creation that died half way is
+taken over once its ``creating`` marker (TTL) has expired.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import json
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any, cast
-from urllib.parse import urlsplit
-
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, WatchError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.maint_notifications import MaintNotificationsConfig
 
 from app.stores.base import (
     ApiKeyRecord,
     AuditRecord,
-    CaseRecord,
     Conflict,
     IdempotencyRecord,
     KeyRecord,
     ProbeDecision,
     RateDecision,
-    RegistryEntry,
-    RegistryFull,
     StoreUnavailable,
     TenantRecord,
     api_key_from_json,
     api_key_to_json,
     audit_from_json,
     audit_to_json,
-    case_from_json,
-    case_to_json,
-    check_tenant_id,
     compact_json,
+)
+from app.stores.redis_cases import RedisCases
+from app.stores.redis_layout import LAYOUT_VERSION
+from app.stores.redis_registry import RedisRegistry
+from app.stores.redis_scripts import (
+    ADD_KEY,
+    COMMIT_TENANT,
+    PROBE_HIT,
+    RELEASE_CLAIM,
+    REPLACE_KEYS,
+    RESERVE_TENANT,
+    REVOKE_API_KEY,
+    SET_SCOPES,
+    SWAP_HASH_CLAIM,
+    TAKE_TOKENS,
 )
 
 __all__ = ["RedisStore"]
 
-# Errors that mean "the backend is not usable right now" (as opposed to a bug).
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    RedisConnectionError,  # includes AuthenticationError, BusyLoadingError, pool exhaustion
-    RedisTimeoutError,
-    ReadOnlyError,  # failover in progress: we are talking to a replica
-    OSError,
-    TimeoutError,  # our own per-call deadline (asyncio.timeout)
-)
-
-# KEYS: names, tenants, apikey, tenant hash, keys hash
-# ARGV: name, tenant_id, api_key_hash, created_at, scopes_json, key_version, key_json
-_CREATE_TENANT = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 'name' end
-if redis.call('EXISTS', KEYS[3]) == 1 then return 'apikey' end
-if redis.call('EXISTS', KEYS[4]) == 1 or redis.call('EXISTS', KEYS[5]) == 1 then
-  return 'id'
-end
-redis.call('HSET', KEYS[4], 'tenant_id', ARGV[2], 'name', ARGV[1],
-           'api_key_hash', ARGV[3], 'created_at', ARGV[4], 'scopes', ARGV[5])
-redis.call('HSET', KEYS[5], ARGV[6], ARGV[7])
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('SET', KEYS[3], ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[2])
-return 'ok'
-"""
-
-# KEYS: tenant hash, keys hash. ARGV: version, key_json.
-# Versions are contiguous from 1, so HLEN is the latest version.
-# Returns {1, latest} on success, {0, latest} on a version mismatch, {-1, 0} if no tenant.
-_ADD_KEY = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
-local latest = redis.call('HLEN', KEYS[2])
-if tonumber(ARGV[1]) ~= latest + 1 then return {0, latest} end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return {1, latest}
-"""
-
-# KEYS: msgseq, msgs hash, index zset, bit-length set. ARGV: entry JSON without
-# the id, num_bits, max id (-1: none). Returns the id, or -1 (nothing written) at
-# the max. INCR + write + index in one script: no two callers can get the same
-# id, and an id is never visible without its entry.
-_ALLOCATE = """
-local max = tonumber(ARGV[3])
-if max >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= max then return -1 end
-local id = redis.call('INCR', KEYS[1])
-redis.call('HSET', KEYS[2], id, ARGV[1])
-redis.call('ZADD', KEYS[3], id, id)
-redis.call('SADD', KEYS[4], ARGV[2])
-return id
-"""
-
-# KEYS: tenant hash. ARGV: scopes JSON. 1 if updated, 0 if no such tenant.
-_SET_SCOPES = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'scopes', ARGV[1])
-return 1
-"""
-
-# Token bucket. KEYS: bucket hash. ARGV: rate per second, burst, cost.
-# Redis's own clock (TIME) so every replica of the API shares one time base.
-# Returns {allowed, retry_after_s, tokens_left} (floats as strings).
-_TAKE_TOKENS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local h = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens, ts = tonumber(h[1]), tonumber(h[2])
-if tokens == nil or ts == nil then tokens, ts = burst, now end
-tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
-local allowed, retry = 0, (cost - tokens) / rate
-if tokens >= cost then
-  tokens, allowed, retry = tokens - cost, 1, 0
-end
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens),
-           'ts', string.format('%.6f', now))
-redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
-return {allowed, string.format('%.6f', retry), string.format('%.6f', tokens)}
-"""
-
-# KEYS: apikeys hash, keyhash lookup. ARGV: key id, record JSON, "tenant key" ref.
-# 0 if the key id exists, -1 if the hash is taken, 1 when written.
-_ADD_API_KEY = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('SET', KEYS[2], ARGV[3])
-return 1
-"""
-
-# KEYS: apikeys hash, revoked hash. ARGV: key id, time. 0 if no such key.
-_REVOKE_API_KEY = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
-return 1
-"""
-
-# Sliding-window probe counter. KEYS: hits zset, sketch key, band keys...
-# ARGV: window ms, budget, cluster id, sketch ('' keeps the old one), member nonce.
-# Redis's clock, so every replica shares one time base.
-# Returns {allowed, count, retry_after_ms}.
-_PROBE_HIT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local window, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-local count = redis.call('ZCARD', KEYS[1])
-if count >= budget then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  local retry = window
-  if oldest[2] then retry = tonumber(oldest[2]) + window - now end
-  return {0, count, retry}
-end
-redis.call('ZADD', KEYS[1], now, now .. ':' .. ARGV[5])
-redis.call('PEXPIRE', KEYS[1], window)
-if ARGV[4] ~= '' then
-  redis.call('SET', KEYS[2], ARGV[4], 'PX', window)
-  for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[3], 'PX', window) end
-else
-  redis.call('PEXPIRE', KEYS[2], window)
-end
-return {1, count + 1, 0}
-"""
-
 AUDIT_MAXLEN = 1_000_000  # approximate trim; older records go first
+CREATING_TTL_MS = 60_000  # a creation older than this died half way: its claims are free
 
 
-def _key_to_json(key: KeyRecord) -> str:
+def key_to_json(key: KeyRecord) -> str:
     return compact_json(
         {
             "version": key.version,
@@ -223,7 +77,7 @@ def _key_to_json(key: KeyRecord) -> str:
     )
 
 
-def _key_from_json(tenant_id: str, raw: str) -> KeyRecord:
+def key_from_json(tenant_id: str, raw: str) -> KeyRecord:
     d = json.loads(raw)
     return KeyRecord(
         tenant_id=tenant_id,
@@ -250,8 +104,8 @@ def _tenant_from_hash(h: dict[str, str]) -> TenantRecord | None:
     )
 
 
-class RedisStore:
-    """:class:`~app.stores.base.Store` on Redis (redis-py asyncio, bounded blocking pool)."""
+class RedisStore(RedisRegistry, RedisCases):
+    """:class:`~app.stores.base.Store` on Redis or Redis Cluster (redis-py asyncio)."""
 
     def __init__(
         self,
@@ -259,99 +113,98 @@ class RedisStore:
         prefix: str = "wc",
         timeout_s: float = 2.0,
         max_connections: int = 64,
+        cluster: bool = False,
+        wait_replicas: int | None = None,
+        wait_timeout_ms: int = 500,
     ) -> None:
-        if not prefix or ":" in prefix:
-            raise ValueError("prefix must be non-empty and contain no ':'")
-        parts = urlsplit(url)
-        # Kept only to scrub it from error messages; never logged or shown.
-        self._password = parts.password or ""
-        self._where = f"{parts.hostname or 'localhost'}:{parts.port or 6379}{parts.path or ''}"
-        self._prefix = prefix
-        self._timeout_s = timeout_s
-        self._pool: BlockingConnectionPool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,  # waiting for a free pooled connection
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # fail fast; the caller answers 503
-            # Off: with maintenance notifications on, redis-py skips its check for dead
-            # pooled sockets (so the first calls after an outage fail again) and may
-            # relax timeouts to many seconds during server maintenance.
-            maint_notifications_config=MaintNotificationsConfig(enabled=False),
-            decode_responses=True,
+        super().__init__(
+            url, prefix, timeout_s, max_connections, cluster, wait_replicas, wait_timeout_ms
         )
-        self._redis: Redis = Redis.from_pool(self._pool)
-        self._create_tenant = self._redis.register_script(_CREATE_TENANT)
-        self._add_key = self._redis.register_script(_ADD_KEY)
-        self._allocate = self._redis.register_script(_ALLOCATE)
-        self._set_scopes = self._redis.register_script(_SET_SCOPES)
-        self._take_tokens = self._redis.register_script(_TAKE_TOKENS)
-        self._add_api_key = self._redis.register_script(_ADD_API_KEY)
-        self._revoke_api_key = self._redis.register_script(_REVOKE_API_KEY)
-        self._probe_hit = self._redis.register_script(_PROBE_HIT)
-
-    def __repr__(self) -> str:
-        return f"RedisStore({self._where!r}, prefix={self._prefix!r})"
-
-    # -- plumbing -------------------------------------------------------------
-
-    def _t(self, tenant_id: str, *parts: object) -> str:
-        return ":".join([self._prefix, check_tenant_id(tenant_id), *map(str, parts)])
-
-    def _g(self, *parts: object) -> str:
-        return ":".join([self._prefix, *map(str, parts)])
-
-    def _reason(self, exc: BaseException) -> str:
-        text = str(exc) or type(exc).__name__
-        if self._password:
-            text = text.replace(self._password, "***")
-        return f"{type(exc).__name__}: {text}"[:200]
-
-    @contextlib.asynccontextmanager
-    async def _guard(self) -> AsyncIterator[None]:
-        """Bound the whole call by ``timeout_s`` and map outages to StoreUnavailable."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                yield
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
+        self._init_registry()
+        s = self._script
+        self._reserve_tenant, self._commit_tenant = s(RESERVE_TENANT), s(COMMIT_TENANT)
+        self._swap_hash_claim, self._release_claim = s(SWAP_HASH_CLAIM), s(RELEASE_CLAIM)
+        self._add_key, self._replace_keys = s(ADD_KEY), s(REPLACE_KEYS)
+        self._set_scopes, self._take_tokens = s(SET_SCOPES), s(TAKE_TOKENS)
+        self._revoke_api_key, self._probe_hit = s(REVOKE_API_KEY), s(PROBE_HIT)
 
     # -- lifecycle ------------------------------------------------------------
 
-    async def ping(self) -> None:
-        async with self._guard():
-            await self._redis.ping()
-
     async def ensure_marker(self, value: str) -> str:
+        """The marker; a fresh deployment also records its key layout. A deployment with
+        a marker but no layout record is in the legacy layout: refused until migrated."""
+        g = self._keys.g
         async with self._guard():
-            await self._redis.set(self._g("marker"), value, nx=True)
-            stored = await self._redis.get(self._g("marker"))
+            if not await self._redis.exists(g("marker")):
+                await self._redis.set(g("layout"), LAYOUT_VERSION, nx=True)
+                await self._redis.set(g("marker"), value, nx=True)
+            layout = await self._redis.get(g("layout"))
+            stored = await self._redis.get(g("marker"))
+        if layout != LAYOUT_VERSION:
+            raise StoreUnavailable(
+                f"redis holds the legacy key layout ({layout or 'no layout record'}); "
+                "run `worldcup migrate-store` first (docs/operations.md)"
+            )
         return str(stored if stored is not None else value)
 
     async def marker(self) -> str | None:
         async with self._guard():
-            stored = await self._redis.get(self._g("marker"))
+            stored = await self._redis.get(self._keys.g("marker"))
         return None if stored is None else str(stored)
-
-    async def close(self) -> None:
-        # Closing the client closes the pool too (it was created with from_pool).
-        with contextlib.suppress(*_UNAVAILABLE):
-            await self._redis.aclose()
 
     # -- tenants --------------------------------------------------------------
 
+    async def _claim_name(self, name: str, tid: str) -> bool:
+        """Set-if-absent in the global name index; takes over an abandoned claim."""
+        names = self._keys.g("tenant-names")
+        async with self._guard():
+            if await self._redis.hsetnx(names, name, tid):
+                return True
+            holder = cast("str | None", await self._redis.hget(names, name))
+            if holder is None:  # released meanwhile
+                return bool(await self._redis.hsetnx(names, name, tid))
+            if holder == tid:
+                return True
+            t = self._keys.t
+            alive = await self._redis.exists(t(holder, "tenant"), t(holder, "creating"))
+            if alive:
+                return False
+            return bool(int(await self._swap_hash_claim(keys=[names], args=[name, holder, tid])))
+
+    async def _release(
+        self, tenant: TenantRecord, name: bool, api_key: bool, ours: bool = True
+    ) -> None:
+        """Undo a creation's claims; ``ours``: the id was reserved by this creation."""
+        tid, g = tenant.tenant_id, self._keys.g
+        async with self._guard():
+            if name:
+                await self._swap_hash_claim(keys=[g("tenant-names")], args=[tenant.name, tid, ""])
+            if api_key:
+                await self._release_claim(keys=[g("apikey", tenant.api_key_hash)], args=[tid])
+            if ours:
+                await self._redis.srem(g("tenants"), tid)
+                await self._redis.delete(self._keys.t(tid, "creating"))
+
     async def create_tenant(self, tenant: TenantRecord, key: KeyRecord) -> None:
+        """Reserve the id (tenant slot), claim the name and API-key hash (global keys),
+        list the id, then write the tenant (tenant slot). Any conflict undoes the claims."""
         if key.tenant_id != tenant.tenant_id or key.version != 1:
             raise ValueError("the first key must be version 1 of the same tenant")
-        tid = tenant.tenant_id
-        keys = [
-            self._g("tenant-names"),
-            self._g("tenants"),
-            self._g("apikey", tenant.api_key_hash),
-            self._t(tid, "tenant"),
-            self._t(tid, "keys"),
-        ]
+        tid, t, g = tenant.tenant_id, self._keys.t, self._keys.g
+        own = [t(tid, "tenant"), t(tid, "keys"), t(tid, "creating")]
+        async with self._guard():
+            reserved = await self._reserve_tenant(keys=own, args=[CREATING_TTL_MS])
+        if reserved != "ok":
+            raise Conflict(f"tenant id {tid!r} already exists")
+        if not await self._claim_name(tenant.name, tid):
+            await self._release(tenant, name=False, api_key=False)
+            raise Conflict(f"tenant name {tenant.name!r} already exists")
+        async with self._guard():
+            api_key = g("apikey", tenant.api_key_hash)
+            claimed = await self._redis.set(api_key, tid, nx=True)
+        if not claimed:
+            await self._release(tenant, name=True, api_key=False)
+            raise Conflict("api key hash already in use")
         args: list[str | int] = [
             tenant.name,
             tid,
@@ -359,43 +212,45 @@ class RedisStore:
             repr(float(tenant.created_at)),
             compact_json(list(tenant.scopes)),
             key.version,
-            _key_to_json(key),
+            key_to_json(key),
         ]
         async with self._guard():
-            result = await self._create_tenant(keys=keys, args=args)
-        if result == "name":
-            raise Conflict(f"tenant name {tenant.name!r} already exists")
-        if result == "apikey":
-            raise Conflict("api key hash already in use")
-        if result == "id":
+            await self._redis.sadd(g("tenants"), tid)  # before the tenant: always listed
+            result = await self._eval_acked(self._commit_tenant, own, args)
+        if result != "ok":
+            await self._release(tenant, name=True, api_key=True, ours=False)
             raise Conflict(f"tenant id {tid!r} already exists")
 
     async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
-        key = self._t(tenant_id, "tenant")
+        key = self._keys.t(tenant_id, "tenant")
         async with self._guard():
             h = cast("dict[str, str]", await self._redis.hgetall(key))
         return _tenant_from_hash(h)
 
     async def tenant_by_api_key_hash(self, api_key_hash: str) -> TenantRecord | None:
         async with self._guard():
-            tid = cast("str | None", await self._redis.get(self._g("apikey", api_key_hash)))
+            tid = cast("str | None", await self._redis.get(self._keys.g("apikey", api_key_hash)))
             if tid is None:
                 return None
-            h = cast("dict[str, str]", await self._redis.hgetall(self._t(tid, "tenant")))
+            h = cast("dict[str, str]", await self._redis.hgetall(self._keys.t(tid, "tenant")))
         return _tenant_from_hash(h)
 
-    async def list_tenants(self) -> list[TenantRecord]:
+    async def _tenant_ids(self) -> list[str]:
         async with self._guard():
-            ids = cast("set[str]", await self._redis.smembers(self._g("tenants")))
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for tid in sorted(ids):
-                    pipe.hgetall(self._t(tid, "tenant"))
-                hashes: list[dict[str, str]] = await pipe.execute()
+            return sorted(cast("set[str]", await self._redis.smembers(self._keys.g("tenants"))))
+
+    async def list_tenants(self) -> list[TenantRecord]:
+        ids = await self._tenant_ids()
+        async with self._guard():
+            pipe = self._pipeline()
+            for tid in ids:
+                pipe.hgetall(self._keys.t(tid, "tenant"))
+            hashes: list[dict[str, str]] = await pipe.execute() if ids else []
         tenants = [t for h in hashes if (t := _tenant_from_hash(h)) is not None]
         return sorted(tenants, key=lambda t: (t.created_at, t.tenant_id))
 
     async def set_scopes(self, tenant_id: str, scopes: tuple[str, ...]) -> TenantRecord | None:
-        key = self._t(tenant_id, "tenant")
+        key = self._keys.t(tenant_id, "tenant")
         async with self._guard():
             updated = await self._set_scopes(keys=[key], args=[compact_json(list(scopes))])
             if not int(updated):
@@ -406,141 +261,69 @@ class RedisStore:
     # -- watermark keys -------------------------------------------------------
 
     async def add_key_version(self, key: KeyRecord) -> None:
-        keys = [self._t(key.tenant_id, "tenant"), self._t(key.tenant_id, "keys")]
+        keys = [self._keys.t(key.tenant_id, "tenant"), self._keys.t(key.tenant_id, "keys")]
         async with self._guard():
-            status, latest = await self._add_key(keys=keys, args=[key.version, _key_to_json(key)])
+            status, latest = await self._eval_acked(
+                self._add_key, keys, [key.version, key_to_json(key)]
+            )
         if int(status) == -1:
             raise Conflict(f"unknown tenant {key.tenant_id!r}")
         if int(status) == 0:
             raise Conflict(f"key version must be {int(latest) + 1}, got {key.version}")
 
     async def key_versions(self, tenant_id: str) -> list[KeyRecord]:
-        key = self._t(tenant_id, "keys")
+        key = self._keys.t(tenant_id, "keys")
         async with self._guard():
             h = cast("dict[str, str]", await self._redis.hgetall(key))
         return sorted(
-            (_key_from_json(tenant_id, raw) for raw in h.values()), key=lambda k: k.version
+            (key_from_json(tenant_id, raw) for raw in h.values()), key=lambda k: k.version
         )
 
     async def replace_wrapped_keys(self, keys: list[KeyRecord]) -> None:
-        """All-or-nothing (WATCH/MULTI); Conflict if a version does not exist."""
-        if not keys:
-            return
-        hashes = sorted({self._t(k.tenant_id, "keys") for k in keys})
-        async with self._guard(), self._redis.pipeline(transaction=True) as pipe:
+        """All-or-nothing per tenant (compare-and-set in the tenant's slot), every version
+        checked first; Conflict if a version does not exist. Safe to re-run."""
+        by_tenant: dict[str, list[KeyRecord]] = {}
+        for k in keys:
+            by_tenant.setdefault(k.tenant_id, []).append(k)
+        for tid, records in by_tenant.items():  # check every tenant before writing any
+            current = {k.version for k in await self.key_versions(tid)}
+            missing = [k.version for k in records if k.version not in current]
+            if missing:
+                raise Conflict(f"no key version {missing[0]} for {tid!r}")
+        for tid, records in by_tenant.items():
+            hkey = self._keys.t(tid, "keys")
             while True:
-                try:
-                    await pipe.watch(*hashes)
-                    updates: list[tuple[str, int, str]] = []
-                    for k in keys:
-                        hkey = self._t(k.tenant_id, "keys")
-                        raw = cast("str | None", await pipe.hget(hkey, str(k.version)))
-                        if raw is None:
-                            raise Conflict(f"no key version {k.version} for {k.tenant_id!r}")
-                        d = json.loads(raw)
+                async with self._guard():
+                    h = cast("dict[str, str]", await self._redis.hgetall(hkey))
+                    args: list[str | int] = []
+                    for k in records:
+                        old = h.get(str(k.version))
+                        if old is None:
+                            raise Conflict(f"no key version {k.version} for {tid!r}")
+                        d = json.loads(old)
                         d["wrapped_key"] = base64.b64encode(k.wrapped_key).decode("ascii")
-                        updates.append((hkey, k.version, compact_json(d)))
-                    pipe.multi()  # type: ignore[no-untyped-call]
-                    for hkey, version, raw in updates:
-                        pipe.hset(hkey, str(version), raw)
-                    await pipe.execute()
-                    return
-                except WatchError:
-                    continue  # a concurrent writer touched the keys: re-read and retry
+                        args += [k.version, old, compact_json(d)]
+                    done = int(await self._eval_acked(self._replace_keys, [hkey], args))
+                if done == 1:
+                    break
+                if done < 0:
+                    raise Conflict(f"no key version {-done} for {tid!r}")
+                # 0: a concurrent writer changed a blob since it was read: re-read, retry
 
     async def all_key_versions(self) -> list[KeyRecord]:
+        ids = await self._tenant_ids()
         async with self._guard():
-            ids = sorted(cast("set[str]", await self._redis.smembers(self._g("tenants"))))
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for tid in ids:
-                    pipe.hgetall(self._t(tid, "keys"))
-                hashes: list[dict[str, str]] = await pipe.execute()
+            pipe = self._pipeline()
+            for tid in ids:
+                pipe.hgetall(self._keys.t(tid, "keys"))
+            hashes: list[dict[str, str]] = await pipe.execute() if ids else []
         return [
-            _key_from_json(tid, raw)
+            key_from_json(tid, raw)
             for tid, h in zip(ids, hashes, strict=True)
             for raw in sorted(h.values(), key=lambda r: int(json.loads(r)["version"]))
         ]
 
-    # -- registry -------------------------------------------------------------
-
-    async def allocate_message(
-        self,
-        tenant_id: str,
-        key_version: int,
-        num_bits: int,
-        metadata: dict[str, Any],
-        issued_at: float,
-        max_id: int | None = None,
-    ) -> RegistryEntry:
-        """One Lua script; the reply comes after Redis applied (and, per its AOF policy,
-        persisted) the write, so a returned id is always backed by an entry."""
-        payload = compact_json(
-            {
-                "key_version": key_version,
-                "num_bits": num_bits,
-                "metadata": metadata,
-                "issued_at": issued_at,
-            }
-        )
-        keys = [
-            self._t(tenant_id, "msgseq"),
-            self._t(tenant_id, "msgs"),
-            self._t(tenant_id, "msgidx", key_version, num_bits),
-            self._t(tenant_id, "msgbits", key_version),
-        ]
-        async with self._guard():
-            limit = -1 if max_id is None else int(max_id)
-            message_id = int(await self._allocate(keys=keys, args=[payload, num_bits, limit]))
-        if message_id < 0:
-            raise RegistryFull(f"no message id left below {max_id}")
-        return RegistryEntry(
-            tenant_id=tenant_id,
-            message_id=message_id,
-            key_version=key_version,
-            num_bits=num_bits,
-            metadata=json.loads(compact_json(metadata)),  # same shape a later read returns
-            issued_at=issued_at,
-        )
-
-    async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
-        key = self._t(tenant_id, "msgs")
-        async with self._guard():
-            raw = cast("str | None", await self._redis.hget(key, str(int(message_id))))
-        if raw is None:
-            return None
-        d = json.loads(raw)
-        return RegistryEntry(
-            tenant_id=tenant_id,
-            message_id=int(message_id),
-            key_version=int(d["key_version"]),
-            num_bits=int(d["num_bits"]),
-            metadata=d["metadata"],
-            issued_at=float(d["issued_at"]),
-        )
-
-    async def message_ids(self, tenant_id: str, key_version: int, num_bits: int) -> list[int]:
-        key = self._t(tenant_id, "msgidx", int(key_version), int(num_bits))
-        async with self._guard():
-            ids = cast("list[str]", await self._redis.zrange(key, 0, -1))
-        return [int(i) for i in ids]
-
-    async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
-        key = self._t(tenant_id, "msgbits", int(key_version))
-        async with self._guard():
-            bits = cast("set[str]", await self._redis.smembers(key))
-        return sorted(int(b) for b in bits)
-
-    async def void_message(self, tenant_id: str, message_id: int, reason: str) -> bool:
-        entry = await self.registry_entry(tenant_id, message_id)
-        if entry is None:
-            return False
-        index = self._t(tenant_id, "msgidx", entry.key_version, entry.num_bits)
-        async with self._guard():  # msgseq is untouched: the id is never handed out again
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hdel(self._t(tenant_id, "msgs"), str(int(message_id)))
-                pipe.zrem(index, str(int(message_id)))
-                removed, _ = await pipe.execute()
-        return bool(removed)
+    # -- registry: see redis_registry -----------------------------------------
 
     # -- audit log ------------------------------------------------------------
 
@@ -548,37 +331,42 @@ class RedisStore:
         data = audit_to_json(record)
         async with self._guard():
             await self._redis.xadd(
-                self._g("audit"), {"json": data}, maxlen=AUDIT_MAXLEN, approximate=True
+                self._keys.g("audit"), {"json": data}, maxlen=AUDIT_MAXLEN, approximate=True
             )
 
     async def audit_log(self, limit: int) -> list[AuditRecord]:
         async with self._guard():
             rows = cast(
                 "list[tuple[str, dict[str, str]]]",
-                await self._redis.xrevrange(self._g("audit"), count=max(1, int(limit))),
+                await self._redis.xrevrange(self._keys.g("audit"), count=max(1, int(limit))),
             )
         return [audit_from_json(fields["json"], str(entry_id)) for entry_id, fields in rows]
-
-    # -- rate limits ----------------------------------------------------------
 
     # -- API keys -------------------------------------------------------------
 
     async def add_api_key(self, key: ApiKeyRecord) -> bool:
-        keys = [self._t(key.tenant_id, "apikeys"), self._g("keyhash", key.key_hash)]
-        args = [key.key_id, api_key_to_json(key), f"{key.tenant_id} {key.key_id}"]
+        """Claim the hash (global key), then write the key (tenant slot)."""
+        apikeys = self._keys.t(key.tenant_id, "apikeys")
+        claim, ref = self._keys.g("keyhash", key.key_hash), f"{key.tenant_id} {key.key_id}"
         async with self._guard():
-            result = int(await self._add_api_key(keys=keys, args=args))
-        if result == -1:
-            raise Conflict("api key hash already in use")
-        if result == 1 and key.revoked_at is not None:
+            if await self._redis.hexists(apikeys, key.key_id):
+                return False
+            claimed = bool(await self._redis.set(claim, ref, nx=True))
+            if not claimed and await self._redis.get(claim) != ref:
+                raise Conflict("api key hash already in use")
+            written = bool(await self._redis.hsetnx(apikeys, key.key_id, api_key_to_json(key)))
+            if not written and claimed:  # the key id was taken meanwhile
+                await self._release_claim(keys=[claim], args=[ref])
+        if written and key.revoked_at is not None:
             await self.revoke_api_key(key.tenant_id, key.key_id, key.revoked_at)
-        return result == 1
+        return written
 
     async def _api_key(self, tenant_id: str, key_id: str) -> ApiKeyRecord | None:
+        t = self._keys.t
         async with self._guard():
-            raw = cast("str | None", await self._redis.hget(self._t(tenant_id, "apikeys"), key_id))
+            raw = cast("str | None", await self._redis.hget(t(tenant_id, "apikeys"), key_id))
             revoked = cast(
-                "str | None", await self._redis.hget(self._t(tenant_id, "apikeys-revoked"), key_id)
+                "str | None", await self._redis.hget(t(tenant_id, "apikeys-revoked"), key_id)
             )
         if raw is None:
             return None
@@ -586,17 +374,18 @@ class RedisStore:
 
     async def api_key_by_hash(self, key_hash: str) -> ApiKeyRecord | None:
         async with self._guard():
-            ref = cast("str | None", await self._redis.get(self._g("keyhash", key_hash)))
+            ref = cast("str | None", await self._redis.get(self._keys.g("keyhash", key_hash)))
         if ref is None:
             return None
         tenant_id, _, key_id = ref.partition(" ")
         return await self._api_key(tenant_id, key_id)
 
     async def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        t = self._keys.t
         async with self._guard():
-            raw = cast("dict[str, str]", await self._redis.hgetall(self._t(tenant_id, "apikeys")))
+            raw = cast("dict[str, str]", await self._redis.hgetall(t(tenant_id, "apikeys")))
             revoked = cast(
-                "dict[str, str]", await self._redis.hgetall(self._t(tenant_id, "apikeys-revoked"))
+                "dict[str, str]", await self._redis.hgetall(t(tenant_id, "apikeys-revoked"))
             )
         keys = [
             api_key_from_json(v, float(revoked[k]) if k in revoked else None)
@@ -605,7 +394,7 @@ class RedisStore:
         return sorted(keys, key=lambda k: (k.created_at, k.key_id))
 
     async def revoke_api_key(self, tenant_id: str, key_id: str, at: float) -> ApiKeyRecord | None:
-        keys = [self._t(tenant_id, "apikeys"), self._t(tenant_id, "apikeys-revoked")]
+        keys = [self._keys.t(tenant_id, "apikeys"), self._keys.t(tenant_id, "apikeys-revoked")]
         async with self._guard():
             found = int(await self._revoke_api_key(keys=keys, args=[key_id, repr(float(at))]))
         if not found:
@@ -617,7 +406,7 @@ class RedisStore:
     def _probe(self, tenant_id: str, key_id: str, *parts: object) -> str:
         if not key_id or ":" in key_id:
             raise ValueError("invalid key id")
-        return self._t(tenant_id, "probe", key_id, *parts)
+        return self._keys.t(tenant_id, "probe", key_id, *parts)
 
     async def probe_candidates(
         self, tenant_id: str, key_id: str, bands: list[str], limit: int = 8, min_hits: int = 1
@@ -626,7 +415,7 @@ class RedisStore:
             return []
         band = self._probe(tenant_id, key_id, "band", "")  # checked once, then joined
         band_keys = [band + b for b in bands]
-        async with self._guard():
+        async with self._guard():  # one tenant's keys: one slot, so MGET is allowed
             refs = cast("list[str | None]", await self._redis.mget(band_keys))
             counts = Counter(r for r in refs if r is not None)
             hit = [c for c, n in counts.items() if n >= min_hits]
@@ -669,10 +458,12 @@ class RedisStore:
             allowed, count, retry_ms = await self._probe_hit(keys=keys, args=args)
         return ProbeDecision(bool(int(allowed)), int(count), max(0.0, float(retry_ms) / 1000))
 
+    # -- rate limits ----------------------------------------------------------
+
     async def take_tokens(
         self, tenant_id: str, rate_per_s: float, burst: float, cost: float
     ) -> RateDecision:
-        key = self._t(tenant_id, "ratelimit")
+        key = self._keys.t(tenant_id, "ratelimit")
         async with self._guard():
             allowed, retry, left = await self._take_tokens(
                 keys=[key], args=[repr(float(rate_per_s)), repr(float(burst)), repr(float(cost))]
@@ -682,7 +473,7 @@ class RedisStore:
     # -- idempotency ----------------------------------------------------------
 
     async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None:
-        rkey = self._t(tenant_id, "idem", key)
+        rkey = self._keys.t(tenant_id, "idem", key)
         async with self._guard():
             raw = cast("str | None", await self._redis.get(rkey))
         if raw is None:
@@ -700,7 +491,7 @@ class RedisStore:
         ttl_s: int,
         overwrite: bool = False,
     ) -> bool:
-        rkey = self._t(tenant_id, "idem", key)
+        rkey = self._keys.t(tenant_id, "idem", key)
         raw = compact_json(
             {
                 "body_hash": record.body_hash,
@@ -713,114 +504,21 @@ class RedisStore:
         return bool(ok)
 
     async def idempotency_delete(self, tenant_id: str, key: str) -> None:
-        rkey = self._t(tenant_id, "idem", key)
+        rkey = self._keys.t(tenant_id, "idem", key)
         async with self._guard():
             await self._redis.delete(rkey)
-
-    # -- console cases --------------------------------------------------------
-
-    def _case_indexes(self, case: CaseRecord) -> list[str]:
-        owner = check_tenant_id(case.tenant_id) if case.tenant_id is not None else "-"
-        keys = [self._g("cases", "all"), self._g("cases", "t", owner)]
-        if case.batch_id is not None:
-            keys.append(self._g("cases", "b", check_tenant_id(case.batch_id)))
-        return keys
-
-    async def put_case(self, case: CaseRecord) -> None:
-        key = self._g("case", check_tenant_id(case.case_id))
-        async with self._guard():
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.set(key, case_to_json(case))
-            if case.expires_at is not None:
-                pipe.pexpireat(key, int(case.expires_at * 1000))
-            for index in self._case_indexes(case):
-                pipe.zadd(index, {case.case_id: case.created_at})
-            await pipe.execute()
-
-    async def get_case(self, case_id: str, now: float) -> CaseRecord | None:
-        try:
-            key = self._g("case", check_tenant_id(case_id))
-        except ValueError:
-            return None
-        async with self._guard():
-            raw = cast("str | None", await self._redis.get(key))
-        if raw is None:
-            return None
-        case = case_from_json(raw)
-        if case.expires_at is not None and case.expires_at <= now:
-            return None
-        return case
-
-    async def list_cases(
-        self, tenant_id: str | None, batch_id: str | None, limit: int, now: float
-    ) -> list[CaseRecord]:
-        if batch_id is not None:
-            index = self._g("cases", "b", check_tenant_id(batch_id))
-        elif tenant_id is not None:
-            index = self._g("cases", "t", check_tenant_id(tenant_id))
-        else:
-            index = self._g("cases", "all")
-        out: list[CaseRecord] = []
-        gone: list[str] = []
-        start, page = 0, 200
-        while len(out) < limit:  # newest first, a page of ids at a time
-            async with self._guard():
-                chunk = cast(
-                    "list[str]", await self._redis.zrevrange(index, start, start + page - 1)
-                )
-                if not chunk:
-                    break
-                raws = cast(
-                    "list[str | None]",
-                    await self._redis.mget([self._g("case", c) for c in chunk]),
-                )
-            start += page
-            for case_id, raw in zip(chunk, raws, strict=True):
-                case = case_from_json(raw) if raw is not None else None
-                if case is None or (case.expires_at is not None and case.expires_at <= now):
-                    gone.append(case_id)
-                    continue
-                if tenant_id is not None and case.tenant_id != tenant_id:
-                    continue
-                out.append(case)
-                if len(out) >= limit:
-                    break
-        if gone:  # expired: their index entries go too
-            async with self._guard():
-                pipe = self._redis.pipeline(transaction=False)
-                pipe.zrem(index, *gone)
-                pipe.zrem(self._g("cases", "all"), *gone)
-                await pipe.execute()
-        return out
-
-    async def delete_case(self, case_id: str) -> bool:
-        try:
-            key = self._g("case", check_tenant_id(case_id))
-        except ValueError:
-            return False
-        async with self._guard():
-            raw = cast("str | None", await self._redis.get(key))
-            if raw is None:
-                return False
-            case = case_from_json(raw)
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(key)
-            for index in self._case_indexes(case):
-                pipe.zrem(index, case_id)
-            await pipe.execute()
-        return True
 
     # -- stored responses -----------------------------------------------------
 
     async def response_put(
         self, tenant_id: str, response_id: str, record: dict[str, Any], ttl_s: int
     ) -> None:
-        rkey = self._t(tenant_id, "response", response_id)
+        rkey = self._keys.t(tenant_id, "response", response_id)
         async with self._guard():
             await self._redis.set(rkey, compact_json(record), ex=max(1, int(ttl_s)))
 
     async def response_get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
-        rkey = self._t(tenant_id, "response", response_id)
+        rkey = self._keys.t(tenant_id, "response", response_id)
         async with self._guard():
             raw = cast("str | None", await self._redis.get(rkey))
         if raw is None:

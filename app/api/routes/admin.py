@@ -15,8 +15,11 @@ from app.schemas.admin import (
     CreateTenant,
     KeyRotated,
     RegistryEntryOut,
+    RetentionOut,
     Rewrapped,
+    SetRetention,
     SetScopes,
+    SweepOut,
     TenantCreated,
     TenantOut,
 )
@@ -58,6 +61,24 @@ async def set_scopes(
         scopes=list(tenant.scopes),
         created_at=dt.datetime.fromtimestamp(tenant.created_at, tz=dt.UTC),
     )
+
+
+@router.put(
+    "/tenants/{tenant_id}/retention", response_model=RetentionOut, responses=ERROR_RESPONSES
+)
+async def set_retention(
+    tenant_id: TenantId, body: SetRetention, runtime: RuntimeDep, _: AdminDep
+) -> RetentionOut:
+    """The tenant's registry retention: entries issued longer ago than this are deleted by
+    the periodic sweep (``WORLDCUP_REGISTRY_SWEEP_INTERVAL_S``); their texts then decode
+    as ``registry_expired``, never as another entry."""
+    return await admin.set_retention(runtime, tenant_id, body.days)
+
+
+@router.post("/registry/sweep", response_model=SweepOut, responses=ERROR_RESPONSES)
+async def sweep_registry(runtime: RuntimeDep, _: AdminDep) -> SweepOut:
+    """Run the registry retention sweep now (it also runs periodically)."""
+    return await admin.sweep(runtime)
 
 
 @router.post("/master-key/rewrap", response_model=Rewrapped, responses=ERROR_RESPONSES)

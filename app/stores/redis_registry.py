@@ -1,0 +1,380 @@
+"""The Redis store's message registry, bucketed by id range (see redis_layout).
+
+Allocation is two writes, each one Lua script in one slot:
+
+1. ``NEXT_ID`` in the tenant's slot: check the limit, ``INCR`` ``msgseq``, note the
+   payload length. The id is unique because ``INCR`` is atomic on one primary.
+2. ``PUT_ENTRY`` in the id's bucket slot: the entry and its index, written together
+   and only if the id holds no other entry.
+
+With ``wait_replicas`` > 0 each write is followed by ``WAIT`` on its connection, and
+``allocate_message`` returns (so ``/generate`` acknowledges a text) only after both
+were confirmed by that many replicas. A promoted replica therefore already holds the
+counter and the entry of every acknowledged text. Should a counter still go back (an
+increment lost with no ``WAIT``, or a replica promoted that had not acknowledged), the
+next allocation meets an id that already holds an entry; ``PUT_ENTRY`` refuses it and
+allocation moves on to a fresh id, so an acknowledged id never names a second entry.
+A crash between the writes leaves an unused id (a gap): never handed out again.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+from app.stores.base import (
+    RegistryEntry,
+    RegistryFull,
+    RegistrySize,
+    StoreUnavailable,
+    compact_json,
+)
+from app.stores.redis_base import RedisBase
+from app.stores.redis_layout import bucket_ids, bucket_of
+from app.stores.redis_scripts import (
+    ADVANCE_WATERMARK,
+    ISSUED_AMONG,
+    MOVE_EXPIRED,
+    NEXT_ID,
+    NEXT_IDS,
+    PUT_ENTRY,
+    VOID_ENTRY,
+)
+
+ALLOCATE_TRIES = 8  # ids tried when the counter went back (see the module docstring)
+
+
+def _entry(tenant_id: str, message_id: int, raw: str) -> RegistryEntry:
+    d = json.loads(raw)
+    return RegistryEntry(
+        tenant_id=tenant_id,
+        message_id=int(message_id),
+        key_version=int(d["key_version"]),
+        num_bits=int(d["num_bits"]),
+        metadata=d["metadata"],
+        issued_at=float(d["issued_at"]),
+    )
+
+
+class RedisRegistry(RedisBase):
+    def _init_registry(self) -> None:
+        self._next_id = self._script(NEXT_ID)
+        self._put_entry = self._script(PUT_ENTRY)
+        self._void_entry = self._script(VOID_ENTRY)
+        self._next_ids = self._script(NEXT_IDS)
+        self._move_expired = self._script(MOVE_EXPIRED)
+        self._advance_watermark = self._script(ADVANCE_WATERMARK)
+        self._issued_among = self._script(ISSUED_AMONG)
+
+    async def allocate_message(
+        self,
+        tenant_id: str,
+        key_version: int,
+        num_bits: int,
+        metadata: dict[str, Any],
+        issued_at: float,
+        max_id: int | None = None,
+    ) -> RegistryEntry:
+        """Two scripts (counter, then entry), each acknowledged by replicas when set."""
+        payload = compact_json(
+            {
+                "key_version": key_version,
+                "num_bits": num_bits,
+                "metadata": metadata,
+                "issued_at": issued_at,
+            }
+        )
+        k = self._keys
+        seq = [
+            k.t(tenant_id, "msgseq"),
+            k.t(tenant_id, "msgbits", int(key_version)),
+            k.t(tenant_id, "msglive", int(key_version), int(num_bits)),
+        ]
+        limit = -1 if max_id is None else int(max_id)
+        for _ in range(ALLOCATE_TRIES):
+            async with self._guard():
+                message_id = int(await self._eval_acked(self._next_id, seq, [num_bits, limit]))
+            if message_id < 0:
+                raise RegistryFull(f"no message id left below {max_id}")
+            b = bucket_of(message_id)
+            keys = [k.msgs(tenant_id, b), k.idx(tenant_id, b, key_version, num_bits)]
+            async with self._guard():
+                written = int(await self._eval_acked(self._put_entry, keys, [message_id, payload]))
+            if written:
+                return RegistryEntry(
+                    tenant_id=tenant_id,
+                    message_id=message_id,
+                    key_version=key_version,
+                    num_bits=num_bits,
+                    metadata=json.loads(compact_json(metadata)),  # the shape a read returns
+                    issued_at=issued_at,
+                )
+        raise StoreUnavailable("redis unavailable: the message counter is behind its entries")
+
+    async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
+        if int(message_id) < 1:
+            return None
+        key = self._keys.msgs(tenant_id, bucket_of(message_id))
+        async with self._guard():
+            raw = cast("str | None", await self._redis.hget(key, str(int(message_id))))
+        return None if raw is None else _entry(tenant_id, message_id, raw)
+
+    async def registry_entries(self, tenant_id: str, message_ids: list[int]) -> list[RegistryEntry]:
+        """The entries of these ids that exist, in one round trip (one HMGET per bucket)."""
+        by_bucket: dict[int, list[int]] = {}
+        for mid in sorted({int(m) for m in message_ids if int(m) >= 1}):
+            by_bucket.setdefault(bucket_of(mid), []).append(mid)
+        if not by_bucket:
+            return []
+        async with self._guard():
+            pipe = self._pipeline()
+            for b, ids in by_bucket.items():
+                pipe.hmget(self._keys.msgs(tenant_id, b), [str(i) for i in ids])
+            rows: list[list[str | None]] = await pipe.execute()
+        return [
+            _entry(tenant_id, mid, raw)
+            for ids, raws in zip(by_bucket.values(), rows, strict=True)
+            for mid, raw in zip(ids, raws, strict=True)
+            if raw is not None
+        ]
+
+    async def _buckets(self, tenant_id: str) -> int:
+        async with self._guard():
+            last = cast("str | None", await self._redis.get(self._keys.t(tenant_id, "msgseq")))
+        return 0 if last is None else bucket_of(int(last)) + 1
+
+    async def message_ids(
+        self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
+    ) -> list[int]:
+        buckets = await self._buckets(tenant_id)
+        first = bucket_of(after + 1) if after > 0 else 0
+        if first >= buckets:
+            return []
+        async with self._guard():
+            pipe = self._pipeline()
+            for b in range(first, buckets):
+                key = self._keys.idx(tenant_id, b, key_version, num_bits)
+                if after > 0 and b == first:
+                    pipe.zrangebyscore(key, f"({int(after)}", "+inf")
+                else:
+                    pipe.zrange(key, 0, -1)
+            chunks: list[list[str]] = await pipe.execute()
+        return [int(i) for chunk in chunks for i in chunk]  # buckets in id order
+
+    async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
+        key = self._keys.t(tenant_id, "msgbits", int(key_version))
+        async with self._guard():
+            bits = cast("set[str]", await self._redis.smembers(key))
+        return sorted(int(b) for b in bits)
+
+    async def void_message(self, tenant_id: str, message_id: int, reason: str) -> bool:
+        entry = await self.registry_entry(tenant_id, message_id)
+        if entry is None:
+            return False
+        b = bucket_of(message_id)
+        keys = [
+            self._keys.msgs(tenant_id, b),
+            self._keys.idx(tenant_id, b, entry.key_version, entry.num_bits),
+        ]
+        live = self._keys.t(tenant_id, "msglive", entry.key_version, entry.num_bits)
+        async with self._guard():  # msgseq is untouched: the id is never handed out again
+            removed = int(await self._void_entry(keys=keys, args=[int(message_id)]))
+            if removed:  # counted once: only the call that removed the entry
+                await self._redis.decr(live)
+        return bool(removed)
+
+    # -- lookup and retention (issue #36) -------------------------------------
+
+    async def _raw_entries(self, tenant_id: str, message_ids: list[int]) -> list[str | None]:
+        """The entries' JSON, aligned with ``message_ids``: one HMGET per bucket, one
+        round trip per node."""
+        by_bucket: dict[int, list[int]] = {}
+        for mid in message_ids:
+            by_bucket.setdefault(bucket_of(mid), []).append(mid)
+        async with self._guard():
+            pipe = self._pipeline()
+            for b, ids in by_bucket.items():
+                pipe.hmget(self._keys.msgs(tenant_id, b), [str(i) for i in ids])
+            rows: list[list[str | None]] = await pipe.execute() if by_bucket else []
+        found = {
+            mid: raw
+            for ids, raws in zip(by_bucket.values(), rows, strict=True)
+            for mid, raw in zip(ids, raws, strict=True)
+        }
+        return [found[mid] for mid in message_ids]
+
+    async def registry_size(self, tenant_id: str, key_version: int, num_bits: int) -> RegistrySize:
+        t, kv, bits = self._keys.t, int(key_version), int(num_bits)
+        keys = [
+            t(tenant_id, "msglive", kv, bits),
+            t(tenant_id, "msgexp", kv, bits),
+            t(tenant_id, "msgexpired"),
+            t(tenant_id, "msgseq"),
+        ]
+        async with self._guard():  # one tenant's keys: one slot, one MGET
+            live, expired, below, last = await self._redis.mget(keys)
+        return RegistrySize(
+            max(0, int(live or 0)), int(expired or 0), int(below or 0), int(last or 0)
+        )
+
+    async def issued_among(
+        self, tenant_id: str, key_version: int, num_bits: int, message_ids: list[int]
+    ) -> list[bool]:
+        found = [False] * len(message_ids)
+        by_bucket: dict[int, list[int]] = {}  # bucket -> positions in message_ids
+        for pos, mid in enumerate(message_ids):
+            if int(mid) >= 1:
+                by_bucket.setdefault(bucket_of(mid), []).append(pos)
+        if not by_bucket:
+            return found
+        calls = [
+            (
+                self._keys.idx(tenant_id, b, key_version, num_bits),
+                " ".join(str(int(message_ids[p])) for p in positions),
+            )
+            for b, positions in by_bucket.items()
+        ]
+        async with self._guard():  # one script per bucket, hits only back: ~1 us an id
+            replies = await self._run_scripts(self._issued_among, calls)
+        for positions, hits in zip(by_bucket.values(), replies, strict=True):
+            for i in hits:
+                found[positions[int(i) - 1]] = True
+        return found
+
+    async def _run_scripts(self, script: AsyncScript, calls: list[tuple[str, str]]) -> list[Any]:
+        """One pipeline of a one-key script over many keys, loading the script where a
+        node lacks it (a fresh node, or a promoted replica)."""
+        for attempt in range(2):
+            pipe = self._pipeline()
+            for key, arg in calls:
+                pipe.execute_command("EVALSHA", script.sha, 1, key, arg)
+            try:
+                return cast("list[Any]", await pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._redis.script_load(script.script)  # every primary in a cluster
+        raise AssertionError("unreachable")
+
+    async def allocate_messages(
+        self,
+        tenant_id: str,
+        key_version: int,
+        num_bits: int,
+        metadata: dict[str, Any],
+        issued_at: float,
+        count: int,
+    ) -> range:
+        """``count`` entries at once, with the writes ``allocate_message`` makes (one
+        INCRBY takes the ids; no ``max_id`` check, no WAIT): for ``worldcup
+        bench-registry`` and bulk imports. Redis only; not part of the Store protocol."""
+        entry = compact_json(
+            {
+                "key_version": int(key_version),
+                "num_bits": int(num_bits),
+                "metadata": metadata,
+                "issued_at": issued_at,
+            }
+        )
+        t, kv, bits = self._keys.t, int(key_version), int(num_bits)
+        seq = [
+            t(tenant_id, "msgseq"),
+            t(tenant_id, "msgbits", kv),
+            t(tenant_id, "msglive", kv, bits),
+        ]
+        async with self._guard():
+            last = int(await self._next_ids(keys=seq, args=[bits, int(count)]))
+        ids = range(last - int(count) + 1, last + 1)
+        by_bucket: dict[int, list[int]] = {}
+        for i in ids:
+            by_bucket.setdefault(bucket_of(i), []).append(i)
+        async with self._guard():
+            pipe = self._pipeline()
+            for b, chunk in by_bucket.items():
+                pipe.hset(self._keys.msgs(tenant_id, b), mapping={str(i): entry for i in chunk})
+                pipe.zadd(self._keys.idx(tenant_id, b, kv, bits), {str(i): i for i in chunk})
+            await pipe.execute()
+        return ids
+
+    async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
+        key = self._keys.t(tenant_id, "retention")
+        async with self._guard():
+            if days is None:
+                await self._redis.delete(key)
+            else:
+                await self._redis.set(key, repr(float(days)))
+
+    async def registry_retention(self, tenant_id: str) -> float | None:
+        async with self._guard():
+            raw = cast("str | None", await self._redis.get(self._keys.t(tenant_id, "retention")))
+        return None if raw is None else float(raw)
+
+    async def _first_issued_at_or_after(self, tenant_id: str, lo: int, hi: int, t: float) -> int:
+        """The first id in [lo, hi) issued at or after ``t`` (hi if none), by binary
+        search over the time-ordered ids; voided (absent) ids are stepped over."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found: tuple[int, float] | None = None
+            start = mid
+            while found is None and start < hi:
+                window = list(range(start, min(start + 64, hi)))
+                raws = await self._raw_entries(tenant_id, window)
+                for i, raw in zip(window, raws, strict=True):
+                    if raw is not None:
+                        found = (i, float(json.loads(raw)["issued_at"]))
+                        break
+                start = window[-1] + 1
+            if found is None or found[1] >= t:
+                hi = mid  # nothing live in [mid, first new id): the boundary is at most mid
+            else:
+                lo = found[0] + 1
+        return lo
+
+    async def expire_registry(self, tenant_id: str, issued_before: float) -> int:
+        """As the Store protocol says; bucket by bucket. Each bucket's index removal is
+        atomic and counted by what it removed, then moved from ``live`` to ``expired`` in
+        the tenant's slot (a crash in between leaves the total right, the split off)."""
+        t = self._keys.t
+        async with self._guard():
+            below_raw, seq_raw = await self._redis.mget(
+                [t(tenant_id, "msgexpired"), t(tenant_id, "msgseq")]
+            )
+            versions = cast("list[str]", await self._redis.hkeys(t(tenant_id, "keys")))
+        old = max(int(below_raw or 0), 1)
+        new = await self._first_issued_at_or_after(
+            tenant_id, old, int(seq_raw or 0) + 1, issued_before
+        )
+        if new <= old:
+            return 0
+        indexes = []
+        for kv in sorted(int(v) for v in versions):
+            indexes += [(kv, b) for b in await self.registry_bit_lengths(tenant_id, kv)]
+        async with self._guard():  # the watermark first: these ids now answer "expired"
+            await self._advance_watermark(keys=[t(tenant_id, "msgexpired")], args=[new])
+        deleted = 0
+        buckets = range(bucket_of(old), bucket_of(new - 1) + 1)
+        for kv, bits in indexes:
+            for b in buckets:
+                key = self._keys.idx(tenant_id, b, kv, bits)
+                async with self._guard():
+                    n = int(await self._redis.zremrangebyscore(key, old, new - 1))
+                    if n:
+                        counters = [
+                            t(tenant_id, "msglive", kv, bits),
+                            t(tenant_id, "msgexp", kv, bits),
+                        ]
+                        await self._move_expired(keys=counters, args=[n])
+                deleted += n
+        for b in buckets:
+            first, last = bucket_ids(b)[0], bucket_ids(b)[-1]
+            async with self._guard():
+                if old <= first and last < new:  # the whole bucket
+                    await self._redis.delete(self._keys.msgs(tenant_id, b))
+                    continue
+                for start in range(max(old, first), min(new, last + 1), 10_000):
+                    ids = [str(i) for i in range(start, min(start + 10_000, new, last + 1))]
+                    await self._redis.hdel(self._keys.msgs(tenant_id, b), *ids)
+        return deleted
