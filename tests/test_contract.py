@@ -23,7 +23,7 @@ from scipy import stats
 from test_service_api import ADMIN, assert_error, fixed_watermark_keys, make_settings, new_tenant
 
 from app.main import create_app
-from app.schemas.watermark import (
+from app.schemas.generation import (
     MAX_METADATA_BYTES,
     MAX_METADATA_ITEMS,
     MAX_METADATA_STRING,

@@ -62,11 +62,11 @@ from schemathesis.specs.openapi.checks import (
 from app.core.config import Settings
 from app.main import create_app
 from app.schemas.common import ErrorEnvelope
+from app.schemas.generation import UNSTATED_RULES, GenerateResponse, PayloadIn
 from app.schemas.openai.chat import ChatCompletionChunk
 from app.schemas.openai.common import OPENAI_UNSTATED_RULES, OpenAIErrorEnvelope
 from app.schemas.openai.completions import CompletionChunk
 from app.schemas.openai.responses import RESPONSES_UNSTATED_RULES, ResponseStreamEvent
-from app.schemas.watermark import UNSTATED_RULES, GenerateResponse, PayloadIn
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ADMIN_TOKEN = "fuzz-admin-token-0123456789abcdef"

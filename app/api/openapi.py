@@ -16,11 +16,11 @@ from pydantic.json_schema import models_json_schema
 
 from app.core.config import Settings
 from app.schemas.common import IntegralFloats
+from app.schemas.generation import UNSTATED_RULES, prompt_chars_limit
 from app.schemas.openai.chat import ChatCompletionChunk
 from app.schemas.openai.common import OPENAI_UNSTATED_RULES
 from app.schemas.openai.completions import CompletionChunk
 from app.schemas.openai.responses import RESPONSES_UNSTATED_RULES, STREAM_EVENTS
-from app.schemas.watermark import UNSTATED_RULES, prompt_chars_limit
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.core.errors import APIError, envelope
 from app.engines.base import Engine
-from app.schemas.watermark import (
+from app.schemas.generation import (
     MAX_METADATA_BYTES,
     GenerateRequest,
     GenerateResponse,

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
-from app.schemas.watermark import BatchItemError, RegistryMatchOut, check_metadata
+from app.schemas.generation import check_metadata
+from app.schemas.watermark import BatchItemError, RegistryMatchOut
 from app.services.probes import Sketch
 from app.services.runtime import Runtime
 from app.services.tenants import Principal

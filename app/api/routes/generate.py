@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Request
 
 from app.api.deps import CurrentTenant, EngineDep, RuntimeDep
 from app.schemas.common import error_responses
-from app.schemas.watermark import UNSTATED_RULES, GenerateRequest, GenerateResponse
+from app.schemas.generation import UNSTATED_RULES, GenerateRequest, GenerateResponse
 from app.services import generate_serving as serving
 
 router = APIRouter(tags=["watermark"])

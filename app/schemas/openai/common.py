@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from app.schemas.common import IntegralFloats
-from app.schemas.watermark import (
+from app.schemas.generation import (
     MAX_METADATA_BYTES,
     MAX_METADATA_DEPTH,
     METADATA_SCHEMA,

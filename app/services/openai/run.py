@@ -20,10 +20,10 @@ from fastapi import Request
 from app.core.errors import APIError
 from app.engines.base import Engine
 from app.engines.grammar import GrammarConstraint, compile_spec
+from app.schemas.generation import DEFAULT_NO_REPEAT_NGRAM
 from app.schemas.openai.chat import ChatCompletionRequest
 from app.schemas.openai.common import MAX_CHOICES, FinishReason, UsageInfo, WatermarkInfo
 from app.schemas.openai.completions import CompletionRequest
-from app.schemas.watermark import DEFAULT_NO_REPEAT_NGRAM
 from app.services import generation as gen
 from app.services.openai.constraints import Structure, bad
 from app.services.openai.logprobs import Entries, before_cut
