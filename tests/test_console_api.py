@@ -104,14 +104,17 @@ def test_console_page_is_served_with_strict_security_headers(client: TestClient)
     page = _Page()
     page.feed(r.text)
     # no inline script, no inline handler, no inline style: the CSP would block them
-    assert page.scripts == [{"src": "/console/static/console.js", "defer": None}]
+    assert page.scripts == [{"type": "module", "src": "/console/static/console.js"}]
     assert page.script_bodies == [] and page.handlers == [] and page.styles == 0
     assert set(TESTIDS) <= page.testids
     for path in ("/console/static/console.js", "/console/static/console.css", "/console/x"):
         other = client.get(path)
         assert other.headers["content-security-policy"] == CONTENT_SECURITY_POLICY, path
         assert other.headers["x-frame-options"] == "DENY", path
-    assert client.get("/console/static/console.js").status_code == 200
+    for module in sorted(STATIC.glob("*.js")):  # console.js and the modules it imports
+        js = client.get(f"/console/static/{module.name}")
+        assert js.status_code == 200, module.name
+        assert js.headers["content-type"].startswith("text/javascript"), module.name
     assert "content-security-policy" not in client.get("/health").headers  # console only
 
 
@@ -135,7 +138,7 @@ def test_console_template_escapes_what_it_renders() -> None:
 
 def test_console_script_never_writes_html() -> None:
     """Every text reaches the page through textContent: no HTML sinks, no eval."""
-    source = (STATIC / "console.js").read_text()
+    source = "\n".join(p.read_text() for p in sorted(STATIC.glob("*.js")))
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
         assert sink not in source, sink
     assert "textContent" in source

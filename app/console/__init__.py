@@ -1,10 +1,11 @@
 """The provenance console: ``/console``, a page for trust-and-safety analysts.
 
-Server-rendered (Jinja2, autoescaped) with one small plain-JavaScript file and one
-stylesheet, both served from this package: no build step, nothing fetched from
-elsewhere at run time. The page holds the credential in ``sessionStorage`` only
-and calls the JSON API (``/provenance``, ``/decode``, ``/detect``, ``/admin/audit``)
-with it; every text it shows goes in through ``textContent``.
+Server-rendered (Jinja2, autoescaped) with a few small plain-JavaScript ES modules
+(``static/console.js`` imports the others) and one stylesheet, all served from this
+package: no build step, nothing fetched from elsewhere at run time. The page holds the
+credential in ``sessionStorage`` only and calls the JSON API (``/provenance``,
+``/decode``, ``/detect``, ``/admin/audit``) with it; every text it shows goes in
+through ``textContent``.
 
 Every response under ``/console`` carries :data:`SECURITY_HEADERS`: a strict
 Content-Security-Policy (scripts and styles from this origin only, no inline

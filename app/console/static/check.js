@@ -1,0 +1,116 @@
+// The result of one check: the verdict headline (the server's verdict, with who and
+// what was matched), the registry entry, the runners-up and the per-token evidence.
+import { state } from "./api.js";
+import { $, HEADLINES, addMetadataRows, addRow, clear, el, fmtP, fmtTime } from "./dom.js";
+import { showChart, showHeatmap } from "./evidence.js";
+
+// The headline word is the server's verdict (worldcup_core.verdict, the one verdict
+// function); this adds who and what was matched, and the p-value where shown.
+function verdictText(mode, data, verdict) {
+  const head = HEADLINES[verdict] || verdict;
+  const found = verdict === "watermarked";
+  if (mode === "provenance") {
+    if (verdict === "not_watermarked" || !data.match) {
+      return [`${head} (best p = ${fmtP(data.verdict_p_value)})`, found];
+    }
+    const m = data.match;
+    const parts = [`tenant ${m.tenant_name || m.tenant_id}`];
+    if (m.registry_entry) {
+      parts.push(`message ${m.registry_entry.message_id}`);
+      parts.push(`issued ${fmtTime(m.registry_entry.issued_at)}`);
+    } else {
+      parts.push(`key version ${m.key_version}, no registry entry matched`);
+    }
+    const keys = data.num_keys === 1 ? "1 key" : `${data.num_keys} keys`;
+    parts.push(`p = ${fmtP(data.verdict_p_value)} (corrected for ${keys})`);
+    return [`${head} — ` + parts.join(", "), found];
+  }
+  const session = state.session;
+  const tenant = session && session.tenant_name ? `tenant ${session.tenant_name}` : "this tenant";
+  if (data.detail === "verdict") {
+    const entry = data.registry_match;
+    let text = HEADLINES[data.verdict] || data.verdict;
+    if (data.verdict === "watermarked") {
+      text += ` — ${tenant}`;
+      if (entry) text += `, message ${entry.message_id}, issued ${fmtTime(entry.issued_at)}`;
+    }
+    return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
+  }
+  if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.verdict_p_value)})`, false];
+  const parts = [tenant];
+  if (data.key_version !== null && data.key_version !== undefined) parts.push(`key version ${data.key_version}`);
+  const entry = data.registry_match;
+  if (entry) parts.push(`message ${entry.message_id}`, `issued ${fmtTime(entry.issued_at)}`);
+  parts.push(`p = ${fmtP(data.verdict_p_value)}`);
+  return [`${head} — ` + parts.join(", "), found];
+}
+
+export function show(mode, data, text, saved) {
+  $("result").hidden = false;
+  const [words, found] = verdictText(mode, data, saved.verdict);
+  $("verdict-rule").textContent = `${saved.sentence}. Statistic: ${saved.why}.`;
+  const verdict = $("verdict");
+  verdict.textContent = words;
+  verdict.className = "verdict " + (found ? "found" : (saved.verdict === "inconclusive" ? "unsure" : "clean"));
+  verdict.dataset.found = String(found);
+  const scored = data.num_scored_tokens !== undefined
+    ? `${data.num_scored_tokens} of ${data.num_tokens} tokens scored.` : "";
+  $("summary").textContent = scored;
+
+  const entry = mode === "provenance"
+    ? (data.match ? data.match.registry_entry : null)
+    : (data.registry_match || null);
+  showEntry(mode, data, entry);
+  showRunners(mode, data);
+  showHeatmap(mode, data, text);
+  showChart(mode, data);
+  verdict.focus();
+}
+
+function showEntry(mode, data, entry) {
+  const tbody = $("metadata").querySelector("tbody");
+  clear(tbody);
+  $("metadata").hidden = !entry;
+  $("metadata-none").hidden = Boolean(entry) || mode === "detect";
+  if (mode === "provenance" && data.match) {
+    addRow(tbody, "tenant", data.match.tenant_name || "");
+    addRow(tbody, "tenant id", data.match.tenant_id, true);
+    addRow(tbody, "key version", data.match.key_version);
+    addRow(tbody, "decoded bits", data.match.bits, true);
+    $("metadata").hidden = false;
+  }
+  if (!entry) return;
+  addRow(tbody, "message id", entry.message_id);
+  addRow(tbody, "issued", fmtTime(entry.issued_at));
+  if (entry.confidence !== undefined) {
+    addRow(tbody, "registry confidence", entry.confidence.toFixed(3));
+    addRow(tbody, "registry p", fmtP(entry.p_value));
+    addRow(tbody, "bits exact", entry.exact ? "yes" : "no (bit errors corrected by the registry)");
+  }
+  addMetadataRows(tbody, entry.metadata);
+}
+
+function showRunners(mode, data) {
+  const block = $("runners-block");
+  const tbody = $("runners-up").querySelector("tbody");
+  clear(tbody);
+  block.hidden = mode !== "provenance";
+  if (mode !== "provenance") return;
+  const rows = data.found ? data.candidates.slice(1) : data.candidates;
+  rows.forEach((c, i) => {
+    const tr = el("tr");
+    tr.appendChild(el("td", String(i + (data.found ? 2 : 1))));
+    tr.appendChild(el("td", c.tenant_id, "mono"));
+    tr.appendChild(el("td", c.key_version));
+    tr.appendChild(el("td", fmtP(c.p_value)));
+    tbody.appendChild(tr);
+  });
+  if (!rows.length) {
+    const tr = el("tr");
+    const td = el("td", "none");
+    td.colSpan = 4;
+    tr.appendChild(td);
+    tbody.appendChild(tr);
+  }
+}
+
