@@ -187,7 +187,7 @@ def decode_cells(
 CONTRADICTION_P = 1e-3  # a cell this far against the entry's bit rules the entry out
 
 
-def _contradicted(
+def contradicted(
     entry: npt.NDArray[np.int64],
     ones: npt.NDArray[np.int64],
     trials: npt.NDArray[np.int64],
@@ -241,7 +241,7 @@ def match_cells(
     agreement = (1 - flat) @ ones_f + flat @ (trials_f - ones_f)  # (R,)
 
     def adjust(best: int, _delta: float, posterior: float) -> float:
-        if _contradicted(flat[best], ones_f, trials_f, len(candidates[0])):
+        if contradicted(flat[best], ones_f, trials_f, len(candidates[0])):
             return 0.0  # the payload is not this entry, whatever the others say
         return posterior
 
@@ -271,10 +271,7 @@ def registry_match(
     order = np.argsort(-agreement, kind="stable")
     best = int(order[0])
     a_best = int(agreement[best])
-    # P(X >= a) = P(X <= total - a) for X ~ Bin(total, 1/2); log space never underflows
-    log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
-    size = max(len(candidates), registry_size or 0)
-    log_p = min(log_p_single + math.log(size), 0.0)  # Bonferroni
+    log_p = registry_log_p(a_best, total, max(len(candidates), registry_size or 0))
     delta = a_best / total - 0.5
     logits = llr_scale(delta) * (agreement - a_best).astype(np.float64)
     posterior = float(1.0 / np.exp(logits).sum())
@@ -282,9 +279,34 @@ def registry_match(
         posterior = adjust(best, delta, posterior)
     runner = int(order[1]) if len(candidates) > 1 else None
     margin = (a_best - int(agreement[runner])) if runner is not None else a_best - total / 2
+    return registry_match_of(
+        best, candidates[best], a_best, total, log_p, posterior, runner, margin
+    )
+
+
+def registry_log_p(a_best: int, total: int, size: int) -> float:
+    """The registry test's log p: the exact tail P(X >= a_best) for X ~ Bin(total, 1/2)
+    (as P(X <= total - a_best); log space never underflows), Bonferroni-corrected for
+    ``size`` entries."""
+    log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
+    return min(log_p_single + math.log(size), 0.0)
+
+
+def registry_match_of(
+    index: int,
+    bits: str,
+    a_best: int,
+    total: int,
+    log_p: float,
+    posterior: float,
+    runner: int | None,
+    margin: float,
+) -> RegistryMatch:
+    """The match record of the best entry (agreeing with ``a_best`` of ``total`` scored
+    tokens), its runner-up and the margin between them in agreeing tokens."""
     return RegistryMatch(
-        index=best,
-        bits=candidates[best],
+        index=index,
+        bits=bits,
         agreement_z=(2 * a_best - total) / math.sqrt(total),
         p_value=math.exp(log_p),
         log10_p_value=log_p / math.log(10.0),

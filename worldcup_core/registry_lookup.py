@@ -39,8 +39,15 @@ from typing import overload
 import numpy as np
 import numpy.typing as npt
 
-from worldcup_core.decoder import RegistryMatch, _contradicted, llr_scale, registry_match
-from worldcup_core.scoring import I64, log_binom_half_cdf
+from worldcup_core.decoder import (
+    RegistryMatch,
+    contradicted,
+    llr_scale,
+    registry_log_p,
+    registry_match,
+    registry_match_of,
+)
+from worldcup_core.scoring import I64
 
 LIST_SIZE = 4096  # payloads looked up per text: the likeliest, exactly, over SEARCH_BITS
 SEARCH_BITS = 24  # the weakest bits the list flips (two halves of 2^12 subsets each)
@@ -184,7 +191,7 @@ class ListMatch:
 def _contradicts(cells: TextCells, bits: str) -> bool:
     entry = np.zeros(cells.ones.size, dtype=np.int64)
     entry[: cells.num_bits] = np.frombuffer(bits.encode("ascii"), dtype=np.uint8) - ord("0")
-    return _contradicted(entry, cells.ones, cells.trials, cells.num_bits)
+    return contradicted(entry, cells.ones, cells.trials, cells.num_bits)
 
 
 class _PayloadBits(Sequence[str]):
@@ -253,8 +260,7 @@ def list_match(
     c_best = float(plist.costs[best])
     a_best = cells.agreement_max - round(c_best)
     size = max(registry_size, int(found.size))
-    log_p_single = float(log_binom_half_cdf(np.array([total - a_best]), np.array([total]))[0])
-    log_p = min(log_p_single + math.log(size), 0.0)  # Bonferroni over the registry
+    log_p = registry_log_p(a_best, total, size)  # Bonferroni over the registry
     delta = a_best / total - 0.5
     beta = llr_scale(delta)
     rel = -beta * (costs - c_best)
@@ -278,16 +284,7 @@ def list_match(
     runner = others[0] if others else None
     runner_cost = float(plist.costs[runner]) if runner is not None else plist.complete_below
     margin = max(runner_cost - c_best, 0.0) if math.isfinite(runner_cost) else a_best - total / 2
-    match = RegistryMatch(
-        index=best,
-        bits=bits,
-        agreement_z=(2 * a_best - total) / math.sqrt(total),
-        p_value=math.exp(log_p),
-        log10_p_value=log_p / math.log(10.0),
-        posterior=posterior,
-        runner_up_index=runner,
-        margin_z=2 * margin / math.sqrt(total),
-    )
+    match = registry_match_of(best, bits, a_best, total, log_p, posterior, runner, margin)
     return ListMatch(
         match, int(message_ids[best]), bool(expired[best]), c_best < plist.complete_below
     )
