@@ -168,6 +168,9 @@ def run(
             sqlite_path=db,
             device="cpu",
             log_level="WARNING",
+            # a benchmark measures answers, not the deadline: a loaded machine must not
+            # turn a slow generation into a failed run
+            request_timeout_s=3600.0,
         )
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             tenants = []
