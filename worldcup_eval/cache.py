@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,17 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_results_json(path: Path, obj: object) -> None:
+    """``obj`` as indented, key-sorted JSON (a results file that diffs line by line)."""
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def say(line: str) -> None:
+    """One progress or status line on stdout, flushed (a queue's log reads it live)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -56,7 +56,13 @@ from worldcup_eval.attacks import (
     split_words,
     word_deletion,
 )
-from worldcup_eval.cache import BatchCache, stable_hash, write_text_atomic
+from worldcup_eval.cache import (
+    BatchCache,
+    say,
+    stable_hash,
+    write_results_json,
+    write_text_atomic,
+)
 from worldcup_eval.config import EvalConfig, SchemeSpec, _jsonable, build_config
 from worldcup_eval.data import EvalData, default_data_dir, load_data
 from worldcup_eval.frontier import (
@@ -1134,17 +1140,10 @@ def write(results: dict[str, Any], out_dir: Path) -> None:
     plot_attacks(results, out_dir / "attacks.png")
     plot_equal(results, out_dir / "equal.png")
     write_text_atomic(out_dir / "report.md", render(results))
-    write_text_atomic(
-        out_dir / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n"
-    )
+    write_results_json(out_dir / "results.json", results)
 
 
 # --------------------------------------------------------------------------- generation
-
-
-def _out(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def generate_next(cfg: EvalConfig, ccfg: CompareConfig) -> int:
@@ -1175,24 +1174,24 @@ def generate_next(cfg: EvalConfig, ccfg: CompareConfig) -> int:
     todo = todo[:cut] + para + todo[cut:]
     todo = [t for t in todo if not _held(t[0])]
     if not todo:
-        _out("compare: every cell is cached (or claimed by another worker)")
+        say("compare: every cell is cached (or claimed by another worker)")
         return ALL_DONE
     what, make = todo[0]
     _claim(what)
     lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-    _out(f"[{time.strftime('%H:%M:%S')}] {what}")
+    say(f"[{time.strftime('%H:%M:%S')}] {what}")
     for job in make(lm):
         if comp.cache.load(job.path) is not None:
             continue
         t0 = time.perf_counter()
         data = job.run()
         comp.cache.store(job.path, data)
-        _out(
+        say(
             f"[{time.strftime('%H:%M:%S')}] {what} {job.path.name}: {data['tokens']} tokens "
             f"in {time.perf_counter() - t0:.0f} s"
         )
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    _out(f"{what}: {usage.ru_utime + usage.ru_stime:.0f} s of CPU (this process)")
+    say(f"{what}: {usage.ru_utime + usage.ru_stime:.0f} s of CPU (this process)")
     return 0
 
 
@@ -1218,12 +1217,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.missing:
         for name, bits in comp.plan():
             n = sum(comp.cache.load(j.path) is None for j in comp.jobs(name, bits))
-            _out(f"{name:36s} {bits!s:>4}  missing {n} batches")
+            say(f"{name:36s} {bits!s:>4}  missing {n} batches")
         return 0
     results = comp.run()
     write(results, out)
     status = "complete" if results["complete"] else f"PARTIAL ({len(results['missing'])} missing)"
-    _out(f"{out / 'report.md'} ({status})")
+    say(f"{out / 'report.md'} ({status})")
     return 0
 
 

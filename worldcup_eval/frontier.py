@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from worldcup_eval.cache import BatchCache, stable_hash, write_text_atomic
+from worldcup_eval.cache import (
+    BatchCache,
+    say,
+    stable_hash,
+    write_results_json,
+    write_text_atomic,
+)
 from worldcup_eval.config import EvalConfig, SchemeSpec, _jsonable, build_config
 from worldcup_eval.data import EvalData, default_data_dir, load_data
 from worldcup_eval.ideas import IDEAS
@@ -775,14 +781,7 @@ def write_frontier(results: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_frontier(results, out_dir / "frontier.png")
     write_text_atomic(out_dir / "report.md", render_frontier(results))
-    write_text_atomic(
-        out_dir / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n"
-    )
-
-
-def _out(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    write_results_json(out_dir / "results.json", results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -805,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(fcfg.out)
     write_frontier(results, out)
     status = "complete" if results["complete"] else f"PARTIAL ({len(results['missing'])} missing)"
-    _out(f"{out / 'report.md'} ({status}); chosen: {results['selection']['chosen']}")
+    say(f"{out / 'report.md'} ({status}); chosen: {results['selection']['chosen']}")
     return 0
 
 
