@@ -923,3 +923,25 @@ def _fault_of_mrv2(case: str) -> Fault:
         "outside": Fault.OUTSIDE,
         "layout": Fault.LAYOUT,
     }[case]
+
+
+def test_readback_lost_counts_the_tokens_a_reader_of_the_text_does_not_get_back() -> None:
+    """The debug summary's readback: a non-canonical whitespace split (``"  " + "eggs"``
+    where the tokenizer writes ``" " + " eggs"``) is lost to a reader of the text, a
+    canonical sequence is not; the summary carries the count (base suite, no vLLM)."""
+    from app.engines.vllm_keys import readback_lost, score_summary
+    from worldcup_core.models import load_tokenizer
+
+    tok = load_tokenizer()
+    text = "The eggs  \nThe  eggs  \nI will  \n"
+    canonical = tok(text, add_special_tokens=False).input_ids
+    assert readback_lost(canonical, canonical) == 0
+    split = tok.convert_tokens_to_ids(["ĠĠ"]) + tok("eggs", add_special_tokens=False).input_ids
+    assert tok.decode(split) == "  eggs"
+    generated = tok("The", add_special_tokens=False).input_ids + split + canonical
+    retokenized = tok(tok.decode(generated), add_special_tokens=False).input_ids
+    assert retokenized != generated
+    lost = readback_lost(generated, retokenized)
+    assert 1 <= lost < len(generated) // 4  # the split and its neighbours, not the rest
+    assert score_summary([], generated, retokenized)["readback_lost"] == lost
+    assert score_summary([], generated)["readback_lost"] is None

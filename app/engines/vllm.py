@@ -238,6 +238,7 @@ class VLLMEngine:
         engine.watermark = watermark
         engine.runner = runner
         engine.scores = os.environ.get(SCORES_ENV) if watermark else None
+        engine.tokenizer = tokenizer if engine.scores is not None else None  # debug readback
         engine.logprobs_mode = settings.vllm_logprobs_mode
         return engine, tokenizer, settings.model_path or EMBEDDED_MODEL_ID
 
@@ -258,6 +259,7 @@ class VLLMEngine:
         self.max_queue = max_queue
         self.watermark = True
         self.runner = "v1"  # vLLM's model runner (select_runner)
+        self.tokenizer: Any = None  # set with the debug record only (_log_scores)
         self.scores: str | None = None  # debug: the processor's per-position record
         self.logprobs_mode: str | None = "sampled"  # the only one a request may ask for
         # (engine-wide in vLLM: WORLDCUP_VLLM_LOGPROBS_MODE)
@@ -396,7 +398,12 @@ class VLLMEngine:
     def _log_scores(self, job: GenerationJob, handle: str, tokens: list[int]) -> None:
         """Debug (``WORLDCUP_VLLM_SCORES``): the request's per-position summary (counts
         only, no token), to tell a weak text from a sync bug (:func:`score_summary`)."""
-        summary = score_summary(read_scores(str(self.scores), handle), tokens)
+        kept = tokens[:-1] if tokens and tokens[-1] in self.eos else tokens
+        retokenized = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            retokenized = self.tokenizer(text, add_special_tokens=False).input_ids
+        summary = score_summary(read_scores(str(self.scores), handle), kept, retokenized)
         logger.info("WorldCup scores of request %s: %s", job.request_id, summary)
 
     def _check_fault(self, job: GenerationJob, handle: str) -> None:

@@ -18,6 +18,7 @@ arrive and fails the request on.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import logging
 import os
@@ -187,12 +188,25 @@ def read_scores(path: str, handle: str) -> list[dict[str, Any]]:
     return out
 
 
-def score_summary(records: list[dict[str, Any]], tokens: list[int]) -> dict[str, Any]:
+def readback_lost(tokens: list[int], retokenized: list[int]) -> int:
+    """How many generated tokens a reader of the text does not get back: the text's own
+    tokenization (what ``/decode`` scores) aligned with the generated ids. A model may emit
+    a non-canonical split (``"  " + "eggs"`` where the tokenizer writes ``" " + " eggs"``);
+    each such token and the contexts it enters are scored on other ids, so a text full of
+    them decodes weakly although every step was watermarked."""
+    matcher = difflib.SequenceMatcher(None, tokens, retokenized, autojunk=False)
+    return len(tokens) - sum(block.size for block in matcher.get_matching_blocks())
+
+
+def score_summary(
+    records: list[dict[str, Any]], tokens: list[int], retokenized: list[int] | None = None
+) -> dict[str, Any]:
     """What tells a weak text from a sync bug: how many positions the watermark moved
     (``tv`` > 0: not a first-c or repeated context, and not a near-certain token), the
     mean entropy of the filtered distribution, and how many steps watermarked on a
-    context that is not the text's (a sync bug: 0 when the processor kept up), and the
-    replays of a preempted request."""
+    context that is not the text's (a sync bug: 0 when the processor kept up), the
+    replays of a preempted request, and (given the text's own tokenization) how many
+    generated tokens do not survive it (:func:`readback_lost`)."""
     replays = [int(r["replay"]) for r in records if "replay" in r]
     records = [r for r in records if "pos" in r]
     moved = [r for r in records if r["tv"] > 1e-9]
@@ -211,4 +225,5 @@ def score_summary(records: list[dict[str, Any]], tokens: list[int]) -> dict[str,
         "context_mismatches": len(mismatches),
         "first_mismatch": mismatches[0] if mismatches else None,
         "replays": replays,
+        "readback_lost": None if retokenized is None else readback_lost(tokens, retokenized),
     }
