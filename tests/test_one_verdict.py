@@ -170,14 +170,6 @@ def test_registry_verdicts_decide_and_name_entries(world: dict[str, Any]) -> Non
     assert "1 key version" in dec["keys_searched"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by issue 35's test, not fixed here: under the k=1 default a text "
-    "watermarked with an unregistered payload is named as the registry entry that agrees "
-    "with it in most bits (entry 2 here, 23 of 32 bits; posterior 1.0, p 3e-28): the "
-    "decoder's per-cell contradiction check (p < 1e-3, Bonferroni over bits) misses nine "
-    "weakly contradicting cells. The registry p tests 'watermarked', not 'this entry'.",
-)
 def test_an_unregistered_payload_is_not_named(world: dict[str, Any]) -> None:
     client, auth = world["client"], world["auth"][world["owner"]]
     stray = dict(world["texts"][world["owner"]])["unregistered"]
