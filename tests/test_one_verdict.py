@@ -85,7 +85,7 @@ def world(
         owner_spec, plain_spec = spec[owner_id], spec[plain_id]
         keys = session.load_keys()  # again: with the registry just issued
         codec = MessageIdCodec(WatermarkKey(owner_spec.secret), NUM_BITS)
-        for i, length in zip(issued, (160, 120, 40, 25, 14), strict=True):
+        for i, length in zip(issued, (160, 120, 40, 25, 9), strict=True):
             texts[owner_id].append((f"reg-{length}", mark(owner_spec, codec.payload(i), length)))
         stray = Payload.from_bits("1" * NUM_BITS)
         texts[owner_id].append(("unregistered", mark(owner_spec, stray, 120)))

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.assess import TestP, assess
 from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
-from worldcup_core.detector_weighted import verdict_log_p
+from worldcup_core.detector_weighted import verdict_log_p, verdict_match
 from worldcup_core.message import MessageIdCodec
 
 CHUNK = 128
@@ -114,6 +114,8 @@ def null_p_values(
         known = np.exp(verdict_log_p(scheme, batch, NUM_BITS))
         for ids, d, k in zip(batch, free, known, strict=True):
             match = scheme.match(ids, candidates)
+            if match is not None:  # the registry test the verdict takes (layer-weighted)
+                match = verdict_match(scheme, ids, match, registry_size)
             reg = match.p_value if match is not None else None
             tests = [
                 TestP("detect", float(d)),

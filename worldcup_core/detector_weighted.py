@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import Variant, WatermarkConfig
+from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import slot_count
 from worldcup_core.prf import (
     PRFV2,
@@ -62,12 +64,7 @@ class WeightedTable:
 
     def __init__(self, weights: I64) -> None:
         self.weights = np.asarray(weights, dtype=np.int64)
-        per_token = np.array([1.0])
-        for w in self.weights:  # one token: sum_l w_l g_l, g_l fair coins
-            step = np.zeros(int(w) + 1)
-            step[0] = step[-1] = 0.5
-            per_token = np.convolve(per_token, step)
-        self._token = per_token
+        self._token = _token_law(self.weights)
         self._pmf: list[F64] = [np.array([1.0])]
         self._tails: dict[int, tuple[F64, F64]] = {}
 
@@ -194,3 +191,116 @@ def best_verdict_log_p(
     best = np.argmin(stack, axis=0).astype(np.int64)
     out: F64 = stack[best, np.arange(len(texts))]
     return out, best
+
+
+def _token_law(weights: I64) -> F64:
+    """The law of one token's ``sum_l w_l g_l`` over 0..sum(w), the g-bits fair coins."""
+    law = np.array([1.0])
+    for w in np.asarray(weights, dtype=np.int64):
+        step = np.zeros(int(w) + 1)
+        step[0] = step[-1] = 0.5
+        law = np.convolve(law, step)
+    return law
+
+
+def weighted_upper_log_sf(weights: I64, units: int, score: int) -> float:
+    """``log P(S >= score)`` for ``S`` the sum of ``units`` i.i.d. copies of one token's
+    ``sum_l w_l g_l`` (fair g-bits), exact to floating point at any depth.
+
+    The n-fold law is computed under the exponentially tilted token law whose mean is
+    ``score / units`` (so the mass near ``score`` is of order ``1/sqrt(n)`` and an FFT
+    keeps its relative precision there), then untilted: ``P(S = s) = q_n(s) M^n
+    exp(-theta s)``. Direct convolution of the same law agrees to 1e-9 relative
+    (``tests/test_assess.py``)."""
+    law = _token_law(weights)
+    top = len(law) - 1
+    if units <= 0:
+        return 0.0 if score <= 0 else -math.inf
+    if score > units * top:
+        return -math.inf
+    if score == units * top:
+        return units * math.log(law[-1])
+    x = np.arange(top + 1, dtype=np.float64)
+    log_law = np.log(law)
+
+    def tilted_mean(theta: float) -> float:
+        z = log_law + theta * x
+        w = np.exp(z - z.max())
+        return float((w * x).sum() / w.sum())
+
+    target = score / units
+    theta = 0.0
+    if target > tilted_mean(0.0):
+        lo, hi = 0.0, 1.0
+        while tilted_mean(hi) < target:
+            hi *= 2.0
+        for _ in range(80):
+            mid = (lo + hi) / 2.0
+            lo, hi = (mid, hi) if tilted_mean(mid) < target else (lo, mid)
+        theta = lo
+    z = log_law + theta * x
+    log_m = float(z.max() + np.log(np.exp(z - z.max()).sum()))
+    tilted = np.exp(z - log_m)
+    size = 1 << int(math.ceil(math.log2(units * top + 1)))
+    spectrum = np.fft.rfft(tilted, size) ** units
+    q = np.clip(np.fft.irfft(spectrum, size)[: units * top + 1], 0.0, None)
+    s = np.arange(score, units * top + 1, dtype=np.float64)
+    mass = float((q[score:] * np.exp(-theta * (s - score))).sum())
+    if mass <= 0.0:
+        return _FLOOR
+    return min(units * log_m - theta * score + math.log(mass), 0.0)
+
+
+def entry_log_p(
+    key: WatermarkKey, config: WatermarkConfig, token_ids: Sequence[int], bits: str
+) -> float:
+    """The registry test of one entry, layer-weighted: ``log P(A >= a)`` for ``A`` the
+    text's layer-weighted agreement with the payload ``bits`` (pad bits 0), summed over
+    its scored (token, group) units, each of which under H0 is one token's ``sum_l w_l
+    g_l`` with fair g-bits: exact (:func:`weighted_upper_log_sf`). ``worldcup-v2``,
+    variant ``worldcup`` only."""
+    if not weighted_applies(config):
+        raise ValueError("the layer-weighted statistic is for worldcup-v2, variant worldcup")
+    k, m = config.groups, config.layers
+    w = layer_weights(m)
+    symbols = config.symbols_for(len(bits))
+    items = ScoredTokensV2.of(np.asarray(token_ids, dtype=np.int64), config.context_width)
+    if len(items) == 0:
+        return 0.0
+    prf = PRFV2.of(key)
+    context = [items.context[j] for j in range(config.context_width)]
+    g = np.asarray(
+        v2_group_bits(v2_gwords(prf.gvalue_key, context, items.tokens, gvalue_words(k, m)), k, m)
+    )
+    per_unit = g.astype(np.int64) @ w  # (n, k)
+    sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+    padded = bits + "0" * (symbols * k - len(bits))
+    entry = (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0")).reshape(symbols, k)
+    agree = np.where(entry[sym] == 0, per_unit, int(w.sum()) - per_unit)
+    return weighted_upper_log_sf(w, int(agree.size), int(agree.sum()))
+
+
+def registry_verdict_log_p(
+    scheme: WorldCup, token_ids: Sequence[int], bits: str, registry_size: int
+) -> float | None:
+    """The one verdict's registry test for the matched entry ``bits``: layer-weighted
+    (:func:`entry_log_p`), Bonferroni-corrected for ``registry_size``. The entry is
+    chosen by the unweighted maximum-likelihood match; the union bound covers any
+    choice among the registry's entries, so the correction stays valid. None where the
+    weighted statistic does not apply (the unweighted match's p stands)."""
+    if not weighted_applies(scheme.config):
+        return None
+    log_p = entry_log_p(scheme.key, scheme.config, token_ids, bits)
+    return min(log_p + math.log(max(registry_size, 1)), 0.0)
+
+
+def verdict_match(
+    scheme: WorldCup, token_ids: Sequence[int], match: RegistryMatch, registry_size: int
+) -> RegistryMatch:
+    """``match`` with the p-value the one verdict takes from it
+    (:func:`registry_verdict_log_p`), so an answer shows the registry test it was decided
+    by; unchanged where the weighted statistic does not apply."""
+    log_p = registry_verdict_log_p(scheme, token_ids, match.bits, registry_size)
+    if log_p is None:
+        return match
+    return replace(match, p_value=math.exp(log_p), log10_p_value=log_p / math.log(10.0))

@@ -32,7 +32,7 @@ from app.services.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import DecodeResult, RegistryMatch
-from worldcup_core.detector_weighted import best_verdict_log_p
+from worldcup_core.detector_weighted import best_verdict_log_p, verdict_match
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
 from worldcup_core.registry_lookup import (
@@ -266,13 +266,18 @@ class Scanner:
         cells = text_cells(ones, trials, num_bits)
         if not use_list(num_bits, size):
             match = exhaustive_match(cells, registry.payloads, size)
-            return None if match is None else (match, int(registry.ids[match.index]))
+            if match is None:
+                return None
+            # the registry test the verdict takes, as the service's (layer-weighted)
+            return verdict_match(scheme, ids, match, size), int(registry.ids[match.index])
         plist = payload_list(cells)
         listed = registry.codec.message_id_ints(plist.payloads)
         at = np.minimum(np.searchsorted(registry.ids, listed), size - 1)
         live = registry.ids[at] == listed
         found = list_match(cells, plist, listed, live, np.zeros_like(live), size)
-        return None if found is None else (found.match, found.message_id)
+        if found is None:
+            return None
+        return verdict_match(scheme, ids, found.match, size), found.message_id
 
     def _decode(self, indices: list[int], ids: list[int], num_bits: int) -> _Decoded:
         """As the service's decode_texts: decode under each key, keep the most

@@ -14,7 +14,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from app.schemas.watermark import EvidenceOut
@@ -27,7 +27,7 @@ from worldcup_core import DecodeResult, DetectionResult, WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
-from worldcup_core.detector_weighted import best_verdict_log_p
+from worldcup_core.detector_weighted import best_verdict_log_p, verdict_match
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 from worldcup_core.registry_lookup import text_cells
@@ -220,10 +220,29 @@ class WatermarkService:
         decoded = await offload_map(self.cpu, work, texts, lambda ids: TOKEN_CHARS * len(ids))
         waiting = [(best.key_version, p) for best, _, p in decoded if p is not None]
         listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting))
+        founds = [next(listed) if pending is not None else found for _, found, pending in decoded]
+        schemes = {v.version: v.scheme for v in versions}
+
+        def rescore() -> list[Found | None]:
+            """Each match with the registry test the verdict takes (layer-weighted)."""
+            return [
+                None
+                if found is None
+                else replace(
+                    found,
+                    match=verdict_match(
+                        schemes[best.key_version],
+                        ids,
+                        found.match,
+                        max(plans[best.key_version].candidates, 1),
+                    ),
+                )
+                for ids, (best, _, _), found in zip(texts, decoded, founds, strict=True)
+            ]
+
+        founds = await self.offload(rescore)
         outcomes = []
-        for best, found, pending in decoded:
-            if pending is not None:
-                found = next(listed)
+        for (best, _, _), found in zip(decoded, founds, strict=True):
             entry = None
             if found is not None and not found.expired:
                 entry = await self.store.registry_entry(tenant_id, found.message_id)
