@@ -83,7 +83,11 @@ class RegistryMatchOut(StrictModel):
     issued_at: datetime
     num_bits: int
     confidence: float = Field(description="Posterior of this entry among the registry.")
-    p_value: float = Field(description="Exact, Bonferroni-corrected for the registry size.")
+    p_value: float = Field(
+        description="The registry test the verdict takes: the text's agreement with this "
+        "entry (layer-weighted under worldcup-v2), exact, Bonferroni-corrected for the "
+        "registry size."
+    )
     exact: bool = Field(description="True if the decoded bits equal the entry's payload.")
 
 
