@@ -102,7 +102,7 @@ def test_tables_show_the_measured_figures() -> None:
     assert "| BiMark (own p; no registry) | 1 | no registry | no registry |" in named
     assert "| 1 | 40/40 (32) | 31/40 (256) |" in metric_table(result, "small", "reached")
     text = report(result)
-    assert "Answers whose /detect and /decode contradict each other: 4" in text
+    assert "Answers whose /detect and /decode contradict each other: 4." in text
     assert "| unwatermarked | 2.25 | - |" in text
     assert "81.2 ± 3.1" in text and "4e-07" in text
 

@@ -53,6 +53,22 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
         det = client.post("/detect/batch", json={"texts": texts}, headers=t["auth"]).json()
         dec = client.post("/decode/batch", json={"texts": texts}, headers=t["auth"]).json()
         for g, d, c in zip(t["generated"], det["results"], dec["results"], strict=True):
+            if d["result"] is None or c["result"] is None:  # this text failed its own item
+                error = d["error"] or c["error"]
+                rows.append(
+                    {
+                        "verdict": "error",
+                        "error": error["code"],
+                        "statistic": None,
+                        "verdict_p": 1.0,
+                        "detect_p": 1.0,
+                        "decode_p": 1.0,
+                        "named": False,
+                        "bits": None,
+                        "contradiction": False,
+                    }
+                )
+                continue
             d, c = d["result"], c["result"]
             match = c["registry_match"]
             rows.append(
@@ -75,6 +91,7 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
         "watermarked": sum(r["verdict"] == "watermarked" for r in rows),
         "inconclusive": sum(r["verdict"] == "inconclusive" for r in rows),
         "named": sum(r["named"] for r in rows),
+        "errors": sum(r["verdict"] == "error" for r in rows),
         "contradictions": sum(r["contradiction"] for r in rows),
         "median_verdict_p": statistics.median(r["verdict_p"] for r in rows),
         "median_detect_p": statistics.median(r["detect_p"] for r in rows),
@@ -172,6 +189,8 @@ def make_tenants(
     for i in range(0, len(chosen), per_tenant):
         r = client.post("/admin/tenants", json={"name": f"{name}-{i}"}, headers=admin)
         body = r.json()
+        if "api_key" not in body:
+            raise RuntimeError(f"/admin/tenants failed: {r.status_code} {r.text[:200]}")
         auth = {"Authorization": f"Bearer {body['api_key']}"}
         tenants.append(
             {"id": body["tenant_id"], "auth": auth, "prompts": chosen[i : i + per_tenant]}

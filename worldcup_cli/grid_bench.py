@@ -100,7 +100,8 @@ def _lengths_seen(tokens: list[int], length: int) -> dict[str, Any]:
 
 def _summary(result: dict[str, Any], payloads: list[str]) -> dict[str, Any]:
     rows = result["rows"]
-    acc = [bit_accuracy(r["bits"], p) for r, p in zip(rows, payloads, strict=True)]
+    # a text the service could not score (its item's error) recovered no bit
+    acc = [bit_accuracy(r["bits"] or "?" * len(p), p) for r, p in zip(rows, payloads, strict=True)]
     mean, se = _mean_se(acc)
     return {
         "watermarked": result["watermarked"],
@@ -110,6 +111,8 @@ def _summary(result: dict[str, Any], payloads: list[str]) -> dict[str, Any]:
         "bit_accuracy_se": round(se, 4),
         "median_verdict_p": result["median_verdict_p"],
         "contradictions": result["contradictions"],
+        "errors": sorted({r["error"] for r in rows if r["verdict"] == "error"}),
+        "error_count": result["errors"],
     }
 
 
@@ -155,10 +158,12 @@ def worldcup_unit(
     per_tenant: int,
     big_registry: int,
     saved: dict[str, Any] | None,
+    save: Callable[[dict[str, Any]], None],
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     """One preset at one temperature: generate (or reuse ``saved`` answers whose
-    registries are still at their natural size), measure at both registry sizes."""
+    registries are still at their natural size; new answers go to ``save`` at once),
+    measure at both registry sizes."""
     tenants: list[dict[str, Any]]
     started = time.perf_counter()
     if saved is not None and _registry_top(db, [t["id"] for t in saved["tenants"]]) <= per_tenant:
@@ -166,7 +171,9 @@ def worldcup_unit(
         seconds = saved["generate_seconds"]
         progress("  reusing the saved answers")
     else:
-        tenants = make_tenants(client, chosen, per_tenant, f"grid-{preset}-{temperature}")
+        tenants = make_tenants(
+            client, chosen, per_tenant, f"grid-{preset}-{temperature}-{time.time_ns()}"
+        )
 
         def done(i: int, n: int) -> None:
             if i % 8 == 0 or i == n:
@@ -175,11 +182,19 @@ def worldcup_unit(
 
         generate_answers(client, tenants, max(lengths), temperature, done=done)
         seconds = round(time.perf_counter() - started, 1)
+        save({"texts": len(chosen), "tenants": tenants, "generate_seconds": seconds})
     small = _measure_lengths(client, tenants, lengths)
     key_version = 1
     for t in tenants:
         fill_registry(db, t["id"], key_version, NUM_BITS, big_registry)
     big = _measure_lengths(client, tenants, lengths)
+    for length in lengths:
+        if small[length]["error_count"] or big[length]["error_count"]:
+            progress(
+                f"  at {length} tokens the service could not score "
+                f"{small[length]['error_count']} / {big[length]['error_count']} texts "
+                f"({', '.join(small[length]['errors'] + big[length]['errors'])})"
+            )
     tokens = [g["tokens"] for t in tenants for g in t["generated"]]
     return {
         "scheme": preset,
@@ -389,17 +404,8 @@ def run(
                     saved = None
                 unit = worldcup_unit(
                     client, db, preset, t, chosen, lengths, per_tenant, big_registry, saved,
-                    progress,
+                    lambda data, partial=partial: _write_json(partial, data), progress,
                 )  # fmt: skip
-                if saved is None:
-                    _write_json(
-                        partial,
-                        {
-                            "texts": len(chosen),
-                            "tenants": unit["tenants"],
-                            "generate_seconds": unit["generate_seconds"],
-                        },
-                    )
                 unit.pop("tenants")
                 unit.update(texts=len(chosen), lengths=list(lengths), big_registry=big_registry)
                 _write_json(_unit_path(out, preset, t), unit)
@@ -584,7 +590,15 @@ def report(result: dict[str, Any]) -> str:
         for metric, *_ in METRICS:
             parts += [metric_table(result, size, metric), ""]
         n = contradictions(result, size)
-        parts.append(f"Answers whose /detect and /decode contradict each other: {n}")
+        parts.append(f"Answers whose /detect and /decode contradict each other: {n}.")
+        errors = [c for c in result["cells"] if c[size].get("error_count")]
+        if errors:
+            codes = sorted({e for c in errors for e in c[size]["errors"]})
+            count = sum(c[size]["error_count"] for c in errors)
+            parts.append(
+                f"Texts the service answered with an item error (counted as not "
+                f"watermarked, no bit recovered): {count} ({', '.join(codes)})."
+            )
     parts += ["", "## Quality: median self-perplexity of the full answers", ""]
     parts += ["| scheme | " + " | ".join(f"T={t:g}" for t in s["temperatures"]) + " |"]
     parts += ["|---|" + "---|" * len(s["temperatures"])]
