@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from worldcup_cli.grid_bench import metric_table, prefix, render, report, share_se
+from worldcup_cli.grid_bench import metric_table, prefix, reaches, render, report, share_se
 from worldcup_cli.main import app
 
 
@@ -101,6 +101,11 @@ def test_tables_show_the_measured_figures() -> None:
     named = metric_table(result, "big", "named")
     assert "| BiMark (own p; no registry) | 1 | no registry | no registry |" in named
     assert "| 1 | 40/40 (32) | 31/40 (256) |" in metric_table(result, "small", "reached")
+    # 36/40 at 256 tokens reaches 90 %; 34/40 with the big registry does not
+    assert "| WorldCup frontier (k=1, m=30, α=0.6) | 256 tokens | 256 tokens |" in reaches(
+        result, "small"
+    )
+    assert "| not by 256 | not by 256 |" in reaches(result, "big")
     text = report(result)
     assert "Answers whose /detect and /decode contradict each other: 4." in text
     assert "| unwatermarked | 2.25 | - |" in text

@@ -148,6 +148,15 @@ def _registry_top(db: Path, tenant_ids: list[str]) -> int:
     return max(tops, default=0)
 
 
+def unfill_registry(db: Path, tenant_ids: list[str]) -> None:
+    """Back to the natural size: remove the entries :func:`fill_registry` added."""
+    with sqlite3.connect(db) as c:
+        c.executemany(
+            "DELETE FROM messages WHERE tenant_id = ? AND metadata = '{\"filled\":true}'",
+            [(t,) for t in tenant_ids],
+        )
+
+
 def worldcup_unit(
     client: Any,
     db: Path,
@@ -166,6 +175,8 @@ def worldcup_unit(
     measure at both registry sizes."""
     tenants: list[dict[str, Any]]
     started = time.perf_counter()
+    if saved is not None:
+        unfill_registry(db, [t["id"] for t in saved["tenants"]])
     if saved is not None and _registry_top(db, [t["id"] for t in saved["tenants"]]) <= per_tenant:
         tenants = saved["tenants"]
         seconds = saved["generate_seconds"]
@@ -392,7 +403,11 @@ def run(
         if not todo:
             continue
         db = work / f"{preset}.sqlite3"
-        settings = bench_settings(db, watermark_preset=preset)
+        # each answer is scored at every length and registry size, 16 queries about one
+        # text (by containment): the per-tenant probe budgets would refuse the later ones
+        settings = bench_settings(
+            db, watermark_preset=preset, probe_budget_verdict=0, probe_budget_full=0
+        )
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             for t in todo:
                 i += 1
@@ -562,6 +577,28 @@ def contradictions(result: dict[str, Any], size: str) -> int:
     return sum(c[size]["contradictions"] or 0 for c in result["cells"] if c[size]["contradictions"])
 
 
+def reaches(result: dict[str, Any], size: str, target: float = 0.9) -> str:
+    """Per scheme and temperature, the shortest measured length whose "watermarked"
+    share is at least ``target`` (a point estimate), as a table."""
+    s = result["settings"]
+    lines = [
+        "| scheme | " + " | ".join(f"T={t:g}" for t in s["temperatures"]) + " |",
+        "|---|" + "---|" * len(s["temperatures"]),
+    ]
+    for scheme in s["presets"] + s["baselines"]:
+        row = []
+        for t in s["temperatures"]:
+            hit = [
+                n
+                for n in s["lengths"]
+                if (c := _cell(result["cells"], scheme, t, n))[size]["watermarked"]
+                >= target * c["n"]
+            ]
+            row.append(f"{hit[0]} tokens" if hit else f"not by {max(s['lengths'])}")
+        lines.append(f"| {_label(scheme)} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def report(result: dict[str, Any]) -> str:
     s = result["settings"]
     sizes = {
@@ -579,7 +616,9 @@ def report(result: dict[str, Any]) -> str:
         "WorldCup through the service (/generate, /detect/batch, /decode/batch); BiMark "
         "through the evaluation's generate() with the same prompts and sampling, scored by "
         "its own calibrated p (length known) -- it has no registry, so its rows are the "
-        "same at both registry sizes. ± one standard error (binomial for shares).",
+        "same at both registry sizes. Every answer is scored at every length and registry "
+        "size, so the service's per-tenant probe budgets are off for this run. ± one "
+        "standard error (binomial for shares).",
         "",
         "Reproduce: `worldcup bench-grid --texts "
         f"{s['texts']} --big-registry {s['big_registry']}` "
@@ -589,6 +628,12 @@ def report(result: dict[str, Any]) -> str:
         parts += ["", f"## {title[0].upper()}{title[1:]}", ""]
         for metric, *_ in METRICS:
             parts += [metric_table(result, size, metric), ""]
+        parts += [
+            f'Shortest length with at least 90 % "watermarked" ({title}):',
+            "",
+            reaches(result, size),
+            "",
+        ]
         n = contradictions(result, size)
         parts.append(f"Answers whose /detect and /decode contradict each other: {n}.")
         errors = [c for c in result["cells"] if c[size].get("error_count")]
