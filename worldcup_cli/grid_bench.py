@@ -235,6 +235,8 @@ def model_unit(
     lengths: Sequence[int],
     progress: Callable[[str], None],
     batch: int = 8,
+    saved: Sequence[dict[str, Any]] = (),
+    save: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
     """BiMark (or no watermark: ``scheme_name="none"``) at one temperature, generated
     with :func:`worldcup_core.generation.generate` as the evaluation does, at the
@@ -250,8 +252,10 @@ def model_unit(
     scheme = None if scheme_name == "none" else build_baseline(scheme_name, eval_key(BIMARK_SEED))
     tok = lm.tokenizer
     started = time.perf_counter()
-    answers: list[dict[str, Any]] = []
-    for start in range(0, len(chosen), batch):
+    answers: list[dict[str, Any]] = list(saved)[: len(chosen)]  # a crashed run's batches
+    if answers:
+        progress(f"  {len(answers)} saved answers read back")
+    for start in range(len(answers), len(chosen), batch):
         requests, payloads = [], []
         for j in range(start, min(start + batch, len(chosen))):
             payload = (
@@ -282,6 +286,8 @@ def model_unit(
             )
         elapsed = time.perf_counter() - started
         progress(f"  {len(answers)}/{len(chosen)} answers, {elapsed:.0f} s")
+        if save is not None:
+            save(answers)
     seconds = round(time.perf_counter() - started, 1)
     cells: dict[str, Any] = {}
     tokens = [a["tokens"] for a in answers]
@@ -354,6 +360,7 @@ def run(
     per_tenant: int = 20,
     out: Path = Path("docs/results/grid"),
     ppl_texts: int = 20,
+    model_texts: int | None = None,
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every unit (scheme x temperature), resuming finished ones from ``out/cells``;
@@ -381,11 +388,11 @@ def run(
             f"elapsed {elapsed / 60:.1f} min, ETA {eta_s}"
         )
 
-    def finished(path: Path) -> dict[str, Any] | None:
+    def finished(path: Path, count: int = len(chosen)) -> dict[str, Any] | None:
         if not path.is_file():
             return None
         data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        same = data.get("texts") == len(chosen) and data.get("lengths") == list(lengths)
+        same = data.get("texts") == count and data.get("lengths") == list(lengths)
         done = same and data.get("big_registry", big_registry) == big_registry
         return data if done and "cells" in data else None
 
@@ -427,19 +434,25 @@ def run(
                 units[preset, t] = unit
                 spent.append(time.perf_counter() - t0)
     model_plan = [(s, t) for s, t in plan if s not in presets]
+    model_chosen = chosen[: model_texts or len(chosen)]
     lm = load_model()  # BiMark, unwatermarked and every answer's self-perplexity
     for scheme, t in model_plan:
         i += 1
         path = _unit_path(out, scheme, t)
-        old = finished(path)
+        old = finished(path, len(model_chosen))
         if old is not None:
             units[scheme, t] = old
             progress(f"cell {i}/{len(plan)}: {scheme} at {t:g} read back")
             continue
         stamp(i, scheme, t)
         t0 = time.perf_counter()
-        unit = model_unit(lm, scheme, t, chosen, lengths, progress)
-        unit.update(texts=len(chosen), lengths=list(lengths), big_registry=big_registry)
+        partial = work / f"{scheme}-t{t:g}.answers.json"
+        unit = model_unit(
+            lm, scheme, t, model_chosen, lengths, progress,
+            saved=json.loads(partial.read_text()) if partial.is_file() else [],
+            save=lambda answers, partial=partial: _write_json(partial, answers),
+        )  # fmt: skip
+        unit.update(texts=len(model_chosen), lengths=list(lengths), big_registry=big_registry)
         _write_json(path, unit)
         units[scheme, t] = unit
         spent.append(time.perf_counter() - t0)
@@ -458,6 +471,7 @@ def run(
         "num_bits": NUM_BITS,
         "threshold": THRESHOLD,
         "ppl_texts": ppl_texts,
+        "model_texts": len(model_chosen),
     }
     result = assemble(settings, units, time.perf_counter() - started)
     _write_json(out / "results.json", result)  # detection first: quality is the slow extra
@@ -618,7 +632,8 @@ def report(result: dict[str, Any]) -> str:
         "its own calibrated p (length known) -- it has no registry, so its rows are the "
         "same at both registry sizes. Every answer is scored at every length and registry "
         "size, so the service's per-tenant probe budgets are off for this run. ± one "
-        "standard error (binomial for shares).",
+        "standard error (binomial for shares; at 0 or all of n it is 0, and the rule of "
+        "three bounds the rate within 3/n at 95 %).",
         "",
         "Reproduce: `worldcup bench-grid --texts "
         f"{s['texts']} --big-registry {s['big_registry']}` "

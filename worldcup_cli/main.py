@@ -649,6 +649,10 @@ def bench_grid(
     ppl_texts: Annotated[
         int, typer.Option(min=0, help="Answers per cell whose self-perplexity is measured.")
     ] = 20,
+    model_texts: Annotated[
+        int | None,
+        typer.Option(min=1, help="Prompts per BiMark/unwatermarked cell (default: --texts)."),
+    ] = None,
     report_only: Annotated[
         bool, typer.Option("--report-only", help="Re-render report.md and grid.png only.")
     ] = False,
@@ -679,6 +683,7 @@ def bench_grid(
             big_registry,
             out=out,
             ppl_texts=ppl_texts,
+            model_texts=model_texts,
             progress=lambda line: typer.echo(line, err=True),
         )
     render(result, out)
