@@ -679,7 +679,8 @@ def report(result: dict[str, Any]) -> str:
         "",
         "Generation time (s) per unit: "
         + ", ".join(f"{k} {v:.0f}" for k, v in result["generate_seconds"].items())
-        + f"; whole run {result['runtime_s'] / 60:.0f} min on the CPU.",
+        + f"; the last invocation {result['runtime_s'] / 60:.0f} min on the CPU (cells "
+        "finished by an earlier one are read back, not rerun).",
         "",
         "![watermarked share vs length](grid.png)",
         "",
@@ -720,7 +721,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('verdict "watermarked" (p < 1e-6), %  (BiMark: own p)')
-    axes[1].legend(fontsize=7, ncol=3, loc="lower right")
+    axes[1].legend(fontsize=7, ncol=3, loc="upper left")
     fig.suptitle(f"{s['texts']} chat answers per point, ± 1 SE")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
