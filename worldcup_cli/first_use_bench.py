@@ -53,6 +53,22 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
         det = client.post("/detect/batch", json={"texts": texts}, headers=t["auth"]).json()
         dec = client.post("/decode/batch", json={"texts": texts}, headers=t["auth"]).json()
         for g, d, c in zip(t["generated"], det["results"], dec["results"], strict=True):
+            if d["result"] is None or c["result"] is None:  # this text failed its own item
+                error = d["error"] or c["error"]
+                rows.append(
+                    {
+                        "verdict": "error",
+                        "error": error["code"],
+                        "statistic": None,
+                        "verdict_p": 1.0,
+                        "detect_p": 1.0,
+                        "decode_p": 1.0,
+                        "named": False,
+                        "bits": None,
+                        "contradiction": False,
+                    }
+                )
+                continue
             d, c = d["result"], c["result"]
             match = c["registry_match"]
             rows.append(
@@ -63,6 +79,7 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
                     "detect_p": d["p_value"],
                     "decode_p": c["p_value"],
                     "named": match is not None and match["message_id"] == g["message_id"],
+                    "bits": c["bits"],
                     "contradiction": d["verdict"] != c["verdict"]
                     or d["is_watermarked"] != (d["verdict"] == "watermarked")
                     or (match is not None and c["verdict"] != "watermarked"),
@@ -74,6 +91,7 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
         "watermarked": sum(r["verdict"] == "watermarked" for r in rows),
         "inconclusive": sum(r["verdict"] == "inconclusive" for r in rows),
         "named": sum(r["named"] for r in rows),
+        "errors": sum(r["verdict"] == "error" for r in rows),
         "contradictions": sum(r["contradiction"] for r in rows),
         "median_verdict_p": statistics.median(r["verdict_p"] for r in rows),
         "median_detect_p": statistics.median(r["detect_p"] for r in rows),
@@ -142,6 +160,91 @@ def fill_registry(db: Path, tenant_id: str, version: int, num_bits: int, upto: i
         return int(upto - top)
 
 
+def bench_settings(db: Path, **overrides: Any) -> Any:
+    """The service's settings for a benchmark: the default preset unless ``overrides``
+    name another, an SQLite store at ``db``, no Redis, the CPU."""
+    from app.core.config import Settings
+
+    return Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        master_key=MASTER_KEY,
+        admin_token=ADMIN_TOKEN,
+        redis_url=None,
+        sqlite_path=db,
+        device="cpu",
+        log_level="WARNING",
+        # a benchmark measures answers, not the deadline: a loaded machine must not
+        # turn a slow generation into a failed run
+        request_timeout_s=3600.0,
+        **overrides,
+    )
+
+
+def make_tenants(
+    client: Any, chosen: list[str], per_tenant: int, name: str = "first-use"
+) -> list[dict[str, Any]]:
+    """One tenant per ``per_tenant`` prompts (its registry holds their answers)."""
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    tenants = []
+    for i in range(0, len(chosen), per_tenant):
+        r = client.post("/admin/tenants", json={"name": f"{name}-{i}"}, headers=admin)
+        body = r.json()
+        if "api_key" not in body:
+            raise RuntimeError(f"/admin/tenants failed: {r.status_code} {r.text[:200]}")
+        auth = {"Authorization": f"Bearer {body['api_key']}"}
+        tenants.append(
+            {"id": body["tenant_id"], "auth": auth, "prompts": chosen[i : i + per_tenant]}
+        )
+    return tenants
+
+
+def generate_answers(
+    client: Any,
+    tenants: list[dict[str, Any]],
+    max_new_tokens: int,
+    temperature: float,
+    concurrency: int = 8,
+    done: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Each tenant's prompts answered through ``POST /generate`` (chat messages, seed =
+    the prompt's place in its tenant, metadata: every answer is a registry entry); the
+    answers land in ``tenant["generated"]`` and are returned in order. ``done(i, n)``
+    is called as answers finish."""
+    finished = 0
+
+    def generate(job: tuple[dict[str, Any], int, str]) -> dict[str, Any]:
+        nonlocal finished
+        tenant, j, prompt = job
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": j,
+            "metadata": {"prompt": j},
+        }
+        r = client.post("/generate", json=body, headers=tenant["auth"])
+        out = r.json()
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate failed: {r.status_code} {r.text[:200]}")
+        finished += 1
+        if done is not None:
+            done(finished, len(jobs))
+        return {
+            "text": out["text"],
+            "message_id": out["message_id"],
+            "tokens": out["num_tokens"],
+            "finish_reason": out["finish_reason"],
+            "payload": out["payload"]["bits"],
+        }
+
+    jobs = [(t, j, p) for t in tenants for j, p in enumerate(t["prompts"])]
+    with ThreadPoolExecutor(concurrency) as pool:
+        made = list(pool.map(generate, jobs))
+    for (t, _, _), g in zip(jobs, made, strict=True):
+        t.setdefault("generated", []).append(g)
+    return made
+
+
 def run(
     count: int = 100,
     per_tenant: int = 20,
@@ -153,60 +256,16 @@ def run(
 ) -> dict[str, Any]:
     from fastapi.testclient import TestClient
 
-    from app.core.config import Settings
     from app.main import create_app
 
     chosen = prompts()[:count]
-    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "db.sqlite3"
-        settings = Settings(
-            _env_file=None,  # type: ignore[call-arg]
-            master_key=MASTER_KEY,
-            admin_token=ADMIN_TOKEN,
-            redis_url=None,
-            sqlite_path=db,
-            device="cpu",
-            log_level="WARNING",
-            # a benchmark measures answers, not the deadline: a loaded machine must not
-            # turn a slow generation into a failed run
-            request_timeout_s=3600.0,
-        )
+        settings = bench_settings(db)
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            tenants = []
-            for i in range(0, len(chosen), per_tenant):
-                r = client.post("/admin/tenants", json={"name": f"first-use-{i}"}, headers=admin)
-                body = r.json()
-                auth = {"Authorization": f"Bearer {body['api_key']}"}
-                tenants.append(
-                    {"id": body["tenant_id"], "auth": auth, "prompts": chosen[i : i + per_tenant]}
-                )
+            tenants = make_tenants(client, chosen, per_tenant)
             started = time.perf_counter()
-
-            def generate(job: tuple[dict[str, Any], int, str]) -> dict[str, Any]:
-                tenant, j, prompt = job
-                body = {
-                    "messages": [{"role": "user", "content": prompt}],
-                    "max_new_tokens": max_new_tokens,
-                    "temperature": temperature,
-                    "seed": j,
-                    "metadata": {"prompt": j},
-                }
-                r = client.post("/generate", json=body, headers=tenant["auth"])
-                out = r.json()
-                if r.status_code != 200:
-                    raise RuntimeError(f"/generate failed: {r.status_code} {r.text[:200]}")
-                return {
-                    "text": out["text"],
-                    "message_id": out["message_id"],
-                    "tokens": out["num_tokens"],
-                }
-
-            jobs = [(t, j, p) for t in tenants for j, p in enumerate(t["prompts"])]
-            with ThreadPoolExecutor(concurrency) as pool:
-                made = list(pool.map(generate, jobs))
-            for (t, _, _), g in zip(jobs, made, strict=True):
-                t.setdefault("generated", []).append(g)
+            made = generate_answers(client, tenants, max_new_tokens, temperature, concurrency)
             seconds = time.perf_counter() - started
             progress(f"generated {len(made)} answers in {seconds:.0f} s")
             statistics_compared = compare_statistics(client, db, tenants)

@@ -618,6 +618,78 @@ def bench_first_use(
     _emit(as_json, result, table(result))
 
 
+def _numbers(text: str, kind: Callable[[str], Any], name: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        fail(f"--{name}: a comma-separated list of numbers, got {text!r}")
+    if not values:
+        fail(f"--{name}: give at least one value")
+    return values
+
+
+@_command("bench-grid")
+def bench_grid(
+    texts: Annotated[int, typer.Option(min=1, max=100, help="Prompts answered per cell.")] = 40,
+    temperatures: Annotated[
+        str, typer.Option(help="Comma-separated sampling temperatures.")
+    ] = "0.3,0.7,1.0",
+    lengths: Annotated[
+        str, typer.Option(help="Comma-separated lengths (tokens); one generation at the longest.")
+    ] = "32,64,128,256",
+    presets: Annotated[str, typer.Option(help="Comma-separated presets (frontier, paper).")] = (
+        "frontier,paper"
+    ),
+    bimark: Annotated[bool, typer.Option(help="BiMark beside WorldCup.")] = True,
+    unwatermarked: Annotated[
+        bool, typer.Option(help="Unwatermarked answers too (self-perplexity only).")
+    ] = True,
+    big_registry: Annotated[int, typer.Option(min=1, help="The large registry's size.")] = 100_000,
+    out: Annotated[Path, typer.Option(help="Results folder.")] = Path("docs/results/grid"),
+    ppl_texts: Annotated[
+        int, typer.Option(min=0, help="Answers per cell whose self-perplexity is measured.")
+    ] = 20,
+    model_texts: Annotated[
+        int | None,
+        typer.Option(min=1, help="Prompts per BiMark/unwatermarked cell (default: --texts)."),
+    ] = None,
+    report_only: Annotated[
+        bool, typer.Option("--report-only", help="Re-render report.md and grid.png only.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Detection and decoding over temperatures x lengths for each WorldCup preset,
+    through the service at two registry sizes, beside BiMark (issue 35 item 2);
+    writes results.json, report.md and grid.png to --out, resuming finished cells."""
+    from worldcup_cli.grid_bench import PRESETS, render, run
+
+    if report_only:
+        path = out / "results.json"
+        if not path.is_file():
+            fail(f"--report-only: {path} does not exist; run without it first")
+        result = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        chosen = [p.strip() for p in presets.split(",") if p.strip()]
+        unknown = sorted(set(chosen) - set(PRESETS))
+        if unknown or not chosen:
+            fail(f"--presets: choose from {', '.join(PRESETS)}; got {presets!r}")
+        result = run(
+            texts,
+            _numbers(temperatures, float, "temperatures"),
+            _numbers(lengths, int, "lengths"),
+            chosen,
+            ("bimark",) if bimark else (),
+            unwatermarked,
+            big_registry,
+            out=out,
+            ppl_texts=ppl_texts,
+            model_texts=model_texts,
+            progress=lambda line: typer.echo(line, err=True),
+        )
+    render(result, out)
+    _emit(as_json, result, (out / "report.md").read_text(encoding="utf-8"))
+
+
 @_command("bench-provenance")
 def bench_provenance(
     keys: Annotated[int, typer.Option(min=1, max=100_000, help="Keys in the bank.")] = 1000,
