@@ -130,3 +130,17 @@ def test_render_writes_both_files(tmp_path: Path) -> None:
     assert "## Registry filled to 100 000 entries" in (tmp_path / "grid" / "report.md").read_text(
         encoding="utf-8"
     )
+
+
+def test_the_readme_table_is_the_one_results_json_gives() -> None:
+    """README's "what a chat answer gets" table is regenerated from the committed grid."""
+    import json
+    from pathlib import Path
+
+    from worldcup_cli.grid_bench import readme_table
+
+    root = Path(__file__).resolve().parents[1]
+    results = json.loads((root / "docs/results/grid/results.json").read_text(encoding="utf-8"))
+    table = readme_table(results)
+    assert table.count("\n") == 6 and "WorldCup frontier" in table and "BiMark" in table
+    assert table in (root / "README.md").read_text(encoding="utf-8")

@@ -144,6 +144,8 @@ def compare_statistics(client: Any, db: Path, tenants: list[dict[str, Any]]) -> 
 
 def fill_registry(db: Path, tenant_id: str, version: int, num_bits: int, upto: int) -> int:
     """Fill a tenant's registry to ``upto`` entries as /generate does (ids max+1, ...)."""
+    from app.stores.sqlite_registry import _count
+
     with sqlite3.connect(db) as c:
         (top,) = c.execute(
             "SELECT COALESCE(MAX(message_id), 0) FROM messages WHERE tenant_id = ?", (tenant_id,)
@@ -157,6 +159,9 @@ def fill_registry(db: Path, tenant_id: str, version: int, num_bits: int, upto: i
                 for i in range(top + 1, upto + 1)
             ),
         )
+        # and the registry's counters, in the same transaction, as the store moves them
+        # (the Bonferroni count of the registry test: app.stores.sqlite_registry._count)
+        _count(c, tenant_id, version, num_bits, max(upto - top, 0))
         return int(upto - top)
 
 

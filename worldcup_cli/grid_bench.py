@@ -151,10 +151,13 @@ def _registry_top(db: Path, tenant_ids: list[str]) -> int:
 def unfill_registry(db: Path, tenant_ids: list[str]) -> None:
     """Back to the natural size: remove the entries :func:`fill_registry` added."""
     with sqlite3.connect(db) as c:
-        c.executemany(
-            "DELETE FROM messages WHERE tenant_id = ? AND metadata = '{\"filled\":true}'",
-            [(t,) for t in tenant_ids],
-        )
+        for t in tenant_ids:
+            gone = c.execute(
+                "DELETE FROM messages WHERE tenant_id = ? AND metadata = '{\"filled\":true}'",
+                (t,),
+            ).rowcount
+            # the counters with them (fill_registry moved them): the natural count again
+            c.execute("UPDATE registry_counts SET live = live - ? WHERE tenant_id = ?", (gone, t))
 
 
 def worldcup_unit(
@@ -732,3 +735,35 @@ def render(result: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(report(result), encoding="utf-8")
     plot(result, out / "grid.png")
+
+
+README_CELLS = ((0.7, 64), (0.7, 128), (0.7, 256), (1.0, 64), (1.0, 128))
+
+
+def readme_table(result: dict[str, Any]) -> str:
+    """The README's table of what a chat answer gets (tests check the README holds it):
+    per scheme, the "watermarked" share with the registry at its large size at a few
+    (temperature, length) points, and the median self-PPL at temperature 0.7."""
+    s = result["settings"]
+    big = f"{s['big_registry']:,}"
+    head = " | ".join(f"T {t:g}, {n} t" for t, n in README_CELLS)
+    lines = [
+        f'| setting ("watermarked" at {big} entries, % ± SE, {s["texts"]} answers) | {head} '
+        "| self-PPL at T 0.7 |",
+        "|---|" + "---|" * (len(README_CELLS) + 1),
+    ]
+    ppl = {(q["scheme"], q["temperature"]): q["median_ppl"] for q in result["quality"]}
+    for scheme in [*s["presets"], *s["baselines"], "none"]:
+        if scheme == "none":
+            cells = ["—"] * len(README_CELLS)
+            label = "unwatermarked"
+        else:
+            cells = [
+                _pct(c["big"]["watermarked"], c["n"])
+                for c in (_cell(result["cells"], scheme, t, n) for t, n in README_CELLS)
+            ]
+            label = _label(scheme)
+        shown = ppl.get((scheme, 0.7))
+        quality = f"{shown:.2f}" if shown is not None else "—"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {quality} |")
+    return "\n".join(lines) + "\n"

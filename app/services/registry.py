@@ -69,6 +69,13 @@ class Plan:
         """The Bonferroni count: live entries and every id the retention expired."""
         return self.size.live + max(self.size.expired, self.size.expired_below - 1, 0)
 
+    @property
+    def bonferroni(self) -> int:
+        """The registry test's correction: the count, or the payloads an exhaustive match
+        scanned where the cache holds more than the counters say (as the match's own p)."""
+        scanned = int(self.payloads.size) if self.payloads is not None else 0
+        return max(self.candidates, scanned, 1)
+
 
 @dataclass(frozen=True)
 class Found:

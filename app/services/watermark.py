@@ -234,7 +234,7 @@ class WatermarkService:
                         schemes[best.key_version],
                         ids,
                         found.match,
-                        max(plans[best.key_version].candidates, 1),
+                        plans[best.key_version].bonferroni,
                     ),
                 )
                 for ids, (best, _, _), found in zip(texts, decoded, founds, strict=True)
