@@ -116,3 +116,23 @@ def test_an_entry_past_retention_is_expired_not_matched(
         f"/admin/tenants/{tenant_id}/registry/{old['message_id']}", headers=ADMIN
     )
     assert admin_lookup.status_code == 404
+
+
+def test_the_registry_test_is_corrected_for_what_was_scanned_if_the_counters_lag() -> None:
+    """The Bonferroni count of the verdict's registry test: the counters, or the payloads
+    an exhaustive match scanned where the cache holds more (rows written without their
+    counters must not make the test liberal)."""
+    import numpy as np
+
+    from app.services.registry import Plan
+    from app.stores.base import RegistrySize
+    from worldcup_core.message import MessageIdCodec
+    from worldcup_core.prf import WatermarkKey
+
+    codec = MessageIdCodec(WatermarkKey(bytes(32)), 32)
+    ids = np.arange(1, 1001, dtype=np.uint64)
+    lagging = Plan(codec, RegistrySize(live=20), ids, codec.payload_ints(ids))
+    assert lagging.candidates == 20 and lagging.bonferroni == 1000
+    listed = Plan(codec, RegistrySize(live=100_000, expired=5))
+    assert listed.bonferroni == listed.candidates == 100_005
+    assert Plan(codec, RegistrySize(live=0)).bonferroni == 1
