@@ -111,6 +111,28 @@ def table_for(weights: I64) -> WeightedTable:
     return _TABLES[key]
 
 
+def _weighted_units(
+    prf: PRFV2, config: WatermarkConfig, ids: Sequence[I64], symbols: int, w: I64
+) -> tuple[I64, I64, I64] | None:
+    """The scored (token, group) units of ``ids``: each token's ``sum_l w_l g_l`` per group
+    (n, k), its message position among ``symbols`` (n,) and its text's index (n,); None
+    when no token is scored."""
+    k, m = config.groups, config.layers
+    items = [ScoredTokensV2.of(t, config.context_width) for t in ids]
+    scored = np.array([len(it) for it in items])
+    if scored.sum() == 0:
+        return None
+    segment = np.repeat(np.arange(len(ids)), scored)
+    context = [np.concatenate([it.context[j] for it in items]) for j in range(config.context_width)]
+    tokens = np.concatenate([it.tokens for it in items])
+    bits = np.asarray(
+        v2_group_bits(v2_gwords(prf.gvalue_key, context, tokens, gvalue_words(k, m)), k, m)
+    )
+    per_token: I64 = bits.astype(np.int64) @ w
+    sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+    return per_token, np.asarray(sym, dtype=np.int64), segment
+
+
 def weighted_log_p_many(
     key: WatermarkKey,
     config: WatermarkConfig,
@@ -128,18 +150,10 @@ def weighted_log_p_many(
     symbols = slot_count(config) if num_bits is None else config.symbols_for(num_bits)
     prf = PRFV2.of(key)
     ids = [np.asarray(t, dtype=np.int64) for t in texts]
-    items = [ScoredTokensV2.of(t, config.context_width) for t in ids]
-    scored = np.array([len(it) for it in items])
-    if scored.sum() == 0:
+    units = _weighted_units(prf, config, ids, symbols, w)
+    if units is None:
         return np.zeros(len(ids))
-    segment = np.repeat(np.arange(len(ids)), scored)
-    context = [np.concatenate([it.context[j] for it in items]) for j in range(config.context_width)]
-    tokens = np.concatenate([it.tokens for it in items])
-    bits = np.asarray(
-        v2_group_bits(v2_gwords(prf.gvalue_key, context, tokens, gvalue_words(k, m)), k, m)
-    )
-    per_token = bits.astype(np.int64) @ w  # (n, k)
-    sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+    per_token, sym, segment = units
     row = segment * symbols + sym
     size = len(ids) * symbols
     counts = np.bincount(row, minlength=size).reshape(len(ids), symbols)
@@ -261,19 +275,14 @@ def entry_log_p(
     variant ``worldcup`` only."""
     if not weighted_applies(config):
         raise ValueError("the layer-weighted statistic is for worldcup-v2, variant worldcup")
-    k, m = config.groups, config.layers
-    w = layer_weights(m)
+    k = config.groups
+    w = layer_weights(config.layers)
     symbols = config.symbols_for(len(bits))
-    items = ScoredTokensV2.of(np.asarray(token_ids, dtype=np.int64), config.context_width)
-    if len(items) == 0:
+    ids = [np.asarray(token_ids, dtype=np.int64)]
+    units = _weighted_units(PRFV2.of(key), config, ids, symbols, w)
+    if units is None:
         return 0.0
-    prf = PRFV2.of(key)
-    context = [items.context[j] for j in range(config.context_width)]
-    g = np.asarray(
-        v2_group_bits(v2_gwords(prf.gvalue_key, context, items.tokens, gvalue_words(k, m)), k, m)
-    )
-    per_unit = g.astype(np.int64) @ w  # (n, k)
-    sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+    per_unit, sym, _ = units
     padded = bits + "0" * (symbols * k - len(bits))
     entry = (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0")).reshape(symbols, k)
     agree = np.where(entry[sym] == 0, per_unit, int(w.sum()) - per_unit)
