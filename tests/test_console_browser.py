@@ -455,3 +455,42 @@ def test_every_control_is_labelled_and_heatmap_text_has_contrast(
     assert len(colours) > 200
     worst = min(contrast(fg, bg) for fg, bg in colours)
     assert worst >= 4.5, worst
+
+
+def test_a_close_runner_up_is_explained_not_named(
+    page: Any, live: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode mode on an excerpt the registry test finds watermarked but whose entry is
+    not clearly ahead of the other (a deployment asking for full confidence): the
+    headline and the entry block say why no entry is named, as /decode does."""
+    _, auth = _tenant(live.url, "close", 1203)
+    gen = _generate(live.url, auth, seed=5, tokens=64)
+    _generate(live.url, auth, seed=6, tokens=4)  # a second entry: the runner-up
+    settings = live.app.state.runtime.settings
+    monkeypatch.setattr(settings, "registry_min_confidence", 1.0)
+    # the search below asks about one text a hundred times: no probe budget meanwhile
+    monkeypatch.setitem(live.app.state.runtime.probes.budgets, "full", 0)
+    words = gen["text"].split(" ")
+    # the shortest such excerpt, looked for in one batch (a longer one leaves the
+    # runner-up a posterior that rounds to 0; a shorter one is not watermarked)
+    excerpts = [" ".join(words[:n]) for n in range(8, len(words) + 1)]
+    r = httpx.post(f"{live.url}/decode/batch", json={"texts": excerpts}, headers=auth)
+    assert r.status_code == 200, r.text
+    found = [
+        (text, item["result"])
+        for text, item in zip(excerpts, r.json()["results"], strict=True)
+        if item["result"] is not None  # None: an error of that text's own (shown below)
+        and item["result"]["verdict"] == "watermarked"
+        and item["result"]["registry_ambiguous"]
+    ]
+    errors = {item["error"]["code"] for item in r.json()["results"] if item["error"]}
+    assert found, f"no excerpt is watermarked with a close runner-up; errors: {errors}"
+    excerpt, api = found[0]
+    assert api["registry_match"] is None and api["registry_expired"] is False
+    sign_in(page, auth["Authorization"].split()[1])
+    page.get_by_test_id("mode-decode").check()
+    verdict = check(page, excerpt)
+    assert verdict.startswith("Watermarked — tenant close"), verdict
+    assert "no entry named: another entry fits the text almost as well" in verdict
+    none = page.get_by_test_id("metadata-none")
+    assert none.is_visible() and none.inner_text().startswith("No registry entry was named")

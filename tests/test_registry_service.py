@@ -1,6 +1,7 @@
 """Issue 36 through the API (tiny model, SQLite): a text decodes to its own entry on the
 list path as on the exhaustive one (/decode, /decode/batch, /provenance), and an entry
-past the tenant's retention is reported as ``registry_expired``, never as a match."""
+past the tenant's retention is reported as ``registry_expired``, never as a match (and
+a match whose runner-up is close as ``registry_ambiguous``)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,58 @@ def test_the_registry_test_is_corrected_for_what_was_scanned_if_the_counters_lag
     listed = Plan(codec, RegistrySize(live=100_000, expired=5))
     assert listed.bonferroni == listed.candidates == 100_005
     assert Plan(codec, RegistrySize(live=0)).bonferroni == 1
+
+
+def test_a_close_runner_up_is_said_not_named(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watermarked text whose best entry is not clearly enough ahead of the next
+    names none, and says why (``registry_ambiguous``) on both lookup paths and
+    /provenance; a named entry or a human text never says it."""
+    with fixed_watermark_keys(3638):
+        tenant_id, auth = new_tenant(client)
+    issued = generate(client, auth, 31)
+    _fill(client, tenant_id, 300)
+    # an excerpt: enough to name the entry, too little to put the runner-up at nothing
+    excerpt = " ".join(issued["text"].split(" ")[:24])
+    settings = client.app.state.runtime.settings  # type: ignore[attr-defined]
+    one, _, prov = _answers(client, auth, [excerpt])
+    assert one["registry_match"]["message_id"] == issued["message_id"]
+    assert one["registry_ambiguous"] is False and prov["registry_ambiguous"] is False
+    confidence = one["registry_match"]["confidence"]
+    assert 0.95 < confidence < 1.0
+    # a deployment that asks for more confidence than this excerpt has
+    monkeypatch.setattr(settings, "registry_min_confidence", (confidence + 1.0) / 2)
+    for forced in (False, True):
+        monkeypatch.setattr(registry_module, "use_list", lambda _bits, _n, f=forced: f)
+        one, batch, prov = _answers(client, auth, [excerpt, HUMAN])
+        assert one["verdict"] == "watermarked", forced
+        assert one["registry_match"] is None and one["registry_ambiguous"] is True
+        assert batch[0]["registry_ambiguous"] is True and batch[0]["registry_match"] is None
+        assert batch[1]["registry_ambiguous"] is False  # human: no test to name an entry
+        assert prov["registry_entry"] is None and prov["registry_ambiguous"] is True
+        assert one["registry_expired"] is False
+
+
+def test_decode_without_a_length_shows_the_issued_one(client: TestClient) -> None:
+    """/decode and /decode/batch with no ``num_bits`` show the payload length the tenant
+    issued its entries at (here 16, the deployment's default 32), so the entry its
+    verdict found is named; a tenant with no entries gets the default length."""
+    settings = client.app.state.runtime.settings  # type: ignore[attr-defined]
+    assert settings.default_num_bits != 16
+    with fixed_watermark_keys(3639):
+        _, auth = new_tenant(client)
+        _, empty = new_tenant(client)
+    issued = generate(client, auth, 41)  # a 16-bit entry
+    one = client.post("/decode", json={"text": issued["text"]}, headers=auth).json()
+    assert len(one["bits"]) == 16 and one["verdict"] == "watermarked"
+    assert one["registry_match"]["message_id"] == issued["message_id"]
+    asked = client.post("/decode", json={"text": issued["text"], "num_bits": 16}, headers=auth)
+    assert asked.json() == one  # the same answer
+    batch = client.post("/decode/batch", json={"texts": [issued["text"], HUMAN]}, headers=auth)
+    results = [item["result"] for item in batch.json()["results"]]
+    assert [len(r["bits"]) for r in results] == [16, 16]
+    assert results[0]["registry_match"]["message_id"] == issued["message_id"]
+    assert results[1]["registry_match"] is None
+    fresh = client.post("/decode", json={"text": issued["text"]}, headers=empty).json()
+    assert len(fresh["bits"]) == settings.default_num_bits and fresh["registry_match"] is None

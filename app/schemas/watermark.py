@@ -60,9 +60,15 @@ EVIDENCE_DESCRIPTION = (
 )
 
 
+DECODE_NUM_BITS = (
+    "The payload length to decode at. Default: the length the tenant issued its registry "
+    "entries at (the best-matching one where several), else the deployment's default."
+)
+
+
 class DecodeRequest(StrictRequest):
     text: Text
-    num_bits: Annotated[int | None, Field(ge=1, le=64)] = None
+    num_bits: Annotated[int | None, Field(ge=1, le=64, description=DECODE_NUM_BITS)] = None
     key_version: Annotated[int | None, Field(ge=1, le=2**31 - 1)] = None
     evidence: bool = Field(False, description=EVIDENCE_DESCRIPTION)
 
@@ -172,6 +178,11 @@ def verdict_fields(assessment: Assessment) -> dict[str, Any]:
     }
 
 
+REGISTRY_AMBIGUOUS_DESCRIPTION = (
+    "Another registry entry fits the text almost as well as the best one (confidence "
+    "below registry_min_confidence), so none is named although the registry test is "
+    "below the watermarked level; a longer excerpt of the text may decide."
+)
 IS_WATERMARKED_DESCRIPTION = "Exactly verdict == 'watermarked' (verdict_p_value < 1e-6)."
 SIGNIFICANCE_DESCRIPTION = (
     "The level is_watermarked carries: the fixed 1e-6 of the verdict 'watermarked' (the "
@@ -195,6 +206,7 @@ class DecodeResponse(_VerdictAnswer):
         description="The text matches a registry entry past the tenant's registry "
         "retention: it was issued by this tenant, but its entry is gone.",
     )
+    registry_ambiguous: bool = Field(False, description=REGISTRY_AMBIGUOUS_DESCRIPTION)
     evidence: EvidenceOut | None = None
 
 
@@ -230,7 +242,7 @@ class DecodeBatchRequest(StrictRequest):
         description="Up to the server's batch limit (default 1000) texts; each is decoded "
         "independently, and a bad text fails only its own item."
     )
-    num_bits: Annotated[int | None, Field(ge=1, le=64)] = None
+    num_bits: Annotated[int | None, Field(ge=1, le=64, description=DECODE_NUM_BITS)] = None
     key_version: Annotated[int | None, Field(ge=1, le=2**31 - 1)] = None
 
     model_config = {
@@ -305,6 +317,7 @@ class ProvenanceMatch(StrictModel):
     registry_expired: bool = Field(
         False, description="The text matches an entry past the tenant's registry retention."
     )
+    registry_ambiguous: bool = Field(False, description=REGISTRY_AMBIGUOUS_DESCRIPTION)
 
 
 class TokenScore(StrictModel):

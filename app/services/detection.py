@@ -30,10 +30,10 @@ from app.schemas.watermark import (
     verdict_fields,
 )
 from app.services import intake
-from app.services.registry import expired_answer
+from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
-from app.services.watermark import Assessed, DecodeOutcome, corrected
+from app.services.watermark import Assessed, DecodeOutcome, best_length, corrected
 from worldcup_core.assess import Assessment
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
@@ -67,6 +67,7 @@ def _decode_response(
         registry_expired=expired_answer(
             outcome.match, outcome.expired, assessment, runtime.settings
         ),
+        registry_ambiguous=ambiguous_answer(outcome.match, assessment, runtime.settings),
     )
 
 
@@ -139,20 +140,28 @@ async def _decode_outcomes(
     runtime: Runtime,
     principal: Principal,
     ids: list[list[int]],
-    num_bits: int,
+    num_bits: int | None,
     key_version: int | None,
 ) -> list[tuple[DecodeOutcome, Assessment]]:
-    """(the decoding the route shows, the text's verdict) for each text."""
+    """(the decoding the route shows, the text's verdict) for each text, at ``num_bits``
+    or, where the request names none, at the length of the tested ones (those the tenant
+    issued entries at, else the default) whose entry is found (:func:`best_length`)."""
     assessed = await assess_ids(runtime, principal, ids, num_bits)
+    lengths = [num_bits or best_length(a.decoded) for a in assessed]
     if key_version is None:
-        shown = [a.decoded[num_bits] for a in assessed]
+        shown = [a.decoded[n] for a, n in zip(assessed, lengths, strict=True)]
     else:
-        try:
-            shown = await runtime.watermark.decode_texts(
-                principal.tenant.tenant_id, ids, num_bits, key_version
-            )
-        except UnknownKeyVersion:
-            raise _unknown_version(key_version) from None
+        by_index: dict[int, DecodeOutcome] = {}
+        for n in sorted(set(lengths)):
+            at = [i for i, m in enumerate(lengths) if m == n]
+            try:
+                outs = await runtime.watermark.decode_texts(
+                    principal.tenant.tenant_id, [ids[i] for i in at], n, key_version
+                )
+            except UnknownKeyVersion:
+                raise _unknown_version(key_version) from None
+            by_index.update(zip(at, outs, strict=True))
+        shown = [by_index[i] for i in range(len(ids))]
     return [(o, a.assessment) for o, a in zip(shown, assessed, strict=True)]
 
 
@@ -188,9 +197,8 @@ async def decode(
         _check_evidence_allowed(principal)
     ids, pieces, sketches = await intake.tokenise(runtime, principal, body.text, body.evidence)
     await intake.admit_one(runtime, principal, "decode", sketches)
-    num_bits = body.num_bits or runtime.settings.default_num_bits
     outcome, assessment = (
-        await _decode_outcomes(runtime, principal, [ids], num_bits, body.key_version)
+        await _decode_outcomes(runtime, principal, [ids], body.num_bits, body.key_version)
     )[0]
     answer = _decode_response(runtime, outcome, assessment)
     if body.evidence:
@@ -219,9 +227,8 @@ async def decode_batch(
     """Bulk /decode. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
     await _admit_batch(runtime, principal, body.texts)
-    num_bits = body.num_bits or runtime.settings.default_num_bits
     good, ids, _, errors = await intake.take_batch(runtime, principal, "decode/batch", body.texts)
-    outcomes = await _decode_outcomes(runtime, principal, ids, num_bits, body.key_version)
+    outcomes = await _decode_outcomes(runtime, principal, ids, body.num_bits, body.key_version)
     answers: list[DecodeResponse] = []
     answered: list[int] = []
     for index, (outcome, assessment) in zip(good, outcomes, strict=True):

@@ -41,7 +41,7 @@ from app.services.intake import (
     token_pieces,
 )
 from app.services.probes import Sketch
-from app.services.registry import expired_answer
+from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime
 from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
@@ -183,6 +183,7 @@ async def _search(
             registry_expired=expired_answer(
                 decoded.match, decoded.expired, outcome.assessment, settings
             ),
+            registry_ambiguous=ambiguous_answer(decoded.match, outcome.assessment, settings),
         )
     candidates = [
         ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)

@@ -207,6 +207,20 @@ async def sweep_forever(store: Store, interval_s: float) -> None:
             logger.info("registry sweep", extra={"fields": {"expired": sum(swept.values())}})
 
 
+def ambiguous_answer(
+    found: RegistryMatch | None, assessment: Assessment, settings: Settings
+) -> bool:
+    """Whether an answer says ``registry_ambiguous``: the registry test alone would let
+    the answer name an entry (``may_name_entry``), but another entry fits the text
+    almost as well (the posterior below ``registry_min_confidence``), so none is named.
+    Without it such an answer reads "watermarked, by the registry test" beside no entry."""
+    return (
+        found is not None
+        and assessment.may_name_entry
+        and found.posterior < settings.registry_min_confidence
+    )
+
+
 def expired_answer(
     found: RegistryMatch | None, expired: bool, assessment: Assessment, settings: Settings
 ) -> bool:

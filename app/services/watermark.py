@@ -399,22 +399,30 @@ class WatermarkService:
                 result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment
             )
         tenant = await self.store.get_tenant(tenant_id)
-        best_decode: DecodeOutcome | None = None
-        for outcome in decoded.values():
-            if best_decode is None or _better(outcome, best_decode):
-                best_decode = outcome
         return ProvenanceOutcome(
             result,
             True,
             tenant,
             version,
-            best_decode,
+            decoded[best_length(decoded)],
             num_tenants,
             elapsed,
             bank.schemes[result.best.index],
             candidates,
             assessment,
         )
+
+
+def best_length(decoded: dict[int, DecodeOutcome]) -> int:
+    """Of a text's decodings by payload length, the one an answer shows: the length
+    whose registry entry is found (:func:`_better`), so the answer shows the entry, the
+    near tie or the expiry its verdict saw."""
+    best: int | None = None
+    for bits, outcome in decoded.items():
+        if best is None or _better(outcome, decoded[best]):
+            best = bits
+    assert best is not None, "no decoding"
+    return best
 
 
 def _better(a: DecodeOutcome, b: DecodeOutcome) -> bool:

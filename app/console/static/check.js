@@ -4,6 +4,16 @@ import { state } from "./api.js";
 import { $, HEADLINES, addMetadataRows, addRow, clear, el, fmtP, fmtTime } from "./dom.js";
 import { showChart, showHeatmap } from "./evidence.js";
 
+// Why an answer names no registry entry, where the server says (null: no entry fits,
+// or there are none).
+function noEntryReason(data) {
+  if (data && data.registry_ambiguous) {
+    return "another entry fits the text almost as well (a longer excerpt may decide)";
+  }
+  if (data && data.registry_expired) return "its entry is past the tenant's retention";
+  return null;
+}
+
 // The headline word is the server's verdict (worldcup_core.verdict, the one verdict
 // function); this adds who and what was matched, and the p-value where shown.
 function verdictText(mode, data, verdict) {
@@ -19,7 +29,7 @@ function verdictText(mode, data, verdict) {
       parts.push(`message ${m.registry_entry.message_id}`);
       parts.push(`issued ${fmtTime(m.registry_entry.issued_at)}`);
     } else {
-      parts.push(`key version ${m.key_version}, no registry entry matched`);
+      parts.push(`key version ${m.key_version}, ${noEntryReason(m) ? `no entry named: ${noEntryReason(m)}` : "no registry entry matched"}`);
     }
     const keys = data.num_keys === 1 ? "1 key" : `${data.num_keys} keys`;
     parts.push(`p = ${fmtP(data.verdict_p_value)} (corrected for ${keys})`);
@@ -41,6 +51,7 @@ function verdictText(mode, data, verdict) {
   if (data.key_version !== null && data.key_version !== undefined) parts.push(`key version ${data.key_version}`);
   const entry = data.registry_match;
   if (entry) parts.push(`message ${entry.message_id}`, `issued ${fmtTime(entry.issued_at)}`);
+  else if (noEntryReason(data)) parts.push(`no entry named: ${noEntryReason(data)}`);
   parts.push(`p = ${fmtP(data.verdict_p_value)}`);
   return [`${head} — ` + parts.join(", "), found];
 }
@@ -72,6 +83,10 @@ function showEntry(mode, data, entry) {
   clear(tbody);
   $("metadata").hidden = !entry;
   $("metadata-none").hidden = Boolean(entry) || mode === "detect";
+  const reason = noEntryReason(mode === "provenance" ? data.match : data);
+  $("metadata-none").textContent = reason
+    ? `No registry entry was named: ${reason}.`
+    : "No registry entry was matched.";
   if (mode === "provenance" && data.match) {
     addRow(tbody, "tenant", data.match.tenant_name || "");
     addRow(tbody, "tenant id", data.match.tenant_id, true);
