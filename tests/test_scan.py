@@ -377,6 +377,35 @@ def test_detect_mode_scans_one_tenant(corpus: Any, smollm2_tokenizer: Any) -> No
     assert "secret" not in repr(keys) and _secret("beta", 1).hex() not in repr(keys.keys)
 
 
+def test_an_entry_too_close_to_another_is_flagged_not_named(
+    corpus: Any, smollm2_tokenizer: Any, local_scan: Any
+) -> None:
+    """As the API's ``registry_ambiguous``: where the registry test may name an entry
+    but the posterior is under ``registry_min_confidence``, the row names none and
+    says so. A bar no posterior reaches turns every named entry into such a row."""
+    session = _session(corpus["db"])
+    try:
+        keys = session.load_keys("beta")
+    finally:
+        session.close()
+    files = discover([str(corpus["inputs"])])
+    rows = [r for part in plan(files, 50) for r in read_part(part, Fields("text", "id"))]
+    results = {}
+    for bar in (0.95, 1.5):
+        spec = ScanSpec(keys, "detect", Fields("text", "id"), ALPHA, registry_min_confidence=bar)
+        results[bar] = {r["id"]: r for r in Scanner(spec, smollm2_tokenizer).scan_rows(rows)}
+    named = [rid for rid, r in results[0.95].items() if r["message_id"] is not None]
+    assert len(named) >= 8  # beta's texts, and the copy-pastes of them
+    for rid, r in results[0.95].items():
+        assert r["registry_ambiguous"] is (False if r["error"] is None else None), rid
+    for rid, r in results[1.5].items():
+        assert r["message_id"] is None, rid
+        assert r["verdict"] == results[0.95][rid]["verdict"], rid  # the verdict is unchanged
+        assert bool(r["registry_ambiguous"]) is (rid in named), rid
+    out, summary, _ = local_scan  # the CLI's summary counts them (none at the default bar)
+    assert summary["unnamed_entries"] == sum(bool(r["registry_ambiguous"]) for r in _read(out))
+
+
 def test_parts_read_exactly_the_rows_of_each_file(tmp_path: Path) -> None:
     """Byte offsets (JSONL, CSV with quoted multi-line fields) and row groups (Parquet)."""
     texts = [

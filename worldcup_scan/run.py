@@ -77,6 +77,7 @@ class ScanSummary:
     errors: int = 0
     hits: int = 0
     short_texts: int = 0
+    unnamed_entries: int = 0  # watermarked rows whose entry a close runner-up kept unnamed
     hits_per_tenant: dict[str, int] = field(default_factory=dict)
     parts: int = 0
     parts_resumed: int = 0  # finished by an earlier run, not scanned again
@@ -91,7 +92,8 @@ class ScanSummary:
     def format(self) -> str:
         lines = [
             f"scanned {self.texts} texts: {self.hits} watermarked, {self.errors} with errors, "
-            f"{self.short_texts} short",
+            f"{self.short_texts} short, {self.unnamed_entries} with an entry too close to "
+            "another to name",
             f"{self.texts_scanned} texts this run in {self.seconds:.1f} s "
             f"({self.texts_per_second:.1f} texts/s); "
             f"{self.parts_resumed}/{self.parts} parts were already done",
@@ -197,6 +199,7 @@ def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSumma
                     summary.texts += 1
                     summary.errors += row["error"] is not None
                     summary.short_texts += bool(row["short_text"])
+                    summary.unnamed_entries += bool(row["registry_ambiguous"])
                     if row["verdict"] == "watermarked":  # the row's own verdict
                         summary.hits += 1
                         per_tenant[row["tenant_name"] or row["tenant_id"]] += 1

@@ -62,6 +62,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("bits", "string"),
     ("registry_metadata", "string"),
     ("registry_issued_at", "string"),  # ISO-8601 UTC, as the API writes it
+    # the registry test could name an entry but another fits almost as well: none named
+    ("registry_ambiguous", "bool"),
     ("num_tokens", "int64"),
     ("num_scored_tokens", "int64"),
     ("short_text", "bool"),
@@ -181,6 +183,7 @@ class Scanner:
                 num_tokens=len(text_ids),
                 num_scored_tokens=found.scored,
                 short_text=found.scored < self.spec.short_tokens,
+                registry_ambiguous=False,
             )
             if said.is_watermarked and found.key_index is not None:
                 spec = self.spec.keys.keys[found.key_index]
@@ -193,6 +196,8 @@ class Scanner:
                     if said.may_name_entry and decoded.match is not None:
                         if decoded.match.posterior >= self.spec.registry_min_confidence:
                             row["message_id"] = decoded.message_id
+                        else:  # as the API's registry_ambiguous
+                            row["registry_ambiguous"] = True
         return out
 
     # ------------------------------------------------------------------ scoring
