@@ -137,14 +137,15 @@ def _start_vllm(settings: Settings, log_file: Path) -> LiveServer:
 
 
 class _Collect(logging.Handler):
-    """Every record, message and extra fields, as text."""
+    """Every record, message and (``fields``) extra fields, as text."""
 
-    def __init__(self, sink: list[str]) -> None:
+    def __init__(self, sink: list[str], fields: bool = True) -> None:
         super().__init__(logging.DEBUG)
-        self.sink = sink
+        self.sink, self.fields = sink, fields
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.sink.append(f"{record.getMessage()} {record.__dict__!r}")
+        extra = f" {record.__dict__!r}" if self.fields else ""
+        self.sink.append(f"{record.getMessage()}{extra}")
 
 
 def _diagnosis(
@@ -488,9 +489,11 @@ def test_vllm_preemption_and_prefix_caching(
 ) -> None:
     """A KV cache of 20 blocks of 32 tokens (less than half what 8 requests of ~180 tokens
     need) forces vLLM to preempt running requests and recompute them; prefix caching
-    is on and every prompt shares a prefix. Every text still decodes to its registry
-    entry, flagged; requests were preempted and re-added (the processor's replays, in
-    its debug record), and no guard fired."""
+    is on and every prompt shares a prefix. No step of any request watermarked on a
+    context that is not its text's (the engine's per-request summary of the processor's
+    record); every text decodes to its own entry or to none (at most 2 of 8: a recited
+    continuation carries little watermark), with median p < 1e-10; requests were
+    preempted and re-added (the processor's replays), and no guard fired."""
     import app.engines.vllm as vllm_engine
 
     original = vllm_engine.engine_args
@@ -504,6 +507,9 @@ def test_vllm_preemption_and_prefix_caching(
     settings = engine_settings("vllm", None, tmp_path, vllm_max_model_len=512)
     log_file = tmp_path / "engine-core.log"
     server = _start_vllm(settings, log_file)
+    logs: list[str] = []  # the engine's per-request score summaries (after startup, which
+    handler = _Collect(logs, fields=False)  # replaces the "worldcup" handlers)
+    logging.getLogger("worldcup").addHandler(handler)
     try:
         config = server.app.state.runtime.engine._llm.vllm_config
         assert config.cache_config.num_gpu_blocks == 20
@@ -531,17 +537,31 @@ def test_vllm_preemption_and_prefix_caching(
 
         with ThreadPoolExecutor(max_workers=len(STAT_PROMPTS)) as pool:
             gens = list(pool.map(one, range(len(STAT_PROMPTS))))
-        p_values = []
+        # The sync claim, exactly: no step of any request (the preempted and recomputed
+        # ones among them) watermarked on a context that is not its text's.
+        summaries = [line for line in logs if line.startswith("WorldCup scores of request")]
+        assert len(summaries) == len(gens), summaries
+        assert all("'context_mismatches': 0," in line for line in summaries), summaries
+        # End to end: each text decodes to its own entry or to none (a continuation the
+        # model recites, e.g. a memorised "Your answer must contain a title..." template,
+        # is near-deterministic and carries little watermark: 1 text in ~50 here).
+        p_values, named = [], 0
         for gen in gens:
             dec = http.post("/decode", json={"text": gen["text"]}, headers=auth).json()
-            assert dec["registry_match"]["message_id"] == gen["message_id"], dec
-            assert dec["p_value"] < 0.01, (dec, gen["text"])
+            match = dec["registry_match"]
+            assert match is None or match["message_id"] == gen["message_id"], dec
+            named += match is not None
+            if match is None:
+                figures = {k: dec[k] for k in ("verdict", "verdict_p_value", "num_scored_tokens")}
+                print(f"\n[preemption] no entry named: {figures} {gen['text'][:200]!r}")
             p_values.append(dec["p_value"])
+        assert named >= len(gens) - 2, (named, p_values)
         assert statistics.median(p_values) < 1e-10, p_values
         metrics = http.get("/metrics").text
         assert "worldcup_watermark_faults_total{" not in metrics, metrics
         http.close()
     finally:
+        logging.getLogger("worldcup").removeHandler(handler)
         server.__exit__()
     records = [
         json.loads(line) for line in log_file.with_suffix(".scores.jsonl").read_text().splitlines()
