@@ -284,7 +284,7 @@ def new_case(
     source: dict[str, Any] | None = None,
 ) -> CaseRecord:
     now = time.time()
-    case_id = secrets.token_urlsafe(12)
+    case_id = record_id(12)
     expires = _expires_at(runtime, now)
     record = {
         "case_id": case_id,
@@ -357,6 +357,17 @@ async def delete(runtime: Runtime, analyst: Analyst, case_id: str) -> None:
     await get(runtime, analyst, case_id)  # the same 404 for another tenant's case
     if not await runtime.store.delete_case(case_id):
         raise _not_found(case_id)
+
+
+def record_id(nbytes: int) -> str:
+    """A random URL-safe id (``nbytes`` of entropy, less a bit) that starts with a letter
+    or a digit: one starting with ``-`` reads as an option on a command line, and a CSV
+    export quotes it as a would-be formula (:func:`_cell`), so the exported id would not
+    be the id (1 case in 32 before)."""
+    while True:
+        out = secrets.token_urlsafe(nbytes)
+        if out[0].isalnum():
+            return out
 
 
 # --------------------------------------------------------------------------- export
@@ -497,7 +508,7 @@ async def batch(
     cannot give (no text, empty, too long) or the service refuses (a probe budget, the
     rate limit) carries its error code instead of a case."""
     rows = read_rows(runtime, filename, content, field)
-    batch_id = secrets.token_urlsafe(9)
+    batch_id = record_id(9)
     texts = {row.row: row.text for row in rows if row.text is not None}
     answers = await _score_rows(runtime, analyst, mode, list(texts.values()))
     answer_of = dict(zip(texts, answers, strict=True))
