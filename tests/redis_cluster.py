@@ -96,13 +96,48 @@ class RedisClusterProcs:
         raise RuntimeError(f"timed out waiting for {what}")
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        """Every live node reports cluster_state:ok and 3 primaries cover all slots."""
+        """Every live node reports cluster_state:ok, 3 primaries cover all slots, and
+        every replica's link to its primary is up (until then a write's ``WAIT`` finds no
+        replica: a CI run's first cluster test once failed with "0 of 1 replicas")."""
 
         def healthy() -> bool:
             states = ["cluster_state:ok" in self.cli(p, "cluster", "info") for p in self._live()]
-            return all(states) and len(self.primaries()) == 3
+            if not (all(states) and len(self.primaries()) == 3):
+                return False
+            roles = [self.cli(p, "info", "replication") for p in self._live()]
+            replicas = [r for r in roles if "role:slave" in r]
+            if len(replicas) != len(roles) - 3:
+                return False
+            return all("master_link_status:up" in r for r in replicas) and self._acks()
 
-        self._wait(healthy, "cluster_state:ok", timeout)
+        self._wait(healthy, "cluster_state:ok and every replica acknowledging", timeout)
+
+    def _acks(self) -> bool:
+        """Whether a write on each primary is acknowledged by a replica (``WAIT 1``), as
+        the store's writes must be: a fresh replica may show its link up before it does."""
+        for port in self.primaries():
+            key = self._key_on(port)
+            out = subprocess.run(
+                ["redis-cli", "-p", str(port)],
+                input=f"SET {key} 1\nWAIT 1 500\nDEL {key}\n",
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout.split()
+            if len(out) < 2 or out[1] != "1":
+                return False
+        return True
+
+    def _key_on(self, port: int) -> str:
+        """A key whose slot the primary on ``port`` serves."""
+        ranges = [(a, b) for a, b, p in self.slots() if p == port]
+        with Redis(port=port, socket_timeout=2) as r:
+            for i in range(10_000):
+                slot = int(r.execute_command("CLUSTER", "KEYSLOT", f"probe-{i}"))
+                if any(a <= slot <= b for a, b in ranges):
+                    return f"probe-{i}"
+        raise RuntimeError(f"no probe key for the primary on {port}")
 
     def _live(self) -> list[int]:
         return [p for p, proc in self.procs.items() if proc.poll() is None]
