@@ -611,7 +611,9 @@ async def run_soak(
     admin = {"Authorization": f"Bearer {admin_token}"}
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
         r = await client.post(
-            "/admin/tenants", json={"name": f"soak-{time.time_ns()}"}, headers=admin
+            "/admin/tenants",  # some generates choose their payload: the grant
+            json={"name": f"soak-{time.time_ns()}", "scopes": ["fixed_payload"]},
+            headers=admin,
         )
         r.raise_for_status()
         tenant_id, api_key = r.json()["tenant_id"], r.json()["api_key"]

@@ -57,6 +57,7 @@ def engine_settings(engine: str, model_dir: Path | None, tmp: Path, **kw: Any) -
         "admin_token": ADMIN,
         "log_level": "INFO",
         "drain_timeout_s": 30.0,
+        "fixed_payload_repeats": 100_000,  # the cap: tests/test_fixed_payload.py
         "max_batch_size": 8,
         "max_queue": 64,
         "vllm_max_model_len": 1024,
@@ -71,7 +72,9 @@ class Service:
         self.server = server
         self.http = httpx.Client(base_url=server.url, timeout=180)
         r = self.http.post(
-            "/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+            "/admin/tenants",
+            json={"name": "t", "scopes": ["fixed_payload"]},
+            headers={"Authorization": f"Bearer {ADMIN}"},
         )
         assert r.status_code == 201, r.text
         self.api_key = r.json()["api_key"]
@@ -439,7 +442,7 @@ def test_vllm_logprobs_mode_model_setting(tmp_path: Path) -> None:
     server = _start_vllm(settings, tmp_path / "engine-core.log")
     try:
         http = httpx.Client(base_url=server.url, timeout=180)
-        r = http.post("/admin/tenants", json={"name": "m"},
+        r = http.post("/admin/tenants", json={"name": "m", "scopes": ["fixed_payload"]},
                       headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
         assert r.status_code == 201, r.text
         key = r.json()["api_key"]
@@ -516,7 +519,9 @@ def test_vllm_preemption_and_prefix_caching(
         assert config.cache_config.enable_prefix_caching
         http = httpx.Client(base_url=server.url, timeout=600)
         r = http.post(
-            "/admin/tenants", json={"name": "p"}, headers={"Authorization": f"Bearer {ADMIN}"}
+            "/admin/tenants",
+            json={"name": "p", "scopes": ["fixed_payload"]},
+            headers={"Authorization": f"Bearer {ADMIN}"},
         )
         assert r.status_code == 201, r.text
         auth = {"Authorization": f"Bearer {r.json()['api_key']}"}

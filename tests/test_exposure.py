@@ -224,7 +224,7 @@ def test_api_keys_scopes_listing_and_revocation(client: TestClient) -> None:
     assert listed.status_code == 200, listed.text
     keys = listed.json()["keys"]
     assert [k["key_id"] for k in keys] == ["primary", created["key_id"]]
-    assert keys[0]["scopes"] == ["generate", "detect", "decode", "provenance"]
+    assert keys[0]["scopes"] == ["generate", "detect", "decode", "provenance", "fixed_payload"]
     assert all("api_key" not in k and "key_hash" not in k for k in keys)
     assert created["api_key"] not in listed.text
     assert primary["Authorization"].removeprefix("Bearer ") not in listed.text

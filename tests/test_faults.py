@@ -69,7 +69,11 @@ def redis_back_up(redis: RedisServer) -> Iterator[None]:
 
 
 def _tenant(http: httpx.Client) -> dict[str, str]:
-    r = http.post("/admin/tenants", json={"name": f"faults-{time.time_ns()}"}, headers=ADMIN)
+    r = http.post(
+        "/admin/tenants",
+        json={"name": f"faults-{time.time_ns()}", "scopes": ["fixed_payload"]},
+        headers=ADMIN,
+    )
     assert r.status_code == 201, r.text
     return {"Authorization": f"Bearer {r.json()['api_key']}"}
 

@@ -510,7 +510,8 @@ def test_fuzz_openapi_schema(
 
 
 def create_tenant(schema: Any, admin: dict[str, str], name: str) -> tuple[str, str]:
-    case = schema["/admin/tenants"]["POST"].Case(body={"name": name})
+    # the explicit calls choose payloads: the tenant holds the fixed_payload grant
+    case = schema["/admin/tenants"]["POST"].Case(body={"name": name, "scopes": ["fixed_payload"]})
     response = case.call_and_validate(
         headers=admin, additional_checks=ADDED, excluded_checks=REPLACED
     )

@@ -55,6 +55,7 @@ def make_settings(model_dir: Path, db_dir: Path, **overrides: Any) -> Settings:
         "default_num_bits": 16,
         "request_timeout_s": 60.0,
         "drain_timeout_s": 2.0,
+        "fixed_payload_repeats": 100_000,  # the cap: tests/test_fixed_payload.py
         **overrides,
     }
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
@@ -87,7 +88,7 @@ def tenant(http: httpx.Client) -> dict[str, str]:
     with fixed_watermark_keys(4242):
         r = http.post(
             "/admin/tenants",
-            json={"name": f"oa-{uuid.uuid4().hex[:8]}"},
+            json={"name": f"oa-{uuid.uuid4().hex[:8]}", "scopes": ["fixed_payload"]},
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         )
     assert r.status_code == 201, r.text

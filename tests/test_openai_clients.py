@@ -60,7 +60,7 @@ def new_tenant(http: httpx.Client, seed: int) -> dict[str, str]:
     with fixed_watermark_keys(seed):
         r = http.post(
             "/admin/tenants",
-            json={"name": f"oc-{uuid.uuid4().hex[:8]}"},
+            json={"name": f"oc-{uuid.uuid4().hex[:8]}", "scopes": ["fixed_payload"]},
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         )
     assert r.status_code == 201, r.text

@@ -74,6 +74,8 @@ def make_settings(model_dir: Path, db_dir: Path, **overrides: Any) -> Settings:
         "max_new_tokens_limit": 256,
         "request_timeout_s": 60.0,
         "drain_timeout_s": 2.0,
+        # tests not about the cap reuse one payload freely (tests/test_fixed_payload.py)
+        "fixed_payload_repeats": 100_000,
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
@@ -113,10 +115,12 @@ def fixed_watermark_keys(seed: int) -> Iterator[None]:
         yield
 
 
-def new_tenant(client: TestClient, name: str | None = None) -> tuple[str, dict[str, str]]:
-    r = client.post(
-        "/admin/tenants", json={"name": name or f"t-{uuid.uuid4().hex[:12]}"}, headers=ADMIN
-    )
+def new_tenant(
+    client: TestClient, name: str | None = None, scopes: tuple[str, ...] = ("fixed_payload",)
+) -> tuple[str, dict[str, str]]:
+    """A tenant (granted client-chosen payloads unless ``scopes`` says otherwise)."""
+    body = {"name": name or f"t-{uuid.uuid4().hex[:12]}", "scopes": list(scopes)}
+    r = client.post("/admin/tenants", json=body, headers=ADMIN)
     assert r.status_code == 201, r.text
     body = r.json()
     SECRETS_SEEN.update((body["tenant_id"], body["api_key"]))
@@ -221,7 +225,9 @@ def test_a_body_that_is_not_json_gets_told_how_to_send_it(
 
 def test_admin_tenants_keys_and_registry(client: TestClient) -> None:
     name = f"acme-{uuid.uuid4().hex[:8]}"
-    r = client.post("/admin/tenants", json={"name": name}, headers=ADMIN)
+    r = client.post(
+        "/admin/tenants", json={"name": name, "scopes": ["fixed_payload"]}, headers=ADMIN
+    )
     assert r.status_code == 201, r.text
     body = r.json()
     assert body["name"] == name and body["key_version"] == 1
@@ -362,9 +368,9 @@ BAD_JSON_CASES: list[tuple[str, Any, int, str | None, str]] = [
         gen_body(metadata={"user": "u1"}, payload={"bits": "1"}),
         422,
         "invalid_request",
-        "exactly one of payload or metadata",
+        "at most one of payload or metadata",
     ),
-    ("/generate", {"prompt": "hi"}, 422, "invalid_request", "exactly one of payload or metadata"),
+    ("/generate", gen_body(payload={"bits": "1"}, num_bits=8), 422, "invalid_request", "inside"),
     ("/generate", gen_body(payload={"bits": "012"}), 422, "invalid_request", "0 and 1"),
     ("/generate", gen_body(payload={"bits": ""}), 422, "invalid_request", "0 and 1"),
     ("/generate", gen_body(payload={"bits": "1" * 65}), 422, "invalid_request", "0 and 1"),

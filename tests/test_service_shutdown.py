@@ -39,7 +39,9 @@ def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             r = http.post(
-                "/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+                "/admin/tenants",
+                json={"name": "t", "scopes": ["fixed_payload"]},
+                headers={"Authorization": f"Bearer {ADMIN}"},
             )
             auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
             body = {
@@ -95,7 +97,9 @@ def test_client_disconnect_stops_its_sequence(tiny_model_dir: Path, tmp_path: Pa
     settings = _settings(tiny_model_dir, tmp_path)
     with LiveServer(settings) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         r = http.post(
-            "/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+            "/admin/tenants",
+            json={"name": "t", "scopes": ["fixed_payload"]},
+            headers={"Authorization": f"Bearer {ADMIN}"},
         )
         auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
         engine = server.app.state.runtime.engine

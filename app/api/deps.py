@@ -19,6 +19,8 @@ from app.services.tenants import Principal
 from app.stores.base import TenantRecord
 
 PROVENANCE_SCOPE = "provenance"
+FIXED_PAYLOAD_SCOPE = "fixed_payload"
+TENANT_GRANTED = (PROVENANCE_SCOPE, FIXED_PAYLOAD_SCOPE)
 
 bearer = HTTPBearer(auto_error=False, description="Tenant API key, or the admin token")
 
@@ -54,7 +56,7 @@ async def get_principal(runtime: RuntimeDep, credentials: Credentials) -> Princi
 
 def _check_scope(principal: Principal, scope: str) -> None:
     if scope not in principal.scopes:
-        hint = " (and the tenant's grant)" if scope == PROVENANCE_SCOPE else ""
+        hint = " (and the tenant's grant)" if scope in TENANT_GRANTED else ""
         raise APIError(
             403,
             f"this API key lacks the '{scope}' scope; an admin can issue a key with it{hint}",
@@ -99,20 +101,25 @@ async def require_admin(runtime: RuntimeDep, credentials: Credentials) -> None:
         )
 
 
-async def rate_limited_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+async def rate_limited_key(runtime: RuntimeDep, credentials: Credentials) -> Principal:
     """Generation routes: a key with the ``generate`` scope, charged one token."""
     principal = await get_principal(runtime, credentials)
     _check_scope(principal, "generate")
     await charge(runtime, principal.tenant)
-    return principal.tenant
+    return principal
 
 
-async def generating_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+async def rate_limited_tenant(runtime: RuntimeDep, credentials: Credentials) -> TenantRecord:
+    """As :func:`rate_limited_key`, for routes that need only the tenant."""
+    return (await rate_limited_key(runtime, credentials)).tenant
+
+
+async def generating_key(runtime: RuntimeDep, credentials: Credentials) -> Principal:
     """Generation routes that charge per sample themselves (OpenAI ``n``): a key with
     the ``generate`` scope, not yet charged."""
     principal = await get_principal(runtime, credentials)
     _check_scope(principal, "generate")
-    return principal.tenant
+    return principal
 
 
 async def require_provenance(runtime: RuntimeDep, credentials: Credentials) -> Investigator:
@@ -165,7 +172,9 @@ async def known_query_parameters(request: Request) -> None:
 AdminDep = Annotated[None, Depends(require_admin)]
 # generate scope, charged one token
 CurrentTenant = Annotated[TenantRecord, Depends(rate_limited_tenant)]
-UnchargedTenant = Annotated[TenantRecord, Depends(generating_tenant)]
+# generate scope, as the key that asks (its other scopes decide client-chosen payloads)
+GeneratingKey = Annotated[Principal, Depends(rate_limited_key)]
+UnchargedKey = Annotated[Principal, Depends(generating_key)]
 DetectKey = Annotated[Principal, Depends(scoped_key("detect"))]
 DecodeKey = Annotated[Principal, Depends(scoped_key("decode"))]
 # bulk routes charge per text themselves

@@ -157,6 +157,14 @@ class Settings(BaseSettings):
     probe_budget_verdict: Annotated[int, Field(ge=0)] = 20
     probe_budget_full: Annotated[int, Field(ge=0)] = 30
 
+    # client-chosen payloads (`payload` on /generate, `watermark.payload` on /v1): only
+    # for keys holding the `fixed_payload` scope, granted to the tenant by an admin, and
+    # each payload at most fixed_payload_repeats generations per key version within
+    # fixed_payload_window_s (429 payload_repeats_exceeded). Many texts under one payload
+    # are what a watermark-stealing attacker learns from (SECURITY.md, Forgery and framing)
+    fixed_payload_repeats: Annotated[int, Field(ge=1)] = 16
+    fixed_payload_window_s: Annotated[float, Field(gt=0)] = 30 * 86400.0
+
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000
     max_batch_body_bytes: Annotated[int, Field(ge=1024)] = 16 * 1_048_576

@@ -11,14 +11,17 @@ from pydantic import Field
 
 from app.schemas.common import StrictModel
 
-Scope = Literal["provenance"]
+Scope = Literal["provenance", "fixed_payload"]
 
 
 class CreateTenant(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w .@-]+$")]
     scopes: Annotated[list[Scope], Field(max_length=8)] = Field(
         default_factory=list,
-        description="'provenance' lets this API key search every tenant (POST /provenance).",
+        description="'provenance' lets this API key search every tenant (POST /provenance); "
+        "'fixed_payload' lets its keys choose the payload a text carries (`payload` on "
+        "/generate, `watermark.payload` on /v1) instead of a registry-issued one, each "
+        "payload a capped number of times (WORLDCUP_FIXED_PAYLOAD_REPEATS).",
     )
 
 

@@ -10,15 +10,16 @@ from pydantic import Field
 
 from app.schemas.common import StrictModel
 
-Scope = Literal["generate", "detect", "decode", "provenance"]
+Scope = Literal["generate", "detect", "decode", "provenance", "fixed_payload"]
 Detail = Literal["full", "verdict"]
 
 
 class CreateApiKey(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w .@-]+$")]
-    scopes: Annotated[list[Scope], Field(min_length=1, max_length=4)] = Field(
-        description="What the key may call: generate, detect, decode, provenance "
-        "(provenance also needs the tenant's scope)."
+    scopes: Annotated[list[Scope], Field(min_length=1, max_length=5)] = Field(
+        description="What the key may call: generate, detect, decode, provenance, "
+        "fixed_payload (choosing the payload a generated text carries); provenance and "
+        "fixed_payload also need the tenant's grant (admin scopes)."
     )
     detail: Detail = Field(
         "full", description="full: today's detection answers; verdict: three words only."

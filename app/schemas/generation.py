@@ -220,7 +220,13 @@ class GenerateRequest(StrictRequest):
         "configuration docs/evaluation.md's quality figures were measured with.",
     )
     seed: Annotated[int | None, Field(ge=0, le=2**63 - 1)] = None
-    payload: PayloadIn | None = None
+    payload: PayloadIn | None = Field(
+        None,
+        description="A client-chosen payload: needs the key's `fixed_payload` scope (403 "
+        "`fixed_payload_not_allowed`), and each payload is capped per key version (429 "
+        "`payload_repeats_exceeded`). Without payload, the service issues a registry "
+        "entry (with `metadata`, or empty metadata) and its payload.",
+    )
     metadata: Annotated[dict[str, Any] | None, WithJsonSchema(METADATA_SCHEMA)] = None
     num_bits: Annotated[int | None, Field(ge=1, le=64)] = Field(
         None, description="Payload length for metadata allocation (default: server setting)."
@@ -233,11 +239,13 @@ class GenerateRequest(StrictRequest):
         json_schema_extra={
             "allOf": [
                 {"oneOf": _exactly_one("prompt", "messages")},
-                {
-                    "oneOf": [
-                        _only("payload", others=("metadata", "num_bits")),
-                        _only("metadata", others=("payload",)),
-                    ]
+                {  # payload excludes metadata and num_bits; neither: empty metadata
+                    "not": {
+                        "anyOf": [
+                            _not_null("payload", "metadata"),
+                            _not_null("payload", "num_bits"),
+                        ]
+                    }
                 },
             ],
             "examples": [
@@ -255,9 +263,12 @@ class GenerateRequest(StrictRequest):
     def _check(self) -> Self:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        if (self.payload is None) == (self.metadata is None):
-            raise ValueError("give exactly one of payload or metadata")
-        if self.num_bits is not None and self.metadata is None:
+        if self.payload is not None and self.metadata is not None:
+            raise ValueError(
+                "give at most one of payload or metadata (without either, the text gets a "
+                "registry entry with empty metadata)"
+            )
+        if self.num_bits is not None and self.payload is not None:
             raise ValueError(
                 "num_bits applies to metadata allocation; size payloads inside payload"
             )

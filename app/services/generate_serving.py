@@ -46,6 +46,7 @@ async def serve(
     body: GenerateRequest,
     request: Request,
     idempotency_key: str | None,
+    scopes: frozenset[str] = frozenset(),
 ) -> Any:
     """A replayed response for a known Idempotency-Key; else the text generated with
     the tenant's newest key, as JSON or, when ``stream`` is true, as SSE."""
@@ -69,7 +70,7 @@ async def serve(
             return _replay(claimed, body.stream)
         claim = claimed
     try:
-        return await _run(body, request, runtime, tenant_id, engine, key, prompt_ids, claim)
+        return await _run(body, request, runtime, tenant_id, engine, key, prompt_ids, claim, scopes)
     except BaseException:
         if claim is not None:
             await claim.release()
@@ -125,16 +126,16 @@ async def _run(
     key: KeyVersion,
     prompt_ids: list[int],
     claim: gen.IdempotencyClaim | None,
+    scopes: frozenset[str],
 ) -> Any:
     message_id = None
-    if body.metadata is not None:
-        payload, message_id = await gen.allocate(
-            runtime, tenant_id, key, body.metadata, body.num_bits
-        )
-    else:
-        assert body.payload is not None
+    if body.payload is not None:
         p = body.payload
-        payload = gen.parse_payload(p.bits, p.hex, p.integer, p.num_bits)
+        spelled = (p.bits, p.hex, p.integer, p.num_bits)
+        payload = await gen.fixed_payload(runtime, scopes, tenant_id, key, spelled)
+    else:  # a registry entry; a bare request records empty metadata, as /v1 does
+        metadata = body.metadata if body.metadata is not None else {}
+        payload, message_id = await gen.allocate(runtime, tenant_id, key, metadata, body.num_bits)
     sampling = _sampling(body)
     sample = gen.submit(runtime, engine, tenant_id, key, prompt_ids, sampling, payload, message_id)
     if body.stream:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,61 @@ def parse_payload(
         return Payload.from_int(integer, num_bits)
     except ValueError as exc:
         raise APIError(422, f"payload: {exc}", "invalid_payload") from None
+
+
+FIXED_PAYLOAD_SCOPE = "fixed_payload"
+
+
+async def fixed_payload(
+    runtime: Runtime,
+    scopes: frozenset[str],
+    tenant_id: str,
+    key: KeyVersion,
+    spelled: tuple[str | None, str | None, int | None, int | None],
+    uses: int = 1,
+) -> Payload:
+    """A client-chosen payload (``bits``, ``hex``, ``int``, ``num_bits``), if the asking
+    key may choose one and this payload is under its repeat cap; ``uses`` texts are
+    counted against the cap (OpenAI ``n``).
+
+    Many texts under one payload are exactly what a watermark-stealing attacker learns
+    from (SECURITY.md, Forgery and framing): registry-issued payloads differ per text, so
+    no context's favoured tokens stay fixed across texts. A key chooses payloads only
+    with the ``fixed_payload`` scope (an admin's grant to the tenant, held by the key),
+    and each payload at most ``fixed_payload_repeats`` times per key version within
+    ``fixed_payload_window_s`` (counted in the store, shared by replicas)."""
+    if FIXED_PAYLOAD_SCOPE not in scopes:
+        runtime.metrics.rejections.labels("fixed_payload_not_allowed").inc()
+        raise APIError(
+            403,
+            "a client-chosen payload needs the 'fixed_payload' scope (an admin grants it to "
+            "the tenant, and the key must hold it); without it, send metadata instead "
+            '("metadata": {} will do) and the service issues a registry payload per text',
+            "fixed_payload_not_allowed",
+            param="payload",
+        )
+    payload = parse_payload(*spelled)
+    settings = runtime.settings
+    cap, window = settings.fixed_payload_repeats, settings.fixed_payload_window_s
+    digest = hashlib.sha256(f"{payload.num_bits}:{payload.bits}".encode()).hexdigest()[:32]
+    for _ in range(uses):
+        decision = await runtime.store.probe_hit(
+            tenant_id, f"payload-v{key.version}", digest, None, [], window, cap
+        )
+        if not decision.allowed:
+            runtime.metrics.rejections.labels("payload_repeats_exceeded").inc()
+            retry = max(1, math.ceil(decision.retry_after_s))
+            raise APIError(
+                429,
+                f"this payload was chosen for {decision.count} texts under this key version "
+                f"within {window / 86400:g} days, the limit (WORLDCUP_FIXED_PAYLOAD_REPEATS): "
+                "many texts under one payload teach a forger the watermark; send metadata "
+                "for registry-issued payloads",
+                "payload_repeats_exceeded",
+                {"Retry-After": str(retry)},
+                param="payload",
+            )
+    return payload
 
 
 def prompt_ids(

@@ -42,8 +42,10 @@ class UnknownApiKey(LookupError):
     pass
 
 
-ALL_SCOPES = ("generate", "detect", "decode", "provenance")
-TENANT_GATED_SCOPES = frozenset({"provenance"})  # also need the tenant's own grant
+ALL_SCOPES = ("generate", "detect", "decode", "provenance", "fixed_payload")
+# also need the tenant's own grant (an admin's): searching every tenant, and choosing
+# the payload a text carries (many texts under one payload teach a forger the watermark)
+TENANT_GATED_SCOPES = frozenset({"provenance", "fixed_payload"})
 
 
 def primary_key(tenant: TenantRecord) -> ApiKeyRecord:
@@ -69,7 +71,7 @@ class Principal:
 
     @property
     def scopes(self) -> frozenset[str]:
-        """The key's scopes; provenance only while the tenant holds it too."""
+        """The key's scopes; the tenant-gated ones only while the tenant holds them too."""
         return frozenset(
             s for s in self.key.scopes if s not in TENANT_GATED_SCOPES or s in self.tenant.scopes
         )

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 
-from app.api.deps import CurrentTenant, EngineDep, RuntimeDep
+from app.api.deps import EngineDep, GeneratingKey, RuntimeDep
 from app.schemas.common import error_responses
 from app.schemas.generation import UNSTATED_RULES, GenerateRequest, GenerateResponse
 from app.services import generate_serving as serving
@@ -61,8 +61,11 @@ async def generate(
     body: GenerateRequest,
     request: Request,
     runtime: RuntimeDep,
-    tenant: CurrentTenant,
+    key: GeneratingKey,
     engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
-    return await serving.serve(runtime, engine, tenant.tenant_id, body, request, idempotency_key)
+    tenant_id = key.tenant.tenant_id
+    return await serving.serve(
+        runtime, engine, tenant_id, body, request, idempotency_key, key.scopes
+    )

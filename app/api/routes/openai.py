@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedKey
 from app.api.routes.generate import IdempotencyKey
 from app.schemas.openai.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from app.schemas.openai.common import OPENAI_ERROR_RESPONSES, ModelCard, ModelList
@@ -56,14 +56,15 @@ async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     runtime: RuntimeDep,
-    tenant: UnchargedTenant,
+    key: UnchargedKey,
     engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
-    await charge(runtime, tenant, body.n or 1)  # one token per sample
+    await charge(runtime, key.tenant, body.n or 1)  # one token per sample
     pending = await chat_api.plan(runtime, body)
+    tenant_id = key.tenant.tenant_id
     return await serve(
-        runtime, engine, tenant.tenant_id, pending, request, idempotency_key, chat_api.CHAT
+        runtime, engine, tenant_id, pending, request, idempotency_key, chat_api.CHAT, key.scopes
     )
 
 
@@ -80,14 +81,15 @@ async def completions(
     body: CompletionRequest,
     request: Request,
     runtime: RuntimeDep,
-    tenant: UnchargedTenant,
+    key: UnchargedKey,
     engine: EngineDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Any:
-    await charge(runtime, tenant, (body.n or 1) * len(body.prompts()))
+    await charge(runtime, key.tenant, (body.n or 1) * len(body.prompts()))
     pending = await completions_api.plan(runtime, body)
+    tenant_id = key.tenant.tenant_id
     return await serve(
-        runtime, engine, tenant.tenant_id, pending, request, idempotency_key, COMPLETIONS
+        runtime, engine, tenant_id, pending, request, idempotency_key, COMPLETIONS, key.scopes
     )
 
 

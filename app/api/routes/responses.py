@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 
-from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedTenant
+from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedKey
 from app.schemas.openai.common import OPENAI_ERROR_RESPONSES
 from app.schemas.openai.responses import ResponseObject, ResponsesRequest
 from app.services import receipt
@@ -51,11 +51,11 @@ async def create_response(
     body: ResponsesRequest,
     request: Request,
     runtime: RuntimeDep,
-    tenant: UnchargedTenant,
+    key: UnchargedKey,
     engine: EngineDep,
 ) -> Any:
-    await charge(runtime, tenant, 1)
-    return await serving.serve(runtime, engine, tenant.tenant_id, body, request)
+    await charge(runtime, key.tenant, 1)
+    return await serving.serve(runtime, engine, key.tenant.tenant_id, body, request, key.scopes)
 
 
 @router.get(

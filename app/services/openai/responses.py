@@ -332,7 +332,12 @@ async def remember(runtime: Runtime, tenant_id: str, turn: Turn, response: Respo
 
 # --------------------------------------------------------------------------- serving
 async def serve(
-    runtime: Runtime, engine: Engine, tenant_id: str, body: ResponsesRequest, request: Request
+    runtime: Runtime,
+    engine: Engine,
+    tenant_id: str,
+    body: ResponsesRequest,
+    request: Request,
+    scopes: frozenset[str] = frozenset(),
 ) -> JSONResponse | StreamingResponse:
     """The Response as JSON, or, when ``stream`` is true, OpenAI's named events."""
     previous = await history(runtime, tenant_id, body.previous_response_id)
@@ -342,7 +347,7 @@ async def serve(
     except APIError as exc:  # named as the client named it
         raise renamed(exc) from None
     gen.ensure_queue_room(runtime, engine, pending.choices)
-    run = await core.start(runtime, engine, tenant_id, pending)
+    run = await core.start(runtime, engine, tenant_id, pending, scopes)
     # what a follow-up continues from: instructions are this request's only
     turn = Turn(body, chat, run, previous + input_messages(body))
     headers = receipt.headers([turn.watermark])

@@ -199,15 +199,23 @@ class Run:
     fingerprint: str
 
 
-async def start(runtime: Runtime, engine: Engine, tenant_id: str, pending: Pending) -> Run:
-    """Allocate (one registry entry per choice) and submit every choice to the engine."""
+async def start(
+    runtime: Runtime,
+    engine: Engine,
+    tenant_id: str,
+    pending: Pending,
+    scopes: frozenset[str] = frozenset(),
+) -> Run:
+    """Allocate (one registry entry per choice) and submit every choice to the engine;
+    a client-chosen payload needs the asking key's ``fixed_payload`` scope."""
     body = pending.body
     key = await runtime.tenants.version(tenant_id, None)
     wm = body.watermark
     fixed: Payload | None = None
-    if wm is not None and wm.payload is not None:
+    if wm is not None and wm.payload is not None and not pending.scored:
         p = wm.payload
-        fixed = gen.parse_payload(p.bits, p.hex, p.integer, p.num_bits)
+        spelled = (p.bits, p.hex, p.integer, p.num_bits)
+        fixed = await gen.fixed_payload(runtime, scopes, tenant_id, key, spelled, pending.choices)
     if wm is not None and wm.metadata is not None:
         metadata: dict[str, Any] = wm.metadata
     else:

@@ -41,6 +41,7 @@ async def serve(
     request: Request,
     idempotency_key: str | None,
     dialect: Dialect,
+    scopes: frozenset[str] = frozenset(),
 ) -> Any:
     """A replayed response for a known Idempotency-Key; else the completion, as JSON
     or, when ``stream`` is true, as OpenAI's Server-Sent Events. ``pending``: the
@@ -59,7 +60,7 @@ async def serve(
             return _replay(claimed, pending, dialect)
         claim = claimed
     try:
-        run = await start(runtime, engine, tenant_id, pending)
+        run = await start(runtime, engine, tenant_id, pending, scopes)
         if body.stream:
             chunks = dialect.chunks(run, _include_usage(pending))
             return stream(run, request, engine, claim, chunks, dialect.respond)

@@ -1,0 +1,137 @@
+"""Client-chosen payloads: refused without the ``fixed_payload`` scope, capped per payload.
+
+Many texts under one payload are what a watermark-stealing attacker learns from
+(SECURITY.md, Forgery and framing): a registry-issued payload differs per text, a
+fixed one keeps every context's favoured tokens the same. So a key chooses its
+payload only with the ``fixed_payload`` scope, which an admin grants to the tenant,
+and each payload is counted per key version in the store (SQLite and Redis here).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from test_service_api import ADMIN, assert_error, make_settings, new_tenant
+
+from app.main import create_app
+
+REDIS_URL = "redis://127.0.0.1:6379/15"
+BODY: dict[str, Any] = {"prompt": "Tides.", "max_new_tokens": 4, "seed": 1}
+FIXED = {**BODY, "payload": {"bits": "1011"}}
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def client(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    overrides: dict[str, Any] = {"fixed_payload_repeats": 3}
+    prefix = None
+    if request.param == "redis":
+        prefix = f"fixedpl{secrets.token_hex(6)}"
+        overrides |= {"redis_url": REDIS_URL, "redis_prefix": prefix}
+    app = create_app(make_settings(tiny_model_dir, tmp_path, **overrides))
+    try:
+        with TestClient(app, raise_server_exceptions=False) as c:
+            yield c
+    finally:
+        if prefix is not None:
+            r = redis.Redis.from_url(REDIS_URL)
+            keys = list(r.scan_iter(f"{prefix}*"))
+            if keys:
+                r.delete(*keys)
+            r.close()
+
+
+def served(c: TestClient, auth: dict[str, str]) -> str:
+    return str(c.get("/v1/models", headers=auth).json()["data"][0]["id"])
+
+
+def generate(c: TestClient, auth: dict[str, str], body: dict[str, Any]) -> httpx.Response:
+    return c.post("/generate", json=body, headers=auth)
+
+
+def test_a_payload_is_refused_without_the_scope_and_metadata_is_the_way(client: Any) -> None:
+    tenant_id, auth = new_tenant(client, scopes=())
+    err = assert_error(generate(client, auth, FIXED), 403, "fixed_payload_not_allowed")
+    assert "fixed_payload" in err["message"] and '"metadata": {}' in err["message"]
+    chat = {
+        "model": served(client, auth),
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "watermark": {"payload": {"hex": "69a5", "num_bits": 16}},
+    }
+    r = client.post("/v1/chat/completions", json=chat, headers=auth)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "fixed_payload_not_allowed"
+    # a bare request gets a registry entry with empty metadata, as /v1 does
+    r = generate(client, auth, BODY)
+    assert r.status_code == 200, r.text
+    entry = client.get(
+        f"/admin/tenants/{tenant_id}/registry/{r.json()['message_id']}", headers=ADMIN
+    )
+    assert entry.status_code == 200 and entry.json()["metadata"] == {}, entry.text
+    # payload with metadata is still refused, and says that neither is fine
+    both = {**FIXED, "metadata": {"u": 1}}
+    assert "without either" in assert_error(generate(client, auth, both), 422)["message"]
+
+
+def test_the_grant_needs_the_tenant_and_the_key(client: Any) -> None:
+    tenant_id, auth = new_tenant(client)  # granted
+    assert generate(client, auth, FIXED).status_code == 200
+    # a key of the granted tenant without the scope is refused
+    body = {"name": "gen only", "scopes": ["generate"], "detail": "full"}
+    r = client.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    plain = {"Authorization": f"Bearer {r.json()['api_key']}"}
+    assert_error(generate(client, plain, FIXED), 403, "fixed_payload_not_allowed")
+    # the scope on a key of a tenant without the grant is not enough either
+    other_id, _ = new_tenant(client, scopes=())
+    body["scopes"] = ["generate", "fixed_payload"]
+    r = client.post(f"/admin/tenants/{other_id}/api-keys", json=body, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    ungranted = {"Authorization": f"Bearer {r.json()['api_key']}"}
+    assert_error(generate(client, ungranted, FIXED), 403, "fixed_payload_not_allowed")
+    # granting the tenant later opens it for that key
+    r = client.put(
+        f"/admin/tenants/{other_id}/scopes", json={"scopes": ["fixed_payload"]}, headers=ADMIN
+    )
+    assert r.status_code == 200, r.text
+    assert generate(client, ungranted, FIXED).status_code == 200
+
+
+def test_repeats_of_one_payload_are_capped_per_key_version(client: Any) -> None:
+    tenant_id, auth = new_tenant(client)
+    for _ in range(3):  # fixed_payload_repeats = 3
+        assert generate(client, auth, FIXED).status_code == 200
+    r = generate(client, auth, FIXED)
+    err = assert_error(r, 429, "payload_repeats_exceeded")
+    assert int(r.headers["Retry-After"]) > 0 and "metadata" in err["message"]
+    # the same bits spelt another way are the same payload
+    hexed = {**BODY, "payload": {"hex": "b", "num_bits": 4}}
+    assert_error(generate(client, auth, hexed), 429, "payload_repeats_exceeded")
+    # another payload, or another length of the same digits, has its own count
+    assert generate(client, auth, {**BODY, "payload": {"bits": "1010"}}).status_code == 200
+    assert generate(client, auth, {**BODY, "payload": {"bits": "01011"}}).status_code == 200
+    # OpenAI n counts every choice: 2 of the 3 left for this payload, n=3 is refused
+    chat = {
+        "model": served(client, auth),
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "n": 2,
+        "watermark": {"payload": {"bits": "0110"}},
+    }
+    assert client.post("/v1/chat/completions", json=chat, headers=auth).status_code == 200
+    r = client.post("/v1/chat/completions", json={**chat, "n": 2}, headers=auth)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "payload_repeats_exceeded"
+    # other tenants are not affected; a new key version starts its own count
+    _, other = new_tenant(client)
+    assert generate(client, other, FIXED).status_code == 200
+    assert client.post(f"/admin/tenants/{tenant_id}/rotate-key", headers=ADMIN).status_code == 200
+    assert generate(client, auth, FIXED).status_code == 200
+    # registry-issued payloads are never capped
+    for i in range(4):
+        assert generate(client, auth, {**BODY, "metadata": {"i": i}}).status_code == 200
