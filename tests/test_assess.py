@@ -169,3 +169,33 @@ def test_the_verdict_p_is_calibrated_on_human_text_under_many_keys(
     assert float(np.mean(sample.combined < 0.1)) >= 0.03  # conservative, not dead
     for component in (sample.detect, sample.decode):
         assert stats.kstest(component, "uniform").pvalue > 1e-3
+
+
+def test_absence_needs_the_scored_tokens_the_line_asks_for() -> None:
+    """ "not_watermarked" only from MIN_SCORED_TOKENS scored tokens; below, inconclusive
+    (too_short) with the line as tokens_needed; watermarked stays watermarked."""
+    from worldcup_core.verdict import MIN_SCORED_TOKENS
+
+    clean = _tests(0.6, 0.7, None, False)
+    short = assess(clean, 1, SEARCHED, MIN_SCORED_TOKENS - 1)
+    assert (short.verdict, short.reason, short.tokens_needed) == (
+        "inconclusive",
+        "too_short",
+        MIN_SCORED_TOKENS,
+    )
+    enough = assess(clean, 1, SEARCHED, MIN_SCORED_TOKENS)
+    assert (enough.verdict, enough.reason, enough.tokens_needed) == ("not_watermarked", None, None)
+    assert assess(clean, 1, SEARCHED, 0).verdict == "inconclusive"
+    strong = assess(_tests(1e-12, 1e-12, None, False), 1, SEARCHED, 3)
+    assert strong.verdict == "watermarked" and strong.reason is None
+    # some evidence with enough tokens: the length at which it would reach 1e-6
+    some = assess(_tests(1e-4, 1e-4, None, False), 1, SEARCHED, 100)
+    assert some.reason == "some_evidence" and some.tokens_needed is not None
+    assert some.tokens_needed > 100
+    # the nested tests: one decided, the combined p's smallest is the answer's
+    from worldcup_core.assess import components
+
+    parts = components(some)
+    assert sum(c.decided for c in parts) == 1
+    assert min(c.combined_p_value for c in parts) == some.p_value
+    assert [c.verdict_alone for c in parts if c.test == "detect"] == ["inconclusive"]

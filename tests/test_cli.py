@@ -101,7 +101,8 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     det = runner.invoke(app, ["detect", "--key-file", str(key_file), "--json"], input=text)
     assert det.exit_code == 0, det.output
     verdict = json.loads(det.stdout)
-    assert set(verdict) >= {"p_value", "z_score", "is_watermarked", "num_scored_tokens"}
+    assert set(verdict) >= {"p_value", "tests", "is_watermarked", "num_scored_tokens"}
+    assert verdict["p_value"] == min(t["combined_p_value"] for t in verdict["tests"])
     assert verdict["is_watermarked"] and verdict["p_value"] < 1e-6
     assert verdict["verdict"] == "watermarked"  # worldcup_core.verdict, as the API's
 
@@ -326,3 +327,17 @@ def test_generate_shows_progress_on_stderr_and_keeps_stdout_clean(
     assert "generate" in result.stderr and "6/6" in result.stderr, result.stderr
     quiet = runner.invoke(app, [*args, "--model", str(tiny_model_dir), "--no-progress"])
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_detect_calls_a_short_text_inconclusive_too_short(key_file: Path) -> None:
+    """A 1-word text is no evidence of absence: inconclusive (too_short), as the API says."""
+    for as_json in (True, False):
+        args = ["detect", "--key-file", str(key_file)] + (["--json"] if as_json else [])
+        out = runner.invoke(app, args, input="Hello")
+        assert out.exit_code == 0, out.output
+        if as_json:
+            said = json.loads(out.stdout)
+            assert (said["verdict"], said["reason"]) == ("inconclusive", "too_short")
+            assert said["tokens_needed"] >= 66 > said["num_scored_tokens"]
+        else:
+            assert out.stdout.startswith("Inconclusive: too short"), out.stdout

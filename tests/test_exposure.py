@@ -288,8 +288,10 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     r = client.post("/detect", json={"text": text}, headers=verdict)
     assert r.status_code == 200 and r.json() == {"detail": "verdict", "verdict": "watermarked"}
     r = client.post("/detect", json={"text": TEXT}, headers=verdict)
-    human_p = client.post("/detect", json={"text": TEXT}, headers=primary).json()["p_value"]
-    assert r.json() == {"detail": "verdict", "verdict": verdict_of(human_p)}
+    full = client.post("/detect", json={"text": TEXT}, headers=primary).json()
+    assert r.json() == {"detail": "verdict", "verdict": full["verdict"]}
+    # the full answer's verdict is its p's, with the scored tokens' line
+    assert full["verdict"] == verdict_of(full["p_value"], full["num_scored_tokens"])
     assert r.json()["verdict"] != "watermarked"
 
     r = client.post("/decode", json={"text": text, "num_bits": 32}, headers=verdict)
@@ -305,7 +307,7 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     batch = r.json()
     assert [i["result"] for i in batch["results"][:2]] == [
         {"detail": "verdict", "verdict": "watermarked"},
-        {"detail": "verdict", "verdict": verdict_of(human_p)},
+        {"detail": "verdict", "verdict": full["verdict"]},
     ]
     assert batch["results"][2]["error"]["code"] == "text_too_long"
     assert batch["num_watermarked"] == 1 and batch["num_errors"] == 1
@@ -346,8 +348,9 @@ def test_provenance_honours_verdict_and_is_accounted(client: TestClient) -> None
     admin = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
     assert admin["p_value"] < 1e-6 and admin["match"]["tenant_id"] == tenant_id
     human = client.post("/provenance", json={"text": TEXT}, headers=verdict).json()
-    human_p = client.post("/provenance", json={"text": TEXT}, headers=ADMIN).json()["p_value"]
-    assert human == {"detail": "verdict", "verdict": verdict_of(human_p), "tenant_id": None}
+    full = client.post("/provenance", json={"text": TEXT}, headers=ADMIN).json()
+    assert human == {"detail": "verdict", "verdict": full["verdict"], "tenant_id": None}
+    assert full["verdict"] == verdict_of(full["p_value"], full["num_scored_tokens"])
     for answer in (r.json(), human):
         assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
         assert not {"candidates", "num_tokens", "match", "num_keys"} & set(answer)

@@ -144,3 +144,20 @@ def test_the_readme_table_is_the_one_results_json_gives() -> None:
     table = readme_table(results)
     assert table.count("\n") == 6 and "WorldCup frontier" in table and "BiMark" in table
     assert table in (root / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_verdicts_absence_line_is_the_grids() -> None:
+    """worldcup_core.verdict.MIN_SCORED_TOKENS is derived from measured power, not
+    chosen: recomputed here from the committed grid results."""
+    import json
+    from pathlib import Path
+
+    from worldcup_cli.grid_bench import absence_line
+    from worldcup_core.verdict import MIN_SCORED_TOKENS
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "results" / "grid" / "results.json"
+    result = json.loads(path.read_text(encoding="utf-8"))
+    assert absence_line(result) == MIN_SCORED_TOKENS
+    # cooler sampling needs more than the grid measured: no line at all at 0.7
+    with pytest.raises(ValueError, match="never reaches"):
+        absence_line(result, temperature=0.7)

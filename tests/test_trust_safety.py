@@ -30,7 +30,9 @@ from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
 HUMAN = (
     "The committee met on Tuesday to discuss the budget for next year. Several members "
     "argued that the library needed a new roof before anything else, while others wanted "
-    "to extend the opening hours. No decision was taken and the meeting ran late."
+    "to extend the opening hours. No decision was taken and the meeting ran late. The "
+    "chair asked for written proposals by the end of the month, with costs, and promised "
+    "that the next meeting would start on time and end with a vote on both questions."
 )
 
 
@@ -90,8 +92,10 @@ def test_provenance_finds_tenant_key_version_and_registry_entry(client: TestClie
     assert entry["p_value"] < 0.01
     assert sum(a == b for a, b in zip(match["bits"], gen["payload"]["bits"], strict=True)) >= 14
     assert body["candidates"][0]["tenant_id"] == owner_id
-    # the correction makes the reported p-value no smaller than the key's own
-    assert body["p_value"] >= match["key_p_value"]
+    # the answer's one p-value is its smallest combined test; each test's combined p
+    # (corrected for the search) is no smaller than its own
+    assert body["p_value"] == min(t["combined_p_value"] for t in body["tests"])
+    assert all(t["combined_p_value"] >= (t["p_value"] or 1.0) for t in body["tests"])
     assert body["scan_seconds"] > 0 and body["scan_ms_per_1000_keys"] > 0
     assert body["token_scores"] is None
 
@@ -101,7 +105,11 @@ def test_provenance_on_human_text_finds_nothing(client: TestClient) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["found"] is False and body["match"] is None
-    assert body["message"] == "no watermark found" and body["p_value"] > 0.01
+    # the words are the verdict's (never "no watermark" of a text with some evidence)
+    assert body["verdict"] != "watermarked" and body["p_value"] >= 1e-6
+    assert body["message"].startswith(
+        {"not_watermarked": "No watermark found"}.get(body["verdict"], "Inconclusive")
+    ), body
 
 
 def test_provenance_access_and_admin_only_token_scores(client: TestClient) -> None:
@@ -390,7 +398,7 @@ def test_registry_match_needs_significance_and_confidence(
 
     def said(p_value: float) -> Assessment:
         tests = [TestP("detect", 0.5), TestP("decode", 0.5, 16), TestP("registry", p_value, 16)]
-        return assess(tests, 1, "one key")
+        return assess(tests, 1, "one key", 100)
 
     def named(runtime: Any, p_value: float, posterior: float, issued: str = bits) -> Any:
         return registry_match(runtime, outcome(p_value, posterior, issued), said(p_value))

@@ -122,7 +122,7 @@ def null_p_values(
                 TestP("decode", float(k), NUM_BITS),
                 TestP("registry", reg, NUM_BITS, registry_size),
             ]
-            combined.append(assess(tests, 1, "one random key").p_value)
+            combined.append(assess(tests, 1, "one random key", None).p_value)
             detect.append(float(d))
             decode.append(float(k))
             registry.append(1.0 if reg is None else reg)

@@ -767,3 +767,29 @@ def readme_table(result: dict[str, Any]) -> str:
         quality = f"{shown:.2f}" if shown is not None else "—"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {quality} |")
     return "\n".join(lines) + "\n"
+
+
+def absence_line(
+    result: dict[str, Any],
+    scheme: str = "frontier",
+    temperature: float = 1.0,
+    share: float = 0.5,
+    context: int = 2,
+) -> int:
+    """The scored tokens from which "not_watermarked" means absence
+    (:data:`worldcup_core.verdict.MIN_SCORED_TOKENS`): the generated length at which the
+    message-free test alone reaches the verdict's level on ``share`` of ``scheme``'s
+    answers at ``temperature``, linear between the lengths measured, less the ``context``
+    tokens that are never scored (so a text with that many scored tokens is at least as
+    long as the measured ones)."""
+    cells = sorted(
+        (c for c in result["cells"] if c["scheme"] == scheme and c["temperature"] == temperature),
+        key=lambda c: c["length"],
+    )
+    points = [(c["length"], c["small"]["detect_alone"] / c["n"]) for c in cells]
+    for (l0, s0), (l1, s1) in zip(points, points[1:], strict=False):
+        if s0 < share <= s1:
+            return math.ceil(l0 + (share - s0) / (s1 - s0) * (l1 - l0)) - context
+    if points and points[0][1] >= share:
+        return points[0][0] - context
+    raise ValueError(f"{scheme} at T {temperature} never reaches {share:.0%} in the grid")

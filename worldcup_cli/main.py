@@ -33,7 +33,7 @@ from worldcup_core import (
     WatermarkKey,
     WorldCup,
 )
-from worldcup_core.assess import TestP, assess
+from worldcup_core.assess import TestP, answer_tests, assess
 from worldcup_core.config import MAX_PAYLOAD_BITS
 from worldcup_core.detector_weighted import verdict_log_p
 from worldcup_core.scheme import WatermarkScheme
@@ -475,24 +475,26 @@ def detect(
         known = math.exp(float(verdict_log_p(wm, [ids], length)[0]))
     else:
         free, known = det.p_value, wm.detect(ids, num_bits=length).p_value
-    found = assess(
-        [TestP("detect", free), TestP("decode", known, length)], 1, "this key file (1 key)"
-    )
-    out = {
+    tests = [TestP("detect", free), TestP("decode", known, length)]
+    found = assess(tests, 1, "this key file (1 key)", det.num_scored_tokens)
+    out = {  # the API's answer shape: one p-value, the tests nested (docs/api.md)
         "verdict": found.verdict,
+        "reason": found.reason,
+        "tokens_needed": found.tokens_needed,
         "verdict_statistic": found.statistic,
-        "verdict_p_value": found.p_value,
-        "verdict_threshold": found.threshold,
+        "p_value": found.p_value,
+        "threshold": found.threshold,
         "keys_searched": found.keys_searched,
         "is_watermarked": found.is_watermarked,
-        "p_value": det.p_value,
-        "z_score": det.z_score,
         "num_scored_tokens": det.num_scored_tokens,
         "num_tokens": det.num_tokens,
-        "significance": found.threshold,
+        "tests": answer_tests(found),
+        "z_score": det.z_score,  # deprecated, as the API's: the message-free test's z
         "paper_z_score": det.paper_z_score,
     }
-    sentence = verdict_sentence(found.verdict, found.statistic, found.p_value)
+    sentence = verdict_sentence(
+        found.verdict, found.statistic, found.p_value, det.num_scored_tokens
+    )
     _emit(
         as_json,
         out,

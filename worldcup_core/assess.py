@@ -37,6 +37,11 @@ independent; Bonferroni does not need them to be). The only assumption left is
 the PRF one above. The verdict is :func:`worldcup_core.verdict.verdict_of` of
 this ``p``: ``watermarked`` below the fixed 1e-6.
 
+**Evidence needed.** The verdict takes the number of tokens the tests scored:
+"not_watermarked" needs :data:`~worldcup_core.verdict.MIN_SCORED_TOKENS` of them
+(:func:`worldcup_core.verdict.verdict_of`); below, the verdict is "inconclusive" with
+the reason ``too_short``.
+
 **Naming a registry entry.** An answer names an entry only when the registry
 test alone is below the watermarked level with every correction
 (:attr:`Assessment.entry_p_value` ``< 1e-6``), so a named entry always goes with
@@ -48,10 +53,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Final, Literal
+from dataclasses import asdict, dataclass
+from typing import Any, Final, Literal
 
-from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, Verdict, verdict_of
+from worldcup_core.detector import z_from_log_p
+from worldcup_core.scoring import sidak_log_p
+from worldcup_core.verdict import (
+    VERDICT_WATERMARKED_BELOW,
+    Reason,
+    Verdict,
+    reason_of,
+    tokens_needed,
+    verdict_of,
+)
 
 TestName = Literal["detect", "decode", "registry"]
 
@@ -99,10 +113,23 @@ class Assessment:
     weights: tuple[tuple[str, float], ...]  # (test label, weight), as combined
     entry_p_value: float | None  # the registry test alone, fully corrected
     correction: str = CORRECTION
+    num_scored: int | None = None  # the scored tokens the tests read
+    reason: Reason | None = None  # why inconclusive: too_short or some_evidence
+    tokens_needed: int | None = None  # scored tokens an inconclusive answer would need
+    tests: tuple[TestP, ...] = ()  # as combined, in the order of ``weights``
+    corrected: tuple[float, ...] = ()  # each test's p with every correction, as combined
 
     @property
     def is_watermarked(self) -> bool:
         return self.verdict == "watermarked"
+
+    def alone(self, index: int) -> Verdict:
+        """The verdict test ``index`` would give alone, corrected for the key versions
+        searched only: beside the combined one, e.g. the message-free verdict, which
+        does not drift as a registry grows."""
+        p = self.tests[index].p_value
+        shown = 1.0 if p is None else min(1.0, p * self.versions_tried)
+        return verdict_of(shown, self.num_scored)
 
     @property
     def may_name_entry(self) -> bool:
@@ -129,8 +156,15 @@ def _log_corrected(p_value: float | None, factor: float) -> float:
     return min(0.0, math.log(p_value) + math.log(factor))
 
 
-def assess(tests: Sequence[TestP], versions_tried: int, keys_searched: str) -> Assessment:
-    """Combine ``tests`` into one verdict (see the module docstring)."""
+def assess(
+    tests: Sequence[TestP],
+    versions_tried: int,
+    keys_searched: str,
+    num_scored: int | None = None,
+) -> Assessment:
+    """Combine ``tests`` into one verdict (see the module docstring); ``num_scored``, the
+    scored tokens the tests read, decides whether absence may be said (None: no rule,
+    for calibration work on p-values alone)."""
     if not tests:
         raise ValueError("assess needs at least one test")
     if versions_tried < 1:
@@ -144,7 +178,7 @@ def assess(tests: Sequence[TestP], versions_tried: int, keys_searched: str) -> A
     chosen = tests[best]
     entry = [math.exp(lp) for t, lp in zip(tests, logs, strict=True) if t.name == "registry"]
     return Assessment(
-        verdict=verdict_of(p_value),
+        verdict=verdict_of(p_value, num_scored),
         p_value=p_value,
         statistic=chosen.name,
         statistic_p_value=1.0 if chosen.p_value is None else chosen.p_value,
@@ -155,8 +189,79 @@ def assess(tests: Sequence[TestP], versions_tried: int, keys_searched: str) -> A
         versions_tried=versions_tried,
         weights=tuple((_label(t), w) for t, w in zip(tests, weights, strict=True)),
         entry_p_value=min(entry) if entry else None,
+        num_scored=num_scored,
+        reason=reason_of(p_value, num_scored),
+        tokens_needed=tokens_needed(p_value, num_scored),
+        tests=tuple(tests),
+        corrected=tuple(math.exp(lp) for lp in logs),
     )
 
 
 def _label(test: TestP) -> str:
     return test.name if test.num_bits is None else f"{test.name}@{test.num_bits}"
+
+
+# What each test is, in plain words (the nested ``tests`` of every answer).
+TEST_STATISTICS: Final[dict[TestName, str]] = {
+    "detect": "message-free: do the tokens lean towards this key's watermark at all "
+    "(payload unknown); does not change as a registry grows",
+    "decode": "payload length known: the same, read in the cells the decoder reads",
+    "registry": "registry: does the text agree with one of the tenant's issued entries "
+    "(corrected for the registry's size, so it drifts as the registry grows)",
+}
+
+
+@dataclass(frozen=True)
+class ComponentTest:
+    """One test of an answer, as the nested ``tests`` list shows it."""
+
+    test: TestName
+    statistic: str  # TEST_STATISTICS: what it tests, in plain words
+    num_bits: int | None
+    key_version: int | None
+    p_value: float | None  # this test alone, best over the key versions, uncorrected
+    weight: float  # its share of the level in the weighted Bonferroni combination
+    combined_p_value: float  # min(1, versions * p / weight): the smallest is the answer's p
+    z_score: float  # Φ⁻¹(1 − p) of p Šidák-corrected for the versions (normal under H0)
+    verdict_alone: Verdict  # this test alone, corrected for the key versions only
+    registry_size: int | None  # the registry test: the entries it was corrected for
+    decided: bool  # the test the answer's verdict was taken from
+
+
+def components(assessment: Assessment) -> list[ComponentTest]:
+    """The tests an assessment combined, each with its own and its combined p-value."""
+    decided = min(
+        range(len(assessment.corrected)),
+        key=lambda i: (assessment.corrected[i], i),
+        default=-1,
+    )
+    return [
+        ComponentTest(
+            test=t.name,
+            statistic=TEST_STATISTICS[t.name],
+            num_bits=t.num_bits,
+            key_version=t.key_version,
+            p_value=t.p_value,
+            weight=w,
+            combined_p_value=c,
+            z_score=_z(t.p_value, assessment.versions_tried, assessment.num_scored),
+            verdict_alone=assessment.alone(i),
+            registry_size=t.registry_size if t.name == "registry" else None,
+            decided=i == decided,
+        )
+        for i, (t, (_, w), c) in enumerate(
+            zip(assessment.tests, assessment.weights, assessment.corrected, strict=True)
+        )
+    ]
+
+
+def _z(p_value: float | None, versions: int, num_scored: int | None) -> float:
+    if p_value is None or num_scored == 0:
+        return 0.0
+    log_p = math.log(p_value) if p_value > 0.0 else -745.0
+    return z_from_log_p(sidak_log_p(log_p, versions), 1 if num_scored is None else num_scored)
+
+
+def answer_tests(assessment: Assessment) -> list[dict[str, Any]]:
+    """:func:`components` as JSON-ready dicts (the CLI's and scan's answers)."""
+    return [asdict(c) for c in components(assessment)]

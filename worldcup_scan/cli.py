@@ -15,6 +15,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from app.services.corpus import Fields, InputError
+from worldcup_core.verdict import MIN_SCORED_TOKENS
 from worldcup_scan.keys import (
     KeySourceError,
     ScanKeys,
@@ -103,8 +104,13 @@ def scan(
     ] = 0.01,
     part_rows: Annotated[int, typer.Option("--part-rows", help="Rows per resumable part.")] = 1000,
     short_tokens: Annotated[
-        int, typer.Option("--short-tokens", help="Fewer scored tokens: flagged short_text.")
-    ] = 64,
+        int,
+        typer.Option(
+            "--short-tokens",
+            help="Fewer scored tokens: flagged short_text (default: the verdict's own line, "
+            "below which a row is inconclusive/too_short rather than not_watermarked).",
+        ),
+    ] = MIN_SCORED_TOKENS,
     max_chars: Annotated[int, typer.Option("--max-chars")] = 1_000_000,
     model: Annotated[
         str | None, typer.Option("--model", help="Tokenizer directory (default: embedded).")

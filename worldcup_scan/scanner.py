@@ -42,6 +42,7 @@ from worldcup_core.registry_lookup import (
     text_cells,
     use_list,
 )
+from worldcup_core.verdict import MIN_SCORED_TOKENS
 from worldcup_scan.keys import ScanKeys
 
 MODES = ("detect", "provenance")
@@ -54,6 +55,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("is_watermarked", "bool"),
     ("verdict", "string"),  # worldcup_core.assess: the API's verdict for the same asker
     ("verdict_statistic", "string"),  # the test that decided
+    ("reason", "string"),  # why inconclusive: too_short or some_evidence (as the API's)
+    ("tokens_needed", "int64"),  # scored tokens an inconclusive answer would need
     ("p_value", "float64"),  # the verdict's p-value, every correction included
     ("tenant_id", "string"),
     ("tenant_name", "string"),
@@ -95,7 +98,9 @@ class ScanSpec:
     significance: float = 0.01  # deprecated: carries no threshold (verdicts use 1e-6)
     default_num_bits: int = 32  # the payload length decoded where there is no registry
     registry_min_confidence: float = 0.95
-    short_tokens: int = 64  # fewer scored tokens than this: flagged short_text
+    # fewer scored tokens than this: flagged short_text (the verdict's own line, where
+    # "not_watermarked" is not said: worldcup_core.verdict.MIN_SCORED_TOKENS)
+    short_tokens: int = MIN_SCORED_TOKENS
     model: str | None = None  # tokenizer directory; None = the embedded SmolLM2's
 
     def __post_init__(self) -> None:
@@ -179,6 +184,8 @@ class Scanner:
                 is_watermarked=said.is_watermarked,
                 verdict=said.verdict,
                 verdict_statistic=said.statistic,
+                reason=said.reason,
+                tokens_needed=said.tokens_needed,
                 p_value=said.p_value,
                 num_tokens=len(text_ids),
                 num_scored_tokens=found.scored,
@@ -218,7 +225,8 @@ class Scanner:
             tried, scored = max(result.num_keys, 1), result.num_scored_tokens
             searched = f"every key in the bank ({result.num_keys} keys)"
             if result.best is None:
-                return _Assessed(assess([TestP("detect", None)], tried, searched), None, None, 0)
+                none = assess([TestP("detect", None)], tried, searched, scored)
+                return _Assessed(none, None, None, 0)
             best = result.best.index
             indices = [best]
         schemes = [self.schemes[i] for i in indices]  # the verdict's statistics: as the service
@@ -236,7 +244,7 @@ class Scanner:
                 tests.append(TestP("registry", p, num_bits))
             if chosen is None or _better(decoded, chosen):
                 chosen = decoded
-        said = assess(tests, tried, searched)
+        said = assess(tests, tried, searched, scored)
         key_index = chosen.key_index if chosen is not None else best
         return _Assessed(said, key_index, chosen, scored)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -10,13 +11,14 @@ from pydantic import AfterValidator, Field
 
 from app.schemas.common import StrictModel, StrictRequest
 from app.schemas.exposure import DecodeVerdict, DetectVerdict
-from worldcup_core.assess import Assessment, TestName
-from worldcup_core.verdict import Verdict
+from worldcup_core.assess import Assessment, TestName, components
+from worldcup_core.verdict import MIN_SCORED_SOURCE, MIN_SCORED_TOKENS, Reason, Verdict
 
 VERDICT_DESCRIPTION = (
     "One decision per text and asker (worldcup_core.assess: the same for every route, the "
-    "console, the CLI and scans): watermarked: verdict_p_value < 1e-6; not_watermarked: "
-    ">= 0.05; inconclusive between. verdict_statistic names the test it was taken from."
+    "console, the CLI and scans): watermarked: p_value < 1e-6; not_watermarked: p_value "
+    ">= 0.05 with at least min_scored_tokens scored tokens; inconclusive otherwise (see "
+    "reason). verdict_statistic names the test it was taken from."
 )
 
 TEXT_DESCRIPTION = (
@@ -41,15 +43,6 @@ _TEXT_RULES = (
 )
 Text = Annotated[str, *_TEXT_RULES, Field(description=TEXT_DESCRIPTION)]
 BatchText = Annotated[str, *_TEXT_RULES]
-P_VALUE_DESCRIPTION = (
-    "Probability of evidence at least this strong in text without this tenant's "
-    "watermark: exact under the null, Šidák-corrected for the key versions tried."
-)
-Z_DESCRIPTION = (
-    "Φ⁻¹(1 − p_value): the same evidence on the normal scale. About standard normal "
-    "on text without the watermark, positive exactly when p_value < 1/2; 0 when "
-    "nothing was scored."
-)
 
 
 EVIDENCE_DESCRIPTION = (
@@ -148,33 +141,107 @@ class EvidenceOut(StrictModel):
     )
 
 
+class TestOut(StrictModel):
+    """One of the tests an answer combined into its verdict."""
+
+    test: TestName = Field(
+        description="detect (message-free), decode (payload length known) or registry "
+        "(agreement with the tenant's issued entries)."
+    )
+    statistic: str = Field(description="What the test asks, in plain words.")
+    num_bits: int | None = Field(description="The payload length it read (None: detect).")
+    key_version: int | None = Field(description="The key version the data chose.")
+    p_value: float | None = Field(
+        description="This test alone, the best over the key versions searched, before "
+        "any correction (the registry test's is already corrected for the registry's "
+        "size). None: the test ran but had nothing to score (counted as 1)."
+    )
+    weight: float = Field(description="Its share of the level in the combination.")
+    combined_p_value: float = Field(
+        description="min(1, key versions × p_value / weight): what it gives the verdict. "
+        "The answer's p_value is the smallest of these."
+    )
+    z_score: float = Field(
+        description="Φ⁻¹(1 − p) of p_value Šidák-corrected for the key versions: about "
+        "standard normal on text without the watermark (the message-free test's exactly)."
+    )
+    verdict_alone: Verdict = Field(
+        description="The verdict of this test alone, corrected for the key versions "
+        "only. The detect test's does not drift as the registry grows."
+    )
+    registry_size: int | None = Field(
+        description="The registry test: the number of entries it was corrected for "
+        "(its p grows with the registry, so a verdict can drift as entries are issued)."
+    )
+    decided: bool = Field(description="The test the verdict was taken from.")
+
+
+DEPRECATED_ALIAS = "Deprecated alias (removed in the next release): use {}, the same number."
+
+
 class _VerdictAnswer(StrictModel):
     """The verdict fields of an answer: one decision per text and asker
-    (:func:`worldcup_core.assess.assess`), with the test it was taken from."""
+    (:func:`worldcup_core.assess.assess`), with the test it was taken from, its one
+    p-value, and the tests it combined, nested."""
 
     verdict: Verdict = Field(description=VERDICT_DESCRIPTION)
+    reason: Reason | None = Field(
+        description="Why the verdict is inconclusive: too_short (fewer scored tokens than "
+        "'not_watermarked' needs: see min_scored_tokens) or some_evidence (between the "
+        "levels). None for the other verdicts."
+    )
+    tokens_needed: int | None = Field(
+        description="For an inconclusive verdict, the scored tokens an answer would need: "
+        "min_scored_tokens when too short, else the length at which evidence this strong "
+        "per token would reach 1e-6. None otherwise."
+    )
+    min_scored_tokens: int = Field(
+        description="'not_watermarked' is said from this many scored tokens on: "
+        f"{MIN_SCORED_SOURCE}."
+    )
     verdict_statistic: TestName = Field(
         description="The test that decided: detect (message-free), decode (payload length "
         "known) or registry (agreement with the tenant's issued entries)."
     )
-    verdict_p_value: float = Field(
-        description="The verdict's p-value: the deciding test's, with every correction "
-        "(weighted Bonferroni over the tests, Bonferroni over the key versions searched)."
+    p_value: float = Field(
+        description="The verdict's p-value, the only one that decides: the deciding test's, "
+        "with every correction (weighted Bonferroni over the tests, Bonferroni over the "
+        "key versions searched). watermarked below threshold."
     )
-    verdict_threshold: float = Field(
+    threshold: float = Field(
         description="The fixed level of 'watermarked' and of is_watermarked: 1e-6."
     )
     keys_searched: str = Field(description="The key set the verdict searched, in words.")
+    tests: list[TestOut] = Field(
+        description="Every test combined into the verdict, each with its own p-value."
+    )
+    verdict_p_value: float = Field(description=DEPRECATED_ALIAS.format("p_value"), deprecated=True)
+    verdict_threshold: float = Field(
+        description=DEPRECATED_ALIAS.format("threshold"), deprecated=True
+    )
+    z_score: float = Field(
+        description="Deprecated (removed in the next release): the message-free test's z, "
+        "tests[test=detect].z_score; it does not decide the verdict.",
+        deprecated=True,
+    )
 
 
 def verdict_fields(assessment: Assessment) -> dict[str, Any]:
     """The verdict fields of an answer, from its assessment."""
+    parts = [TestOut(**asdict(c)) for c in components(assessment)]
     return {
         "verdict": assessment.verdict,
+        "reason": assessment.reason,
+        "tokens_needed": assessment.tokens_needed,
+        "min_scored_tokens": MIN_SCORED_TOKENS,
         "verdict_statistic": assessment.statistic,
+        "p_value": assessment.p_value,
+        "threshold": assessment.threshold,
+        "keys_searched": assessment.keys_searched,
+        "tests": parts,
         "verdict_p_value": assessment.p_value,
         "verdict_threshold": assessment.threshold,
-        "keys_searched": assessment.keys_searched,
+        "z_score": next((t.z_score for t in parts if t.test == "detect"), 0.0),
     }
 
 
@@ -183,19 +250,14 @@ REGISTRY_AMBIGUOUS_DESCRIPTION = (
     "below registry_min_confidence), so none is named although the registry test is "
     "below the watermarked level; a longer excerpt of the text may decide."
 )
-IS_WATERMARKED_DESCRIPTION = "Exactly verdict == 'watermarked' (verdict_p_value < 1e-6)."
-SIGNIFICANCE_DESCRIPTION = (
-    "The level is_watermarked carries: the fixed 1e-6 of the verdict 'watermarked' (the "
-    "server's significance setting is deprecated and changes no answer)."
-)
+IS_WATERMARKED_DESCRIPTION = "Exactly verdict == 'watermarked' (p_value < threshold)."
+SIGNIFICANCE_DESCRIPTION = DEPRECATED_ALIAS.format("threshold")
 
 
 class DecodeResponse(_VerdictAnswer):
     bits: str = Field(description="'0'/'1' per bit; '?' marks an erasure")
     bit_confidence: list[BitConfidence]
     erasures: list[int]
-    p_value: float = Field(description=P_VALUE_DESCRIPTION)
-    z_score: float = Field(description=Z_DESCRIPTION)
     is_watermarked: bool = Field(description=IS_WATERMARKED_DESCRIPTION)
     num_tokens: int
     num_scored_tokens: int
@@ -221,11 +283,9 @@ class DetectRequest(StrictRequest):
 
 class DetectResponse(_VerdictAnswer):
     is_watermarked: bool = Field(description=IS_WATERMARKED_DESCRIPTION)
-    p_value: float = Field(description=P_VALUE_DESCRIPTION)
-    z_score: float = Field(description=Z_DESCRIPTION)
     num_tokens: int
     num_scored_tokens: int
-    significance: float = Field(description=SIGNIFICANCE_DESCRIPTION)
+    significance: float = Field(description=SIGNIFICANCE_DESCRIPTION, deprecated=True)
     key_version: int | None = Field(
         description="The key version that decided, when the verdict is watermarked."
     )
@@ -328,13 +388,11 @@ class TokenScore(StrictModel):
 class ProvenanceResponse(_VerdictAnswer):
     found: bool
     message: str
-    p_value: float = Field(description="Best key's p-value, Šidák-corrected for num_keys.")
-    correction: Literal["sidak"] = "sidak"
     num_keys: int
     num_tenants: int
     num_tokens: int
     num_scored_tokens: int
-    significance: float = Field(description=SIGNIFICANCE_DESCRIPTION)
+    significance: float = Field(description=SIGNIFICANCE_DESCRIPTION, deprecated=True)
     match: ProvenanceMatch | None
     candidates: list[ProvenanceCandidate]
     scan_seconds: float

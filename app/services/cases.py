@@ -257,11 +257,13 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
     summary.update(num_tokens=answer.num_tokens, num_scored_tokens=answer.num_scored_tokens)
     if not isinstance(answer, DetectResponse):
         summary["islands"] = _islands(answer.evidence)
+    scored = answer.num_scored_tokens
     verdict_fields: dict[str, Any] = {
         "verdict": answer.verdict,
+        "reason": answer.reason,
         "statistic": statistic,
-        "p_value": answer.verdict_p_value,
-        "sentence": verdict_sentence(answer.verdict, statistic, answer.verdict_p_value),
+        "p_value": answer.p_value,
+        "sentence": verdict_sentence(answer.verdict, statistic, answer.p_value, scored),
         "why": f"{STATISTICS[statistic]}; keys searched: {answer.keys_searched}",
     }
     return verdict_fields, summary

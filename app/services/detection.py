@@ -33,7 +33,7 @@ from app.services import intake
 from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
-from app.services.watermark import Assessed, DecodeOutcome, best_length, corrected
+from app.services.watermark import Assessed, DecodeOutcome, best_length
 from worldcup_core.assess import Assessment
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
@@ -47,7 +47,6 @@ def _decode_response(
     runtime: Runtime, outcome: DecodeOutcome, assessment: Assessment
 ) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
-    p_value, z_score = corrected(det.log10_p_value, outcome.versions_tried, det.num_scored_tokens)
     _count(runtime, assessment)
     return DecodeResponse(
         **verdict_fields(assessment),
@@ -57,8 +56,6 @@ def _decode_response(
             for z, p in zip(result.bit_z, result.bit_p_values, strict=True)
         ],
         erasures=list(result.erasures),
-        p_value=p_value,
-        z_score=z_score,
         is_watermarked=assessment.is_watermarked,
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
@@ -77,8 +74,6 @@ def _detect_response(runtime: Runtime, assessed: Assessed) -> DetectResponse:
     return DetectResponse(
         **verdict_fields(assessment),
         is_watermarked=assessment.is_watermarked,
-        p_value=outcome.p_value,
-        z_score=outcome.z_score,
         num_tokens=outcome.result.num_tokens,
         num_scored_tokens=outcome.result.num_scored_tokens,
         significance=VERDICT_WATERMARKED_BELOW,

@@ -47,7 +47,7 @@ from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
-from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, verdict_sentence
 
 
 @dataclass(frozen=True)
@@ -227,14 +227,13 @@ async def _search(
         message=(
             f"watermarked for tenant {outcome.tenant.name!r}"
             if outcome.significant and outcome.tenant is not None
-            else "no watermark found"
+            else _unfound_message(outcome)
         ),
-        p_value=result.p_value,
         num_keys=result.num_keys,
         num_tenants=outcome.num_tenants,
         num_tokens=result.num_tokens,
         num_scored_tokens=result.num_scored_tokens,
-        significance=VERDICT_WATERMARKED_BELOW,
+        significance=VERDICT_WATERMARKED_BELOW,  # deprecated alias of threshold
         match=match,
         candidates=candidates,
         scan_seconds=round(outcome.scan_seconds, 6),
@@ -244,3 +243,10 @@ async def _search(
         token_scores=scores,
         evidence=block,
     )
+
+
+def _unfound_message(outcome: ProvenanceOutcome) -> str:
+    """The answer's words when no tenant is named: the verdict's, so they never say "no
+    watermark" of a text too short to tell or one with some evidence."""
+    a = outcome.assessment
+    return verdict_sentence(a.verdict, a.statistic, a.p_value, a.num_scored)

@@ -53,6 +53,7 @@ class DecodeOutcome:
     versions_tried: int = 1  # the best of these; its p-value is corrected for them
     entry_bits: str | None = None  # the matched entry's payload, as it was issued
     expired: bool = False  # the best candidate is an entry past the tenant's retention
+    registry_size: int | None = None  # the registry test's Bonferroni count, if it ran
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,11 @@ def assess_outcomes(
     registry_lengths: set[int],
     versions_tried: int,
     keys_searched: str,
+    num_scored: int,
 ) -> Assessment:
     """The one verdict of a text (see :mod:`worldcup_core.assess`): the detect and decode
-    tests from ``stats``, the registry test from each length's decoding as it comes."""
+    tests from ``stats``, the registry test from each length's decoding as it comes;
+    ``num_scored``, the tokens they read, decides whether absence may be said."""
     log_p, version = stats.detect
     tests = [TestP("detect", math.exp(log_p), key_version=version)]
     for bits in lengths:
@@ -133,8 +136,9 @@ def assess_outcomes(
             outcome = decoded[bits]
             match = outcome.match
             p = None if match is None else match.p_value
-            tests.append(TestP("registry", p, bits, key_version=outcome.key_version))
-    return assess(tests, versions_tried, keys_searched)
+            size = outcome.registry_size
+            tests.append(TestP("registry", p, bits, size, outcome.key_version))
+    return assess(tests, versions_tried, keys_searched, num_scored)
 
 
 @dataclass
@@ -255,6 +259,11 @@ class WatermarkService:
                     len(versions),
                     found.match.bits if found is not None else None,
                     expired=found is not None and found.expired,
+                    registry_size=(
+                        plans[best.key_version].bonferroni
+                        if plans[best.key_version].candidates > 0
+                        else None
+                    ),
                 )
             )
         return outcomes
@@ -327,7 +336,13 @@ class WatermarkService:
         for i, detect in enumerate(detects):
             by_length = {bits: decoded[bits][i] for bits in wanted}
             assessment = assess_outcomes(
-                stats[i], by_length, lengths, set(issued), len(versions), searched
+                stats[i],
+                by_length,
+                lengths,
+                set(issued),
+                len(versions),
+                searched,
+                detect.result.num_scored_tokens,
             )
             out.append(Assessed(assessment, detect, by_length))
         return out
@@ -377,7 +392,8 @@ class WatermarkService:
         candidates = [(*refs[c.index], c.log10_p_value) for c in result.top]
         keys = f"every tenant's key versions ({result.num_keys} keys, {num_tenants} tenants)"
         if result.best is None:
-            none = assess([TestP("detect", None)], max(result.num_keys, 1), keys)
+            tried = max(result.num_keys, 1)
+            none = assess([TestP("detect", None)], tried, keys, result.num_scored_tokens)
             return ProvenanceOutcome(
                 result, False, None, None, None, num_tenants, elapsed, None, candidates, none
             )
@@ -393,7 +409,9 @@ class WatermarkService:
         stats = await self.offload(
             lambda: verdict_stats([(version, best_scheme)], [token_ids], lengths)[0]
         )
-        assessment = assess_outcomes(stats, decoded, lengths, set(issued), result.num_keys, keys)
+        assessment = assess_outcomes(
+            stats, decoded, lengths, set(issued), result.num_keys, keys, result.num_scored_tokens
+        )
         if not assessment.is_watermarked:
             return ProvenanceOutcome(
                 result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment

@@ -20,8 +20,12 @@ function verdictText(mode, data, verdict) {
   const head = HEADLINES[verdict] || verdict;
   const found = verdict === "watermarked";
   if (mode === "provenance") {
+    if (data.reason === "too_short") {
+      return [`${head}: too short to tell (${data.num_scored_tokens} scored tokens; ` +
+        `${data.tokens_needed} needed), best p = ${fmtP(data.p_value)}`, false];
+    }
     if (verdict === "not_watermarked" || !data.match) {
-      return [`${head} (best p = ${fmtP(data.verdict_p_value)})`, found];
+      return [`${head} (best p = ${fmtP(data.p_value)})`, found];
     }
     const m = data.match;
     const parts = [`tenant ${m.tenant_name || m.tenant_id}`];
@@ -32,7 +36,7 @@ function verdictText(mode, data, verdict) {
       parts.push(`key version ${m.key_version}, ${noEntryReason(m) ? `no entry named: ${noEntryReason(m)}` : "no registry entry matched"}`);
     }
     const keys = data.num_keys === 1 ? "1 key" : `${data.num_keys} keys`;
-    parts.push(`p = ${fmtP(data.verdict_p_value)} (corrected for ${keys})`);
+    parts.push(`p = ${fmtP(data.p_value)} (corrected for ${keys})`);
     return [`${head} — ` + parts.join(", "), found];
   }
   const session = state.session;
@@ -46,13 +50,17 @@ function verdictText(mode, data, verdict) {
     }
     return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
   }
-  if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.verdict_p_value)})`, false];
+  if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.p_value)})`, false];
+  if (data.reason === "too_short") {
+    return [`${head}: too short to tell (${data.num_scored_tokens} scored tokens; ` +
+      `${data.tokens_needed} needed), p = ${fmtP(data.p_value)}`, false];
+  }
   const parts = [tenant];
   if (data.key_version !== null && data.key_version !== undefined) parts.push(`key version ${data.key_version}`);
   const entry = data.registry_match;
   if (entry) parts.push(`message ${entry.message_id}`, `issued ${fmtTime(entry.issued_at)}`);
   else if (noEntryReason(data)) parts.push(`no entry named: ${noEntryReason(data)}`);
-  parts.push(`p = ${fmtP(data.verdict_p_value)}`);
+  parts.push(`p = ${fmtP(data.p_value)}`);
   return [`${head} — ` + parts.join(", "), found];
 }
 
