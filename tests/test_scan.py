@@ -504,7 +504,7 @@ def test_key_files_label_the_output(tmp_path: Path) -> None:
 
 
 def test_bench_scan_prints_rates_for_one_and_two_workers_on_both_engines() -> None:
-    args = ["bench-scan", "--texts", "20", "--keys", "100", "--engine-keys", "20", "--json"]
+    args = ["bench", "scan", "--texts", "20", "--keys", "100", "--engine-keys", "20", "--json"]
     result = CliRunner().invoke(cli_app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output.strip().splitlines()[-1])
