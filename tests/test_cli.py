@@ -127,6 +127,8 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     assert "".join(c[1] for c in cells) == decoded["bits"]
     zs = [entry["z"] for entry in decoded["bit_confidence"]]
     assert [float(c[3]) for c in cells] == pytest.approx(zs, abs=0.006)
+    # as docs/cli.md says: z is the evidence for the value shown, never a signed value
+    assert all(z >= 0 for z in zs) and max(zs) > 1 and "+" not in "".join(lines[2:])
 
 
 @pytest.mark.parametrize(

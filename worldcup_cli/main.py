@@ -472,9 +472,11 @@ def bit_confidence_table(
     bits: str, bit_z: Sequence[float], bit_p: Sequence[float], per_line: int = 4
 ) -> str:
     """Per-bit confidence, four bits a line: position, value (``?`` an erasure), the
-    bit's z (its sign is the value, its size the confidence) and its p-value."""
+    bit's z and its p-value. z is the evidence for the value shown, ``|agree -
+    disagree| / sqrt(trials)`` over the g-value trials scored on that bit: never negative
+    (the value carries the direction), 0 for an erasure."""
     cells = [
-        f"{i:>3} {b}  z {z:+6.2f}  p {p:<8.2g}"
+        f"{i:>3} {b}  z {z:5.2f}  p {p:<8.2g}"
         for i, (b, z, p) in enumerate(zip(bits, bit_z, bit_p, strict=True))
     ]
     rows = [" | ".join(cells[i : i + per_line]) for i in range(0, len(cells), per_line)]
