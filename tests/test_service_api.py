@@ -438,6 +438,28 @@ BAD_JSON_CASES: list[tuple[str, Any, int, str | None, str]] = [
 ]
 
 
+def test_decode_counts_the_tokens_of_the_text(
+    client: TestClient, tenant: tuple[str, dict[str, str]]
+) -> None:
+    """Why /decode can count a few more tokens than /generate made (docs/api.md, "Token
+    counts"): it sees only the text and tokenises it, and the model may emit a token the
+    tokenizer never gives there. SmolLM2 writes a paragraph break before a word as one
+    token, "\\n\\n"; the tokenizer's pre-tokenizer splits it in two."""
+    _, auth = tenant
+    backend = client.app.state.runtime.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    generated = [
+        *backend.encode("Tides rise", add_special_tokens=False).ids,
+        backend.token_to_id("ĊĊ"),
+        *backend.encode("The moon pulls", add_special_tokens=False).ids,
+    ]
+    text = backend.decode(generated)
+    assert text == "Tides rise\n\nThe moon pulls"
+    r = client.post("/decode", json={"text": text}, headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json()["num_tokens"] == len(generated) + 1
+    assert r.json()["num_tokens"] == len(backend.encode(text, add_special_tokens=False).ids)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "code", "fragment"),
     BAD_JSON_CASES,
