@@ -56,7 +56,7 @@ test-cluster: setup
 	bash scripts/pytest.sh tests/test_store_contract.py tests/test_registry_store.py tests/test_redis_buckets.py tests/test_redis_cluster.py -m cluster -p no:cacheprovider
 
 bench: setup
-	$(VENV)/worldcup bench
+	$(VENV)/worldcup bench speed
 
 ## The GPU service check's offline bundle in gpu-bundle/ (ignored, never committed): the
 ## project wheel, the service's wheels a CUDA host lacks (cp312), the embedded model, in

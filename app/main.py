@@ -177,6 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
         max_batch_bytes=settings.max_batch_body_bytes,
+        text_chars=settings.text_chars_limit,
     )
     app.add_middleware(SingleAuthorization)
     app.add_middleware(RequestContext, metrics=metrics)

@@ -6,6 +6,8 @@ happens inside it, so there is deliberately no ``--workers``.
 
 from __future__ import annotations
 
+import socket
+import sys
 import types
 
 import uvicorn
@@ -22,11 +24,28 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._app = app
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start (the app's lifespan first: the model loads there), then say where the
+        service listens, once it does: one line on stderr, the port as bound."""
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            bound = [s.getsockname() for server in self.servers for s in server.sockets or ()]
+            if bound:
+                url = listening_url(self.config.host, int(bound[0][1]), self.config.is_ssl)
+                sys.stderr.write(f"listening on {url} (API docs: {url}/docs)\n")
+                sys.stderr.flush()
+
     def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
         runtime = getattr(self._app.state, "runtime", None)
         if runtime is not None:
             runtime.draining = True
         super().handle_exit(sig, frame)
+
+
+def listening_url(host: str | None, port: int, ssl: bool = False) -> str:
+    """``http://HOST:PORT`` as a client types it (an IPv6 host in brackets)."""
+    name = host or "0.0.0.0"
+    return f"{'https' if ssl else 'http'}://{f'[{name}]' if ':' in name else name}:{port}"
 
 
 def run(settings: Settings) -> None:

@@ -13,5 +13,6 @@ umask 077
 export WORLDCUP_MASTER_KEY_FILE="${WORLDCUP_MASTER_KEY_FILE:-$PWD/$dir/master_key.hex}"
 export WORLDCUP_ADMIN_TOKEN_FILE="${WORLDCUP_ADMIN_TOKEN_FILE:-$PWD/$dir/admin_token}"
 export WORLDCUP_SQLITE_PATH="${WORLDCUP_SQLITE_PATH:-$PWD/.cache/worldcup.sqlite3}"
-echo "serve: admin token in $WORLDCUP_ADMIN_TOKEN_FILE; docs at http://${WORLDCUP_HOST:-127.0.0.1}:${WORLDCUP_PORT:-8000}/docs" >&2
+# the server prints "listening on http://HOST:PORT" once the model is loaded and it listens
+echo "serve: admin token in $WORLDCUP_ADMIN_TOKEN_FILE; loading the model, then listening on ${WORLDCUP_HOST:-127.0.0.1}:${WORLDCUP_PORT:-8000}" >&2
 exec "$VENV"/bin/worldcup serve "$@"

@@ -158,7 +158,7 @@ def test_the_verdict_p_is_calibrated_on_human_text_under_many_keys(
 ) -> None:
     """The combined p on null text (human chunks, a fresh key every 8 chunks, 251 keys,
     a 20-entry registry each): at or below each level down to 1e-3 (4 SE of slack),
-    and its exact components uniform (KS). ``worldcup bench-calibration`` runs 1e5."""
+    and its exact components uniform (KS). ``worldcup bench calibration`` runs 1e5."""
     chunks = human_chunks(data_dir, smollm2_tokenizer)
     sample = null_p_values(chunks, 2000, seed=35)
     assert sample.keys >= 250 and len(sample.combined) == 2000

@@ -128,13 +128,15 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     assert "".join(c[1] for c in cells) == decoded["bits"]
     zs = [entry["z"] for entry in decoded["bit_confidence"]]
     assert [float(c[3]) for c in cells] == pytest.approx(zs, abs=0.006)
+    # as docs/cli.md says: z is the evidence for the value shown, never a signed value
+    assert all(z >= 0 for z in zs) and max(zs) > 1 and "+" not in "".join(lines[2:])
 
 
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["decode", "--key-file", "k", "--num-bits", "abc"], "--num-bits"),
-        (["detect"], "--key-file"),
+        (["detect"], "Missing option '--key-file'; see `"),
         (["nosuch"], "No such command"),
     ],
 )
@@ -156,7 +158,7 @@ def test_usage_errors_are_one_line_with_exit_2(args: list[str], needle: str) -> 
 
 
 def test_bench_decoding_reports_v1_and_v2_like_for_like() -> None:
-    result = runner.invoke(app, ["bench-decoding", "--texts", "20", "--json"])
+    result = runner.invoke(app, ["bench", "decoding", "--texts", "20", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     for key in ("from_ids_v2_one_per_call", "from_ids_v1_one_per_call", "from_ids_v1_batched"):
@@ -212,13 +214,13 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("detect", ["--key-file", "{bin}"], b"text", "unreadable"),
         ("detect", ["--key-file", "{key}"], b"", "no text on stdin"),
         ("detect", ["--key-file", "{key}", "--model", "{dir}"], b"text", "not a local"),
-        ("bench", ["--quick", "--nosuch"], b"", "No such option"),
-        ("bench-provenance", ["--keys", "0"], b"", "--keys"),
-        ("bench-decoding", ["--texts", "1"], b"", "--texts"),
-        ("bench-calibration", ["--texts", "1"], b"", "--texts"),
-        ("bench-first-use", ["--texts", "0"], b"", "--texts"),
-        ("bench-grid", ["--presets", "nosuch"], b"", "--presets"),
-        ("bench-grid", ["--temperatures", "warm"], b"", "--temperatures"),
+        ("bench speed", ["--quick", "--nosuch"], b"", "No such option"),
+        ("bench provenance", ["--keys", "0"], b"", "--keys"),
+        ("bench decoding", ["--texts", "1"], b"", "--texts"),
+        ("bench calibration", ["--texts", "1"], b"", "--texts"),
+        ("bench first-use", ["--texts", "0"], b"", "--texts"),
+        ("bench grid", ["--presets", "nosuch"], b"", "--presets"),
+        ("bench grid", ["--temperatures", "warm"], b"", "--temperatures"),
         ("eval-merge", ["{bin}", "--into", "{miss}/results.json"], b"", "No such file"),
         ("eval-merge", ["{bin}", "--into", "{bin}"], b"", "Invalid value"),
         (
@@ -243,14 +245,14 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("scan", ["{tmp}/t.jsonl", "--out", "{dir}.jsonl", "--key-file", "{key}"], b"", "folder"),
         ("scan", ["{tmp}/t.jsonl", "--out", "{tmp}/o.txt", "--key-file", "{key}"], b"", "format"),
         ("scan", ["{tmp}/t.jsonl", "--out", "{tmp}/o.jsonl", "--key-file", "{bin}"], b"", "key"),
-        ("bench-scan", ["--keys", "abc"], b"", "comma-separated"),
+        ("bench scan", ["--keys", "abc"], b"", "comma-separated"),
         ("serve", ["--port", "abc"], b"", "--port"),
         ("serve-ray", ["--replicas", "3:1"], b"", "MIN:MAX"),
-        ("bench-service", ["--detect-seconds", "0"], b"", "positive"),
+        ("bench service", ["--detect-seconds", "0"], b"", "positive"),
         ("migrate-store", ["--from", "redis://127.0.0.1:1/0"], b"", "migration failed"),
-        ("bench-attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
-        ("bench-registry", ["--sizes", "abc"], b"", "--sizes"),
-        ("bench-registry", ["--redis-url", "redis://127.0.0.1:1/0"], b"", "unreachable"),
+        ("bench attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
+        ("bench registry", ["--sizes", "abc"], b"", "--sizes"),
+        ("bench registry", ["--redis-url", "redis://127.0.0.1:1/0"], b"", "unreachable"),
         ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),
         ("eval", ["--config", "{dir}"], b"", "Is a directory"),
         ("eval", ["--config", "{bin}"], b"", "not a UTF-8 text file"),
@@ -261,6 +263,19 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
             "data",
         ),
     ]
+
+
+def _visible_commands(group: Any, prefix: str = "") -> set[str]:
+    """Every command a user is shown, groups walked (``bench speed``); hidden aliases out."""
+    out: set[str] = set()
+    for name, command in group.commands.items():
+        if command.hidden:
+            continue
+        if hasattr(command, "commands"):
+            out |= _visible_commands(command, f"{prefix}{name} ")
+        else:
+            out.add(prefix + name)
+    return out
 
 
 def test_every_command_answers_bad_input_with_one_error_line(
@@ -290,7 +305,7 @@ def test_every_command_answers_bad_input_with_one_error_line(
     monkeypatch.setenv("WORLDCUP_SQLITE_PATH", "")
     cases = _bad_input_cases(tmp_path)
     for command, args, stdin, needle in cases:
-        concrete = [command]
+        concrete = command.split()
         for arg in args:
             for mark, value in names.items():
                 arg = arg.replace(mark, value)
@@ -301,9 +316,59 @@ def test_every_command_answers_bad_input_with_one_error_line(
         assert len(lines) == 1 and lines[0].startswith("error: "), (concrete, err)
         assert needle in lines[0], (concrete, lines[0])
         assert "Traceback" not in out + err and out == "", (concrete, out)
-    commands = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    commands = _visible_commands(typer.main.get_command(app))
     assert commands == {c for c, *_ in cases}, commands ^ {c for c, *_ in cases}
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_benchmarks_are_one_group_and_the_old_names_still_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """`worldcup bench` alone is the group's help; each old `bench-NAME` is a hidden alias
+    of `bench NAME` (same options) that says so in one line on stderr, for one release;
+    `worldcup bench --quick --json`, the old speed bench, still runs it."""
+    import typer.main
+
+    import worldcup_cli.bench
+
+    root = typer.main.get_command(app)
+    group = root.commands["bench"]  # type: ignore[attr-defined]
+    aliases = {n: c for n, c in root.commands.items() if n.startswith("bench-")}  # type: ignore[attr-defined]
+    assert {n.removeprefix("bench-") for n in aliases} == set(group.commands) - {"speed"}
+    for name, alias in aliases.items():
+        new = group.commands[name.removeprefix("bench-")]
+        assert alias.hidden and not new.hidden
+        assert [p.opts for p in alias.params] == [p.opts for p in new.params]
+
+    code, out, err = _run_main(monkeypatch, capsys, ["bench"], b"")
+    assert code == 0 and "speed" in out and "registry" in out and "bench-" not in out
+    code, out, err = _run_main(monkeypatch, capsys, [], b"")
+    assert code == 0 and "bench-" not in out
+    code, out, err = _run_main(monkeypatch, capsys, ["bench", "nosuch"], b"")
+    assert code == 2 and err == "error: No such command 'nosuch'; see `worldcup bench --help`\n"
+
+    code, out, err = _run_main(monkeypatch, capsys, ["bench-grid", "--presets", "x"], b"")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0].startswith("warning: `worldcup bench-grid` is deprecated")
+    assert "use `worldcup bench grid`" in lines[0] and lines[1].startswith("error: --presets")
+
+    calls: list[bool] = []
+
+    def fake_run_bench(quick: bool, progress: Any) -> dict[str, Any]:
+        calls.append(quick)
+        return {"quick": quick}
+
+    monkeypatch.setattr(worldcup_cli.bench, "run_bench", fake_run_bench)
+    monkeypatch.setattr(worldcup_cli.bench, "format_bench", str)
+    for args, warned in (
+        (["bench", "speed", "--quick", "--json"], False),
+        (["bench", "--quick", "--json"], True),
+    ):
+        code, out, err = _run_main(monkeypatch, capsys, args, b"")
+        assert code == 0 and json.loads(out) == {"quick": True}, (args, err)
+        assert ("use `worldcup bench speed`" in err) is warned, err
+    assert calls == [True, True]
 
 
 def test_version(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:

@@ -414,7 +414,7 @@ def test_a_missing_extra_disables_only_its_own_command(blocked: str) -> None:
     helped = _cli(["--help"], [blocked])
     assert helped.returncode == 0, helped.stderr
     assert "scan" in helped.stdout and "Unavailable" in helped.stdout
-    for command in (["scan", "in.jsonl", "--out", "out.parquet"], ["bench-scan", "--rows", "9"]):
+    for command in (["scan", "in.jsonl", "--out", "out.parquet"], ["bench", "scan", "--rows", "9"]):
         done = _cli(command, [blocked])
         assert done.returncode == 2, done
         lines = done.stderr.strip().splitlines()

@@ -1,4 +1,4 @@
-"""``worldcup bench-grid`` without a model: the prefix helper on the real tokenizer,
+"""``worldcup bench grid`` without a model: the prefix helper on the real tokenizer,
 and the report and plot rendered from a small synthetic results.json."""
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ def test_tables_show_the_measured_figures() -> None:
 
 def test_report_only_renders_from_results_json(tmp_path: Path) -> None:
     (tmp_path / "results.json").write_text(json.dumps(synthetic()), encoding="utf-8")
-    out = CliRunner().invoke(app, ["bench-grid", "--report-only", "--out", str(tmp_path)])
+    out = CliRunner().invoke(app, ["bench", "grid", "--report-only", "--out", str(tmp_path)])
     assert out.exit_code == 0, out.output
     assert (tmp_path / "report.md").read_text(encoding="utf-8") == report(synthetic())
     assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     missing = CliRunner().invoke(
-        app, ["bench-grid", "--report-only", "--out", str(tmp_path / "none")]
+        app, ["bench", "grid", "--report-only", "--out", str(tmp_path / "none")]
     )
     assert missing.exit_code == 2 and "does not exist" in missing.output
 

@@ -404,6 +404,58 @@ def test_an_entry_too_close_to_another_is_flagged_not_named(
         assert bool(r["registry_ambiguous"]) is (rid in named), rid
     out, summary, _ = local_scan  # the CLI's summary counts them (none at the default bar)
     assert summary["unnamed_entries"] == sum(bool(r["registry_ambiguous"]) for r in _read(out))
+    assert summary["expired_entries"] == 0  # no retention in the shared store
+
+
+def test_an_entry_past_the_retention_reads_as_expired(corpus: Any, tmp_path: Path) -> None:
+    """As the API's ``registry_expired``: a text whose entry the retention sweep deleted
+    names no entry and says so, its verdict unchanged; the newer entries are still
+    named; the summary counts the expired ones."""
+    import sqlite3
+
+    db = tmp_path / "store.sqlite3"
+    with sqlite3.connect(corpus["db"]) as src, sqlite3.connect(db) as dst:
+        src.backup(dst)
+
+    async def expire() -> int:  # alpha's ids 1-4 (v1) and 5-6 (v2) go; 7-8 stay
+        store = SQLiteStore(db)
+        try:
+            kept = await store.registry_entry("tid-alpha", 7)
+            assert kept is not None
+            return await store.expire_registry("tid-alpha", kept.issued_at)
+        finally:
+            await store.close()
+
+    assert asyncio.run(expire()) == 6
+    session = _session(db)
+    try:
+        keys = session.load_keys("alpha")
+    finally:
+        session.close()
+    assert keys.expired_below == {"tid-alpha": 7}
+    files = discover([str(corpus["inputs"])])
+    rows = [r for part in plan(files, 50) for r in read_part(part, Fields("text", "id"))]
+    alpha = tmp_path / "alpha.jsonl"
+    alpha.write_text(
+        "".join(
+            json.dumps({"id": r.id, "text": r.text}) + "\n"
+            for r in rows
+            if r.id is not None and r.id.startswith("wm-alpha-")
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "out.jsonl"
+    spec = ScanSpec(keys, "detect", Fields("text", "id"), ALPHA)
+    summary = run_scan(ScanOptions((str(alpha),), out, progress=False), spec)
+    found = {r["id"]: r for r in _read(out)}
+    truth = corpus["truth"]
+    assert len(found) == 8 and summary.expired_entries == 6, summary
+    for rid, r in found.items():
+        gone = truth[rid]["message_id"] < 7
+        assert r["verdict"] == "watermarked" and r["key_version"] == truth[rid]["version"], rid
+        assert r["registry_expired"] is gone and not r["registry_ambiguous"], rid
+        assert r["message_id"] == (None if gone else truth[rid]["message_id"]), rid
+    assert "6 with an entry past the registry's retention" in summary.format()
 
 
 def test_parts_read_exactly_the_rows_of_each_file(tmp_path: Path) -> None:
@@ -504,7 +556,7 @@ def test_key_files_label_the_output(tmp_path: Path) -> None:
 
 
 def test_bench_scan_prints_rates_for_one_and_two_workers_on_both_engines() -> None:
-    args = ["bench-scan", "--texts", "20", "--keys", "100", "--engine-keys", "20", "--json"]
+    args = ["bench", "scan", "--texts", "20", "--keys", "100", "--engine-keys", "20", "--json"]
     result = CliRunner().invoke(cli_app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output.strip().splitlines()[-1])

@@ -316,8 +316,8 @@ DEEP = b"[" * 10_000 + b"]" * 10_000
 
 BAD_JSON_CASES: list[tuple[str, Any, int, str | None, str]] = [
     # (path, body dict or raw bytes, status, code, substring of the message)
-    ("/generate", b'{"prompt": "hi",', 422, "invalid_request", "malformed JSON"),
-    ("/decode", b"{text: 'x'}", 422, "invalid_request", "malformed JSON"),
+    ("/generate", b'{"prompt": "hi",', 400, "invalid_json", "at line 1, column 17 (character 16)"),
+    ("/decode", b"{text: 'x'}", 400, "invalid_json", "at line 1, column 2 (character 1)"),
     ("/detect", b"", 422, None, ""),
     ("/detect", b"null", 422, None, ""),
     ("/detect", b"[1, 2]", 422, None, ""),
@@ -335,7 +335,7 @@ BAD_JSON_CASES: list[tuple[str, Any, int, str | None, str]] = [
     ("/decode", {"text": "x", "key_version": True}, 422, "invalid_request", "key_version"),
     ("/decode", {"text": "x", "num_bits": 16.5}, 422, "invalid_request", "num_bits"),
     ("/decode", {"text": "a" * 2001}, 422, "text_too_long", "limit is 2000"),
-    ("/detect", {"text": "a" * 2001}, 422, "text_too_long", "limit is 2000"),
+    ("/detect", {"text": "a" * 2001}, 422, "text_too_long", "split it into parts of at most 2000"),
     ("/generate", gen_body(temperature="hot"), 422, "invalid_request", "temperature"),
     ("/generate", gen_body(max_new_tokens=1.5), 422, "invalid_request", "max_new_tokens"),
     ("/generate", gen_body(stream="yes please"), 422, "invalid_request", "stream"),
@@ -444,6 +444,28 @@ BAD_JSON_CASES: list[tuple[str, Any, int, str | None, str]] = [
 ]
 
 
+def test_decode_counts_the_tokens_of_the_text(
+    client: TestClient, tenant: tuple[str, dict[str, str]]
+) -> None:
+    """Why /decode can count a few more tokens than /generate made (docs/api.md, "Token
+    counts"): it sees only the text and tokenises it, and the model may emit a token the
+    tokenizer never gives there. SmolLM2 writes a paragraph break before a word as one
+    token, "\\n\\n"; the tokenizer's pre-tokenizer splits it in two."""
+    _, auth = tenant
+    backend = client.app.state.runtime.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    generated = [
+        *backend.encode("Tides rise", add_special_tokens=False).ids,
+        backend.token_to_id("ĊĊ"),
+        *backend.encode("The moon pulls", add_special_tokens=False).ids,
+    ]
+    text = backend.decode(generated)
+    assert text == "Tides rise\n\nThe moon pulls"
+    r = client.post("/decode", json={"text": text}, headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json()["num_tokens"] == len(generated) + 1
+    assert r.json()["num_tokens"] == len(backend.encode(text, add_special_tokens=False).ids)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "code", "fragment"),
     BAD_JSON_CASES,
@@ -475,6 +497,9 @@ def test_body_limits_and_hostile_bodies(
     for path in ("/generate", "/decode", "/detect"):
         err = assert_error(client.post(path, **raw_json(big, auth)), 413, "request_too_large")
         assert "65536" in err["message"]
+        # a text too big for one request: split it, or the bulk routes (their own limit)
+        hint = "split the text into parts of at most" in err["message"]
+        assert hint is (path != "/generate") and ("/decode/batch" in err["message"]) is hint
 
     # no Content-Length (chunked): the limit is enforced while reading
     def chunks() -> Iterator[bytes]:
@@ -504,6 +529,18 @@ def test_body_limits_and_hostile_bodies(
         r = client.post("/decode", **raw_json(body, auth))
         assert 400 <= r.status_code < 500, r.text
         assert_error(r, r.status_code)
+    # not JSON, or not UTF-8: one status and code, and where it broke, as the parser says
+    broken = b'{\n  "text": "x",\n  "num_bits" 16\n}'
+    with pytest.raises(json.JSONDecodeError) as parsed:
+        json.loads(broken)
+    where = (
+        f"line {parsed.value.lineno}, column {parsed.value.colno} (character {parsed.value.pos})"
+    )
+    err = assert_error(client.post("/decode", **raw_json(broken, auth)), 400, "invalid_json")
+    assert where in err["message"] and parsed.value.msg in err["message"], err
+    body = b'{"text":"\xff\xfe abc \xc3"}'
+    err = assert_error(client.post("/decode", **raw_json(body, auth)), 400, "invalid_json")
+    assert "not UTF-8 at byte 9" in err["message"], err
 
     # the wrong media type is not parsed as JSON
     r = client.post(

@@ -123,3 +123,37 @@ def test_client_disconnect_stops_its_sequence(tiny_model_dir: Path, tmp_path: Pa
             while engine.in_flight and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert engine.in_flight == 0, "the sequence kept generating for a gone client"
+
+
+def test_the_server_says_where_it_listens_once_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make run` (worldcup serve) prints one "listening on http://HOST:PORT" line on
+    stderr once the socket is bound, with the port it really got (0 asks for any)."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from app.server import DrainingServer
+
+    app = FastAPI()
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off")
+    server = DrainingServer(config, app)
+
+    async def start_and_ask() -> tuple[int, int]:
+        serving = asyncio.create_task(server.serve())
+        try:
+            async with asyncio.timeout(30):
+                while not server.started:
+                    await asyncio.sleep(0.01)
+            port = int(server.servers[0].sockets[0].getsockname()[1])
+            async with httpx.AsyncClient() as client:
+                status = (await client.get(f"http://127.0.0.1:{port}/docs")).status_code
+        finally:
+            server.should_exit = True
+            await serving
+        return port, status
+
+    port, status = asyncio.run(start_and_ask())
+    lines = [line for line in capsys.readouterr().err.splitlines() if "listening" in line]
+    assert lines == [
+        f"listening on http://127.0.0.1:{port} (API docs: http://127.0.0.1:{port}/docs)"
+    ]
+    assert port > 0 and status == 200

@@ -1,4 +1,4 @@
-"""``worldcup bench-attack``: removal attacks replayed through the API, with and
+"""``worldcup bench attack``: removal attacks replayed through the API, with and
 without probe budgets (issues 15 and 24; the table in SECURITY.md comes from
 here).
 

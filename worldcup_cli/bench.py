@@ -1,4 +1,4 @@
-"""``worldcup bench``: encoding overhead, the watermark step, decoding and provenance.
+"""``worldcup bench speed``: encoding overhead, the watermark step, decoding and provenance.
 
 Every figure comes from one process on the same model, prompts and seeds, so
 comparisons are fair: plain sampling (no scheme) against WorldCup sampling,
@@ -485,7 +485,7 @@ def run_bench(
     progress: Progress | None = None,
     data_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Everything ``worldcup bench`` reports, as a JSON-serialisable dict."""
+    """Everything ``worldcup bench speed`` reports, as a JSON-serialisable dict."""
 
     def say(msg: str) -> None:
         if progress is not None:

@@ -1,5 +1,5 @@
-"""The harness the service benchmarks share (``worldcup bench-service``, ``bench-engines``,
-``bench-attack``): the service in a thread on a free loopback socket, readiness, a bench
+"""The harness the service benchmarks share (``worldcup bench service``, ``bench-engines``,
+``bench attack``): the service in a thread on a free loopback socket, readiness, a bench
 tenant, the generation load and its statistics, and the news-article prompts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``worldcup bench-calibration``: the null calibration of the one verdict's p-value.
+"""``worldcup bench calibration``: the null calibration of the one verdict's p-value.
 
 Human text (the evaluation data's CNN/DailyMail articles and ELI5 answers, in
 128-token chunks) is scored under many random keys, each key over a few chunks,

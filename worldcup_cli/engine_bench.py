@@ -1,4 +1,4 @@
-"""``worldcup bench-service --engine vllm``: the engines side by side over loopback HTTP.
+"""``worldcup bench service --engine vllm``: the engines side by side over loopback HTTP.
 
 Every arm runs as its own service (``create_app``, embedded model, SQLite in a
 temporary directory), all up at once in this process:

@@ -1,4 +1,4 @@
-"""``worldcup bench-first-use``: what a new user's chat answers get, through the service.
+"""``worldcup bench first-use``: what a new user's chat answers get, through the service.
 
 100 committed chat prompts (``data/first_use_prompts.txt``, ELI5 questions) are
 answered by the embedded model under the service default, at the settings people

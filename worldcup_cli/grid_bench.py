@@ -1,6 +1,6 @@
-"""``worldcup bench-grid``: detection and decoding where users are (issue #35, item 2).
+"""``worldcup bench grid``: detection and decoding where users are (issue #35, item 2).
 
-The committed chat prompts of ``bench-first-use`` (``data/first_use_prompts.txt``,
+The committed chat prompts of ``bench first-use`` (``data/first_use_prompts.txt``,
 the first ``texts`` of them, the same in every cell) are answered by the embedded
 instruct model at each temperature, under each WorldCup preset through the
 service (one app per preset, ``POST /generate`` with chat messages, seed = the
@@ -638,7 +638,7 @@ def report(result: dict[str, Any]) -> str:
         "standard error (binomial for shares; at 0 or all of n it is 0, and the rule of "
         "three bounds the rate within 3/n at 95 %).",
         "",
-        "Reproduce: `worldcup bench-grid --texts "
+        "Reproduce: `worldcup bench grid --texts "
         f"{s['texts']} --big-registry {s['big_registry']}` "
         "(`--report-only` re-renders this file and grid.png from results.json).",
     ]

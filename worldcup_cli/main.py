@@ -12,6 +12,7 @@ import asyncio
 import functools
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -101,11 +102,59 @@ def user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def flowed_help(fn: Callable[..., Any]) -> str | None:
+    """The docstring as help: each paragraph's lines joined, so the help wraps to the
+    terminal instead of breaking where the source did."""
+    doc = inspect.getdoc(fn)
+    if not doc:
+        return None
+    return "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
 def _command(name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
     """``app.command`` with :func:`user_errors` around the command."""
 
     def register(fn: F) -> F:
-        app.command(name, **kwargs)(user_errors(fn))
+        app.command(name, **{"help": flowed_help(fn), **kwargs})(user_errors(fn))
+        return fn
+
+    return register
+
+
+bench_app = typer.Typer(
+    help="Benchmarks: `worldcup bench NAME` (NAME --help for its options).",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(bench_app, name="bench")
+
+
+def deprecated_alias(old: str, new: str, fn: F) -> F:
+    """``fn`` under its old name: one line on stderr names the new one, then it runs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        typer.echo(
+            f"warning: `worldcup {old}` is deprecated and goes in the next release; "
+            f"use `worldcup {new}`",
+            err=True,
+        )
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _bench(name: str, **kwargs: Any) -> Callable[[F], F]:
+    """``worldcup bench NAME``; the old top-level ``worldcup bench-NAME`` stays one
+    release as a hidden alias that says it is deprecated."""
+
+    def register(fn: F) -> F:
+        kwargs.setdefault("help", flowed_help(fn))
+        bench_app.command(name, **kwargs)(user_errors(fn))
+        old = f"bench-{name}"
+        alias = deprecated_alias(old, f"bench {name}", fn)
+        app.command(old, hidden=True, **kwargs)(user_errors(alias))
         return fn
 
     return register
@@ -423,9 +472,11 @@ def bit_confidence_table(
     bits: str, bit_z: Sequence[float], bit_p: Sequence[float], per_line: int = 4
 ) -> str:
     """Per-bit confidence, four bits a line: position, value (``?`` an erasure), the
-    bit's z (its sign is the value, its size the confidence) and its p-value."""
+    bit's z and its p-value. z is the evidence for the value shown, ``|agree -
+    disagree| / sqrt(trials)`` over the g-value trials scored on that bit: never negative
+    (the value carries the direction), 0 for an erasure."""
     cells = [
-        f"{i:>3} {b}  z {z:+6.2f}  p {p:<8.2g}"
+        f"{i:>3} {b}  z {z:5.2f}  p {p:<8.2g}"
         for i, (b, z, p) in enumerate(zip(bits, bit_z, bit_p, strict=True))
     ]
     rows = [" | ".join(cells[i : i + per_line]) for i in range(0, len(cells), per_line)]
@@ -502,11 +553,10 @@ def detect(
     )
 
 
-@_command()
-def bench(
-    quick: Annotated[bool, typer.Option("--quick", help="Fewer tokens and texts.")] = False,
-    as_json: JsonOpt = False,
-) -> None:
+QuickOpt = Annotated[bool, typer.Option("--quick", help="Fewer tokens and texts.")]
+
+
+def bench_speed(quick: QuickOpt = False, as_json: JsonOpt = False) -> None:
     """Encoding overhead and decoding throughput, measured side by side."""
     from worldcup_cli.bench import format_bench, run_bench
 
@@ -515,6 +565,30 @@ def bench(
 
     result = run_bench(quick=quick, progress=progress)
     _emit(as_json, result, format_bench(result))
+
+
+bench_app.command("speed", help=flowed_help(bench_speed))(user_errors(bench_speed))
+
+
+@bench_app.callback(invoke_without_command=True)
+def _bench_group(
+    ctx: typer.Context,
+    quick: Annotated[bool, typer.Option("--quick", hidden=True)] = False,
+    as_json: Annotated[bool, typer.Option("--json", hidden=True)] = False,
+) -> None:
+    """Benchmarks: `worldcup bench NAME` (NAME --help for its options)."""
+    if ctx.invoked_subcommand is not None:
+        if quick or as_json:
+            name = ctx.invoked_subcommand
+            fail(f"--quick and --json go after the benchmark's name: worldcup bench {name} ...")
+        return
+    # `worldcup bench --quick`, as before the group: the speed bench, for one release
+    typer.echo(
+        "warning: `worldcup bench` without a benchmark's name is deprecated and goes in the "
+        "next release; use `worldcup bench speed`",
+        err=True,
+    )
+    bench_speed(quick, as_json)
 
 
 @_command("eval-merge")
@@ -543,7 +617,7 @@ def eval_merge(
     typer.echo(f"added {merged['merged'][-1]['cells']} cells of {', '.join(names)} to {into}")
 
 
-@_command("bench-decoding")
+@_bench("decoding")
 def bench_decoding(
     texts: Annotated[int, typer.Option(min=10, max=100_000, help="Texts to decode.")] = 10_000,
     as_json: JsonOpt = False,
@@ -566,7 +640,7 @@ def bench_decoding(
     _emit(as_json, result, format_decoding_bench(result))
 
 
-@_command("bench-calibration")
+@_bench("calibration")
 def bench_calibration(
     texts: Annotated[int, typer.Option(min=100, max=10_000_000, help="Null samples.")] = 100_000,
     per_key: Annotated[int, typer.Option(min=1, help="Chunks per fresh random key.")] = 8,
@@ -600,7 +674,7 @@ def bench_calibration(
     _emit(as_json, result, table(sample))
 
 
-@_command("bench-first-use")
+@_bench("first-use")
 def bench_first_use(
     texts: Annotated[int, typer.Option(min=1, max=100, help="Prompts answered.")] = 100,
     per_tenant: Annotated[int, typer.Option(min=1, help="Answers (entries) per tenant.")] = 20,
@@ -609,9 +683,9 @@ def bench_first_use(
     big_registry: Annotated[int, typer.Option(min=1, help="The large registry's size.")] = 100_000,
     as_json: JsonOpt = False,
 ) -> None:
-    """What a new user's chat answers get from the service (issue 35's table): the
-    embedded model, the service default, through /generate and the bulk routes, at
-    two registry sizes, with binomial SE."""
+    """What a new user's chat answers get from the service: the embedded model, the
+    service default, through /generate and the bulk routes, at two registry sizes,
+    with binomial SE."""
     from worldcup_cli.first_use_bench import run, table
 
     result = run(texts, per_tenant, max_new_tokens, temperature, big_registry)
@@ -630,7 +704,7 @@ def _numbers(text: str, kind: Callable[[str], Any], name: str) -> list[Any]:
     return values
 
 
-@_command("bench-grid")
+@_bench("grid")
 def bench_grid(
     texts: Annotated[int, typer.Option(min=1, max=100, help="Prompts answered per cell.")] = 40,
     temperatures: Annotated[
@@ -661,8 +735,8 @@ def bench_grid(
     as_json: JsonOpt = False,
 ) -> None:
     """Detection and decoding over temperatures x lengths for each WorldCup preset,
-    through the service at two registry sizes, beside BiMark (issue 35 item 2);
-    writes results.json, report.md and grid.png to --out, resuming finished cells."""
+    through the service at two registry sizes, beside BiMark; writes results.json,
+    report.md and grid.png to --out, resuming finished cells."""
     from worldcup_cli.grid_bench import PRESETS, render, run
 
     if report_only:
@@ -692,7 +766,7 @@ def bench_grid(
     _emit(as_json, result, (out / "report.md").read_text(encoding="utf-8"))
 
 
-@_command("bench-provenance")
+@_bench("provenance")
 def bench_provenance(
     keys: Annotated[int, typer.Option(min=1, max=100_000, help="Keys in the bank.")] = 1000,
     tokens: Annotated[int, typer.Option(min=8, max=4096, help="Tokens per text.")] = 256,
@@ -708,17 +782,18 @@ def bench_provenance(
     _emit(as_json, result, format_provenance_bench(result))
 
 
-def _register_unavailable(name: str, extra: str, missing: str) -> None:
-    """``name`` as a command that only says which extra it needs (exit 2): a missing
-    optional part disables its own command, never the whole CLI."""
+def _register_unavailable(name: str, extra: str, missing: str, bench: bool = False) -> None:
+    """``name`` (``bench name`` with ``bench``) as a command that only says which extra
+    it needs (exit 2): a missing optional part disables its own command, never the CLI."""
+    full = f"bench {name}" if bench else name
 
     def unavailable(ctx: typer.Context) -> None:
         fail(
-            f"`worldcup {name}` needs the {extra} extra ({missing} is not installed): "
+            f"`worldcup {full}` needs the {extra} extra ({missing} is not installed): "
             f"pip install 'worldcup[{extra}]'"
         )
 
-    _command(
+    (_bench if bench else _command)(
         name,
         help=f"Unavailable: {missing} is missing (install the {extra} extra).",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
@@ -734,11 +809,11 @@ def _register_scan() -> None:
     except ImportError as exc:
         missing = exc.name or "worldcup_scan"
     if missing is not None:
-        for name in ("scan", "bench-scan"):
-            _register_unavailable(name, "scan", missing)
+        _register_unavailable("scan", "scan", missing)
+        _register_unavailable("scan", "scan", missing, bench=True)
         return
     _command("scan")(scan)
-    _command("bench-scan")(bench_scan)
+    _bench("scan")(bench_scan)
 
 
 _register_scan()
@@ -832,7 +907,7 @@ def migrate_store(
     )
 
 
-@_command("bench-service")
+@_bench("service")
 def bench_service(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
     detect_seconds: Annotated[
@@ -936,7 +1011,7 @@ def bench_service(
     _emit(as_json, result, format_service_bench(result))
 
 
-@_command("bench-attack")
+@_bench("attack")
 def bench_attack(
     model: Annotated[
         str | None, typer.Option("--model", help="Local HF model directory (default: embedded).")
@@ -982,7 +1057,7 @@ def bench_attack(
     _emit(as_json, result, format_attack_bench(result))
 
 
-@_command("bench-registry")
+@_bench("registry")
 def bench_registry(
     redis_url: Annotated[
         str,
@@ -1157,12 +1232,14 @@ def eval_(
 def main() -> None:
     """Console entry point: usage errors become the same one-line form as ours (exit 2)."""
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name="worldcup")
     except typer.TyperException as exc:  # bad option values, missing options, unknown commands
         message = exc.format_message()
-        if not message:  # bare `worldcup`: the help was printed
+        if not message:  # bare `worldcup` or `worldcup bench`: the help was printed
             sys.exit(0)
-        typer.echo(f"error: {message}", err=True)
+        ctx = getattr(exc, "ctx", None)
+        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        typer.echo(f"error: {' '.join(message.split()).rstrip('.')}{where}", err=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)

@@ -1,4 +1,4 @@
-"""``worldcup bench-registry``: registry lookups over HTTP at 10^2 .. 10^6 issued texts.
+"""``worldcup bench registry``: registry lookups over HTTP at 10^2 .. 10^6 issued texts.
 
 The real app (``create_app``, embedded model) runs under uvicorn in a thread of this
 process with a **Redis** store under a key prefix of its own (every key under it is

@@ -1,4 +1,4 @@
-"""``worldcup bench-service``: the HTTP service measured end to end, over loopback.
+"""``worldcup bench service``: the HTTP service measured end to end, over loopback.
 
 The real app (``create_app``) with the embedded model, a SQLite store in a
 temporary directory and freshly generated secrets runs under uvicorn in a

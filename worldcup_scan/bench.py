@@ -1,4 +1,4 @@
-"""``worldcup bench-scan``: what a corpus scan costs, per core and per engine.
+"""``worldcup bench scan``: what a corpus scan costs, per core and per engine.
 
 Per-core figures are CPU time per text in one process (the machine may be
 shared, so wall time would mix in other jobs): tokenisation, then scoring in

@@ -1,4 +1,4 @@
-"""``worldcup scan`` and ``worldcup bench-scan`` (registered by :mod:`worldcup_cli.main`).
+"""``worldcup scan`` and ``worldcup bench scan`` (registered by :mod:`worldcup_cli.main`).
 
 Bad input is one ``error: …`` line and exit code 2, as everywhere in the CLI.
 """

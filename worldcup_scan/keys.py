@@ -59,13 +59,16 @@ class ScanKeys:
     """Every key a scan tries, and the registry message ids it can match against.
 
     ``registry[(tenant_id, version)][num_bits]`` lists the issued message ids;
-    ``num_bits`` is the payload length tried where there is no registry (key files).
+    ``expired_below[tenant_id]``: every id below it is past the tenant's retention (its
+    entry deleted), still a candidate so a text issued for it reads as expired, as the
+    API's; ``num_bits`` is the payload length tried where there is no registry (key files).
     """
 
     keys: tuple[KeySpec, ...]
     registry: dict[tuple[str, int], dict[int, list[int]]] = field(default_factory=dict)
     num_bits: int | None = None
     source: str = "key files"
+    expired_below: dict[str, int] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"ScanKeys({len(self.keys)} keys from {self.source})"
@@ -79,6 +82,8 @@ class ScanKeys:
         for (tenant, version), lengths in sorted(self.registry.items()):
             for bits, ids in sorted(lengths.items()):
                 h.update(f"r|{tenant}|{version}|{bits}|{len(ids)}|{max(ids, default=0)}\n".encode())
+        for tenant, below in sorted(self.expired_below.items()):
+            h.update(f"e|{tenant}|{below}\n".encode())
         h.update(f"n|{self.num_bits}".encode())
         return h.hexdigest()[:16]
 
@@ -206,6 +211,7 @@ class StoreSession:
             records = self._run(self.store.all_key_versions())
         specs = []
         registry: dict[tuple[str, int], dict[int, list[int]]] = {}
+        expired_below: dict[str, int] = {}
         for r in records:
             try:
                 secret = self._wrapper.unwrap(r.tenant_id, r.version, r.wrapped_key)
@@ -234,7 +240,11 @@ class StoreSession:
                 ]
                 for bits in lengths
             }
-        return ScanKeys(tuple(specs), registry, None, "store")
+            for bits in lengths[:1]:  # the retention's line is the tenant's, whatever the length
+                size = self._run(self.store.registry_size(r.tenant_id, r.version, bits))
+                below = max(expired_below.get(r.tenant_id, 0), size.expired_below)
+                expired_below[r.tenant_id] = below
+        return ScanKeys(tuple(specs), registry, None, "store", expired_below)
 
     def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
         entry: RegistryEntry | None = self._run(self.store.registry_entry(tenant_id, message_id))

@@ -25,7 +25,7 @@ from app.services.corpus import InputError, Part, check_fields, discover, plan
 from worldcup_scan.keys import StoreSession
 from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema, iso_utc
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the registry_expired column
 
 
 class ScanStateError(ValueError):
@@ -78,6 +78,7 @@ class ScanSummary:
     hits: int = 0
     short_texts: int = 0
     unnamed_entries: int = 0  # watermarked rows whose entry a close runner-up kept unnamed
+    expired_entries: int = 0  # rows whose entry is past the tenant's registry retention
     hits_per_tenant: dict[str, int] = field(default_factory=dict)
     parts: int = 0
     parts_resumed: int = 0  # finished by an earlier run, not scanned again
@@ -93,7 +94,8 @@ class ScanSummary:
         lines = [
             f"scanned {self.texts} texts: {self.hits} watermarked, {self.errors} with errors, "
             f"{self.short_texts} short, {self.unnamed_entries} with an entry too close to "
-            "another to name",
+            f"another to name, {self.expired_entries} with an entry past the registry's "
+            "retention",
             f"{self.texts_scanned} texts this run in {self.seconds:.1f} s "
             f"({self.texts_per_second:.1f} texts/s); "
             f"{self.parts_resumed}/{self.parts} parts were already done",
@@ -200,6 +202,7 @@ def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSumma
                     summary.errors += row["error"] is not None
                     summary.short_texts += bool(row["short_text"])
                     summary.unnamed_entries += bool(row["registry_ambiguous"])
+                    summary.expired_entries += bool(row["registry_expired"])
                     if row["verdict"] == "watermarked":  # the row's own verdict
                         summary.hits += 1
                         per_tenant[row["tenant_name"] or row["tenant_id"]] += 1

@@ -67,6 +67,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("registry_issued_at", "string"),  # ISO-8601 UTC, as the API writes it
     # the registry test could name an entry but another fits almost as well: none named
     ("registry_ambiguous", "bool"),
+    # the text matches an entry past the tenant's retention: issued by it, entry deleted
+    ("registry_expired", "bool"),
     ("num_tokens", "int64"),
     ("num_scored_tokens", "int64"),
     ("short_text", "bool"),
@@ -116,9 +118,18 @@ class ScanSpec:
 
 @dataclass(frozen=True)
 class _Registry:
+    """One key's candidates at one length, as the service's plan: the ids past the
+    tenant's retention (1 .. expired_below - 1) first, then the live ids (ascending)."""
+
     codec: MessageIdCodec
-    ids: npt.NDArray[np.uint64]
-    payloads: npt.NDArray[np.uint64]
+    ids: npt.NDArray[np.uint64]  # live, ascending
+    payloads: npt.NDArray[np.uint64]  # of the expired ids, then of the live ones
+    expired: int  # how many expired ids lead ``payloads``
+    expired_below: int
+
+    @property
+    def candidates(self) -> int:
+        return int(self.ids.size) + self.expired
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ class _Decoded:
     match: RegistryMatch | None
     message_id: int | None  # the best candidate's, named only as scan_rows decides
     key_index: int
+    expired: bool = False  # the best candidate is past the tenant's retention
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,7 @@ class Scanner:
                 num_scored_tokens=found.scored,
                 short_text=found.scored < self.spec.short_tokens,
                 registry_ambiguous=False,
+                registry_expired=False,
             )
             if said.is_watermarked and found.key_index is not None:
                 spec = self.spec.keys.keys[found.key_index]
@@ -201,10 +214,12 @@ class Scanner:
                 if decoded is not None:
                     row["bits"] = decoded.result.bits
                     if said.may_name_entry and decoded.match is not None:
-                        if decoded.match.posterior >= self.spec.registry_min_confidence:
+                        if decoded.match.posterior < self.spec.registry_min_confidence:
+                            row["registry_ambiguous"] = True  # as the API's
+                        elif decoded.expired:  # as the API's registry_expired
+                            row["registry_expired"] = True
+                        else:
                             row["message_id"] = decoded.message_id
-                        else:  # as the API's registry_ambiguous
-                            row["registry_ambiguous"] = True
         return out
 
     # ------------------------------------------------------------------ scoring
@@ -261,17 +276,22 @@ class Scanner:
             ids = self._registry(key_index).get(num_bits, [])
             codec = MessageIdCodec(self.schemes[key_index].key, num_bits)
             ordered = np.unique(np.asarray(ids, dtype=np.uint64))
-            cached = _Registry(codec, ordered, codec.payload_ints(ordered))
+            tenant = self.spec.keys.keys[key_index].tenant_id
+            below = self.spec.keys.expired_below.get(tenant, 0)
+            expired = np.arange(1, min(max(below, 1), codec.capacity), dtype=np.uint64)
+            payloads = np.concatenate([codec.payload_ints(expired), codec.payload_ints(ordered)])
+            cached = _Registry(codec, ordered, payloads, int(expired.size), below)
             self._candidates[(key_index, num_bits)] = cached
         return cached
 
     def _match(
         self, key_index: int, ids: list[int], num_bits: int
-    ) -> tuple[RegistryMatch, int] | None:
-        """The registry's best entry for the text, and its id: exhaustive for a small
-        registry, else by list decoding (see :mod:`worldcup_core.registry_lookup`)."""
+    ) -> tuple[RegistryMatch, int, bool] | None:
+        """The registry's best entry for the text, its id and whether it is past the
+        retention: exhaustive for a small registry, else by list decoding (see
+        :mod:`worldcup_core.registry_lookup`); expired ids stay candidates, as the API's."""
         registry = self._registry_of(key_index, num_bits)
-        size = int(registry.ids.size)
+        size = registry.candidates
         if size == 0:
             return None
         scheme = self.schemes[key_index]
@@ -281,16 +301,23 @@ class Scanner:
             match = exhaustive_match(cells, registry.payloads, size)
             if match is None:
                 return None
+            expired = match.index < registry.expired
+            message_id = (
+                match.index + 1 if expired else int(registry.ids[match.index - registry.expired])
+            )
             # the registry test the verdict takes, as the service's (layer-weighted)
-            return verdict_match(scheme, ids, match, size), int(registry.ids[match.index])
+            return verdict_match(scheme, ids, match, size), message_id, expired
         plist = payload_list(cells)
         listed = registry.codec.message_id_ints(plist.payloads)
-        at = np.minimum(np.searchsorted(registry.ids, listed), size - 1)
-        live = registry.ids[at] == listed
-        found = list_match(cells, plist, listed, live, np.zeros_like(live), size)
+        live = np.zeros(listed.shape, dtype=bool)
+        if registry.ids.size:
+            at = np.minimum(np.searchsorted(registry.ids, listed), registry.ids.size - 1)
+            live = registry.ids[at] == listed
+        gone = (listed >= 1) & (listed < registry.expired_below) & ~live
+        found = list_match(cells, plist, listed, live, gone, size)
         if found is None:
             return None
-        return verdict_match(scheme, ids, found.match, size), found.message_id
+        return verdict_match(scheme, ids, found.match, size), found.message_id, found.expired
 
     def _decode(self, indices: list[int], ids: list[int], num_bits: int) -> _Decoded:
         """As the service's decode_texts: decode under each key, keep the most
@@ -304,8 +331,10 @@ class Scanner:
                 best_index, best_result = i, result
         assert best_result is not None
         matched = self._match(best_index, ids, num_bits)
-        match, message_id = matched if matched is not None else (None, None)
-        return _Decoded(best_result, match, message_id, best_index)
+        if matched is None:
+            return _Decoded(best_result, None, None, best_index)
+        match, message_id, expired = matched
+        return _Decoded(best_result, match, message_id, best_index, expired)
 
 
 _TOKENIZERS: dict[str | None, Any] = {}

@@ -86,6 +86,32 @@ def _describe(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _json_error(exc: RequestValidationError) -> str | None:
+    """Where a body that is not JSON broke, from the parser's error: ``body: malformed
+    JSON at line L, column C (character P): reason``; None for any other error."""
+    errors = exc.errors()
+    if not errors or errors[0].get("type") != "json_invalid":
+        return None
+    err = errors[0]
+    loc = err.get("loc", ())
+    pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    reason = str(err.get("ctx", {}).get("error", "invalid JSON"))
+    doc = exc.body if isinstance(exc.body, str) else None
+    if pos is None or doc is None:
+        return f"body: malformed JSON: {reason}"
+    line = doc.count("\n", 0, pos) + 1
+    column = pos - doc.rfind("\n", 0, pos)  # 1-based, as the json module counts
+    return f"body: malformed JSON at line {line}, column {column} (character {pos}): {reason}"
+
+
+def _not_utf8(exc: StarletteHTTPException) -> str | None:
+    """A body that could not be read as JSON because it is not UTF-8: where it broke."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or not isinstance(cause, UnicodeDecodeError):
+        return None
+    return f"body: not UTF-8 at byte {cause.start} ({cause.reason}); send UTF-8 JSON"
+
+
 def _not_json(request: Request, exc: RequestValidationError) -> str | None:
     """What was declared instead, when a body was not read as JSON because its content
     type is not JSON's (or missing), or None."""
@@ -111,13 +137,17 @@ def install_error_handlers(app: FastAPI) -> None:
         if (wrong := _not_json(request, exc)) is not None:  # curl -d sends a form
             message = f"body: send JSON, with the header Content-Type: application/json ({wrong})"
             return error_response(422, message, "invalid_request", path=path)
+        if (broken := _json_error(exc)) is not None:  # not JSON at all: 400, as not UTF-8
+            return error_response(400, broken, "invalid_json", path=path)
         return error_response(422, _describe(exc), "invalid_request", path=path, param=_param(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = str(exc.detail)
-        if exc.status_code == 400 and "parsing the body" in message:
+        if (not_utf8 := _not_utf8(exc)) is not None:
+            code, message = "invalid_json", not_utf8
+        elif exc.status_code == 400 and "parsing the body" in message:
             code, message = "malformed_body", "the body is not valid UTF-8 JSON"
         headers = dict(exc.headers) if exc.headers else None
         if exc.status_code == 405:

@@ -71,12 +71,23 @@ class SingleAuthorization:
 class BodySizeLimit:
     """413 before the app reads a body larger than ``max_bytes``.
 
-    Bulk routes (paths ending in ``/batch``) get their own, larger limit.
+    Bulk routes (paths ending in ``/batch``) get their own, larger limit. The 413 says
+    what to do instead: on a route that scores one text, split it (``text_chars``, the
+    per-text limit) or use the bulk routes; on a bulk route, send several batches.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_batch_bytes: int | None = None) -> None:
+    SCORING = ("/decode", "/detect", "/provenance")
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_batch_bytes: int | None = None,
+        text_chars: int | None = None,
+    ) -> None:
         self.app, self.default_max = app, max_bytes
         self.batch_max = max_batch_bytes if max_batch_bytes is not None else max_bytes
+        self.text_chars = text_chars
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,8 +107,9 @@ class BodySizeLimit:
                     too_big = False
                 if too_big:
                     await send_error(
-                        send, 413, self._message(limit), "request_too_large", scope["path"]
-                    )
+                        send, 413, self._message(limit, scope["path"]), "request_too_large",
+                        scope["path"],
+                    )  # fmt: skip
                     return
         # No (or a lying) Content-Length: read the body here, before the app, and
         # count. An exception raised from inside the app's receive() is swallowed
@@ -114,8 +126,9 @@ class BodySizeLimit:
             seen += len(chunk)
             if seen > limit:
                 await send_error(
-                    send, 413, self._message(limit), "request_too_large", scope["path"]
-                )
+                    send, 413, self._message(limit, scope["path"]), "request_too_large",
+                    scope["path"],
+                )  # fmt: skip
                 return
             chunks.append(chunk)
             more_body = message.get("more_body", False)
@@ -130,9 +143,17 @@ class BodySizeLimit:
 
         await self.app(scope, replay_receive, send)
 
-    @staticmethod
-    def _message(limit: int) -> str:
-        return f"request body exceeds {limit} bytes"
+    def _message(self, limit: int, path: str) -> str:
+        said = f"request body exceeds {limit} bytes"
+        if path.endswith("/batch"):
+            return f"{said}: send the texts in several batches"
+        if path in self.SCORING and self.text_chars is not None:
+            return (
+                f"{said}: split the text into parts of at most {self.text_chars} characters "
+                "and score each; /decode/batch and /detect/batch take many texts in one "
+                f"request (bodies up to {self.batch_max} bytes)"
+            )
+        return said
 
 
 class RequestContext:

@@ -106,7 +106,9 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
         "(`WORLDCUP_MAX_BODY_BYTES`, `WORLDCUP_MAX_BATCH_BODY_BYTES` on `/…/batch`) "
         "is refused with 413 `request_too_large`, whatever it holds. A text's or a "
         "prompt's `maxLength` is never more than that limit holds in any JSON spelling "
-        "(12 bytes a character), so a string over its `maxLength` gets the 422 first."
+        "(12 bytes a character), so a string over its `maxLength` gets the 422 first. "
+        "A body that is not valid UTF-8 JSON is refused with 400 `invalid_json`, whose "
+        "message says where it broke (line, column and character; the byte, if not UTF-8)."
     )
 
 

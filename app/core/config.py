@@ -152,7 +152,7 @@ class Settings(BaseSettings):
     # probe budgets: scoring queries about one text (by containment, SECURITY.md) per
     # tenant, all its keys together, within the window (verdict keys, full keys); beyond
     # them 429 probe_budget_exceeded; 0 = off. A day's window: the defaults are chosen
-    # so that no strategy of `worldcup bench-attack` removes a watermark in one day
+    # so that no strategy of `worldcup bench attack` removes a watermark in one day
     probe_window_s: Annotated[float, Field(gt=0)] = 86400.0
     probe_budget_verdict: Annotated[int, Field(ge=0)] = 20
     probe_budget_full: Annotated[int, Field(ge=0)] = 30

@@ -29,7 +29,7 @@ cancelled (a timeout, a dropped client) drops its jobs that have not started;
 its running job finishes and only then frees its admission.
 
 ``fair=False`` is the old first-come-first-served pool (one queue, no
-per-share bound, a batch as one job), kept so ``worldcup bench-service`` can
+per-share bound, a batch as one job), kept so ``worldcup bench service`` can
 measure both side by side.
 
 Threads, not processes: the hot paths (the Rust tokenizer, numpy scoring)

@@ -35,7 +35,11 @@ def check_text(runtime: Runtime, text: str) -> None:
     limit = runtime.settings.text_chars_limit
     if len(text) > limit:
         raise APIError(
-            422, f"text is {len(text)} characters; the limit is {limit}", "text_too_long"
+            422,
+            f"text is {len(text)} characters; the limit is {limit}: split it into parts of at "
+            f"most {limit} characters and score each (/decode/batch and /detect/batch take up "
+            f"to {runtime.settings.max_batch_texts} texts a request)",
+            "text_too_long",
         )
 
 
