@@ -403,7 +403,8 @@ def mixed_upper_log_sf(laws: Sequence[F64], counts: Sequence[int], score: int) -
         return -math.inf
     if score == top:
         return sum(c * math.log(law[-1]) for law, c in parts)
-    logs = [(np.log(law), np.arange(len(law), dtype=np.float64), c) for law, c in parts]
+    with np.errstate(divide="ignore"):  # a law may have gaps (values no token reaches)
+        logs = [(np.log(law), np.arange(len(law), dtype=np.float64), c) for law, c in parts]
 
     def mean(theta: float) -> float:
         total = 0.0
