@@ -44,7 +44,12 @@ def _log(msg: str) -> None:
     sys.stderr.flush()
 
 
+_REPORT: list[str] = []
+
+
 def _say(msg: str = "") -> None:
+    """A line of the report: printed, and kept for ``report.md``."""
+    _REPORT.append(msg)
     sys.stdout.write(msg + "\n")
     sys.stdout.flush()
 
@@ -64,14 +69,32 @@ def append_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def prompts() -> list[str]:
-    return [p for p in PROMPTS.read_text(encoding="utf-8").splitlines() if p.strip()]
+    """The 100 committed first-use prompts, then the ELI5 questions of the data file that
+    are not among them (file order): extra tuning prompts, never held out."""
+    from worldcup_eval.data import default_data_dir
+
+    first = [p for p in PROMPTS.read_text(encoding="utf-8").splitlines() if p.strip()]
+    seen = {_norm(p)[:25] for p in first}
+    rows = read_jsonl(default_data_dir() / "eli5_longform_qa.jsonl")
+    extra = [r["input"] for r in rows if not any(k in _norm(r["input"]) for k in seen)]
+    return first + extra
 
 
-def plan(tuning: int, heldout: int, null: int) -> list[tuple[str, int]]:
-    """(split, prompt index) of every answer, in generation order."""
+def _norm(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
+FIRST_USE = 100  # prompts 0..99 are the committed ones; the extra tuning prompts follow
+
+
+def plan(tuning: int, heldout: int, null: int, extra: int = 0) -> list[tuple[str, int]]:
+    """(split, prompt index) of every answer, in generation order: tuning, held-out and
+    null answers from the committed prompts, then ``extra`` more tuning answers from the
+    other ELI5 questions."""
     out = [("tuning", i) for i in range(tuning)]
     out += [("heldout", tuning + i) for i in range(heldout)]
     out += [("null", tuning + heldout + i) for i in range(null)]
+    out += [("tuning", FIRST_USE + i) for i in range(extra)]
     return out
 
 
@@ -102,7 +125,9 @@ def load_lm() -> Any:
     return load_model(device="cpu", dtype="float32")
 
 
-def generate(out: Path, tuning: int, heldout: int, null: int, tokens: int, batch: int) -> None:
+def generate(
+    out: Path, tuning: int, heldout: int, null: int, extra: int, tokens: int, batch: int
+) -> None:
     """Answers not yet in ``answers.jsonl``, ``batch`` at a time, appended as they finish."""
     from worldcup_core import Payload, SamplingConfig, WorldCup
     from worldcup_core.generation import GenerationRequest
@@ -112,7 +137,7 @@ def generate(out: Path, tuning: int, heldout: int, null: int, tokens: int, batch
 
     path = out / "answers.jsonl"
     done = {(r["split"], r["prompt"]) for r in read_jsonl(path)}
-    todo = [job for job in plan(tuning, heldout, null) if job not in done]
+    todo = [job for job in plan(tuning, heldout, null, extra) if job not in done]
     _log(f"{len(done)} answers saved, {len(todo)} to generate")
     if not todo:
         return
@@ -169,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--tuning", type=int, default=20)
         p.add_argument("--heldout", type=int, default=40)
         p.add_argument("--null", type=int, default=40)
+        p.add_argument("--extra-tuning", type=int, default=40)
     gen.add_argument("--tokens", type=int, default=128)
     gen.add_argument("--batch", type=int, default=10)
     score.add_argument("--keys", type=int, default=50, help="random keys per null text")
@@ -176,7 +202,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     score.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
     if args.command == "generate":
-        generate(args.out, args.tuning, args.heldout, args.null, args.tokens, args.batch)
+        generate(
+            args.out,
+            args.tuning,
+            args.heldout,
+            args.null,
+            args.extra_tuning,
+            args.tokens,
+            args.batch,
+        )
         return 0
     return score_main(args)
 
@@ -242,7 +276,7 @@ def variants() -> dict[str, Scorer]:
         return run
 
     out: dict[str, Scorer] = {"today": today}
-    for power in (0.5, 1.0, 2.0):
+    for power in (0.5, 1.0, 1.5, 2.0):
         for combiner in ("fisher", "lancaster"):
             out[f"model a^{power:g} {combiner}"] = model(power, combiner)
     return out
@@ -319,6 +353,8 @@ def score_main(args: argparse.Namespace) -> int:
     _say()
     registry_table(answers, weights, cfg)
     null_calibration(answers, weights, humans, cfg, args.keys, chosen, scorers)
+    (out / "report.md").write_text("\n".join(_REPORT) + "\n", encoding="utf-8")
+    _log(f"report written to {out / 'report.md'}")
     return 0
 
 
@@ -400,10 +436,10 @@ def null_calibration(
     human = [(ids, weights[f"human:{i}"]) for i, ids in enumerate(humans)]
     names = ["today", "model a^1 lancaster", chosen]
     names = list(dict.fromkeys(names))
-    _say(f"## Null calibration: {len(null)} unwatermarked answers + {len(human)} human, ")
-    _say(f"{keys} random keys each, message-free and at {NUM_BITS} bits\n")
-    _say("| statistic | tokens | pairs | p < 1e-2 | p < 1e-3 | KS p |")
-    _say("|---|---|---|---|---|---|")
+    _say(f"## Null calibration: {len(null)} unwatermarked answers + {len(human)} human")
+    _say(f"answers, {keys} random keys each (one (text, key) pair per row and test)\n")
+    _say("| statistic | test | tokens | pairs | p < 1e-2 | p < 1e-3 | KS p |")
+    _say("|---|---|---|---|---|---|---|")
     rng = rng_for(SEED, "null-keys")
     key_list = [WatermarkKey(rng.bytes(32)) for _ in range(keys)]
     texts = null + human
@@ -411,18 +447,21 @@ def null_calibration(
         ids = [t[:length] for t, _ in texts]
         ws = [w[:length] for _, w in texts]
         for name in names:
-            p = []
-            for key in key_list:
-                for bits in (None, NUM_BITS):
+            for bits, test in ((None, "message-free"), (NUM_BITS, f"{NUM_BITS} bits")):
+                p = []
+                for key in key_list:
                     p.extend(np.exp(scorers[name](key, cfg, ids, bits, ws)).tolist())
-            arr = np.array(p)
-            cells = []
-            for level in (1e-2, 1e-3):
-                rate = float(np.mean(arr < level))
-                se = math.sqrt(level * (1 - level) / arr.size)
-                cells.append(f"{rate:.4f} (nominal {level:g} ± {se:.4f})")
-            ks = stats.kstest(arr, "uniform").pvalue
-            _say(f"| {name} | {length} | {arr.size} | {cells[0]} | {cells[1]} | {ks:.2f} |")
+                arr = np.array(p)
+                cells = []
+                for level in (1e-2, 1e-3):
+                    rate = float(np.mean(arr < level))
+                    se = math.sqrt(level * (1 - level) / arr.size)
+                    cells.append(f"{rate:.4f} (nominal {level:g} ± {se:.4f})")
+                ks = stats.kstest(arr, "uniform").pvalue
+                _say(
+                    f"| {name} | {test} | {length} | {arr.size} | {cells[0]} | {cells[1]} "
+                    f"| {ks:.2f} |"
+                )
     _say()
 
 
