@@ -62,7 +62,8 @@ def test_levels_and_level_weights() -> None:
     assert not table[0].any() and table.shape == (LEVELS + 1, 30)
     assert np.all(np.diff(table, axis=0) >= 0)
     a = np.array([0.0, 0.04, 0.05, 1 / 3, 1.0, np.nan, 1.5, -0.2])
-    assert token_levels(a).tolist() == [0, 0, 1, 4, 12, 4, 12, 0]
+    assert token_levels(a, power=1.0).tolist() == [0, 0, 1, 4, 12, 4, 12, 0]
+    assert token_levels(a).tolist() == [0, 0, 0, 2, 12, 4, 12, 0]  # a^1.5
 
 
 @pytest.mark.parametrize("levels", [(4,), (2, 7), (1, 5, 12), (3, 3)])
@@ -131,7 +132,7 @@ def test_no_weights_is_todays_statistic_and_other_versions_ignore_weights() -> N
             # every token at a third (or unknown): today's weights, and Fisher is today's test
             for fill in (1 / 3, np.nan):
                 w = [np.full(len(t), fill) for t in texts]
-                fisher = model_log_p_many(key, config, texts, bits, w, "fisher")
+                fisher = model_log_p_many(key, config, texts, bits, w, "fisher", power=1.0)
                 np.testing.assert_allclose(fisher, today, rtol=1e-12, atol=1e-12)
     v1 = WorldCup(key, WatermarkConfig(version="worldcup-v1"))
     weights = [_random_weights(rng, len(t)) for t in texts]

@@ -4,14 +4,17 @@ The layer-weighted statistic (:mod:`worldcup_core.detector_weighted`) gives ever
 scored token the same layer weights ``v_l`` (4 down to 1). Here token t also carries
 its informativeness ``a_t`` from the served model (:mod:`worldcup_core.token_weights`:
 ``1 - sum p^2`` of its filtered next-token distribution, from the text alone, never
-the key), as an integer **level** ``L_t = round(12 a_t)`` in 0..12, and its layer-l
-g-bit weighs
+the key), as an integer **level** ``L_t = round(12 a_t^1.5)`` in 0..12, and its
+layer-l g-bit weighs
 
     W_{t,l} = round(L_t v_l / 4)        (:func:`level_weights`; L = 4 gives v_l exactly).
 
 A token with no model evidence (``a_t`` NaN) gets level 4: today's weights. So a text
-whose every ``a_t`` is 1/3 gets today's cells exactly, and a forced token (a_t = 0)
-weighs nothing.
+whose every level is 4 gets today's cells exactly, and a forced token (a_t = 0) weighs
+nothing. The exponent 1.5 (:data:`INFORMATIVENESS_POWER`) and Lancaster's combination
+were chosen among a^0.5, a^1, a^1.5, a^2 x Fisher, Lancaster on 60 tuning chat answers
+(T 0.7, 128 tokens), then measured on 40 held-out ones
+(``python -m worldcup_eval.model_weights_study``).
 
 **Cells (exact).** A (position, group) cell's score is ``S = sum_t sum_l W_{t,l} g``.
 Under H0 (text written without the key) the g-bits are i.i.d. fair coins given the
@@ -80,6 +83,7 @@ Combiner = Literal["fisher", "lancaster"]
 
 LEVELS: Final = 12  # a token's level: round(LEVELS * a_t)
 MODEL_FREE_LEVEL: Final = 4  # level_weights(.)[4] == layer_weights(.): today's weights
+INFORMATIVENESS_POWER: Final = 1.5  # L_t = round(LEVELS * a_t ** INFORMATIVENESS_POWER)
 LANCASTER_SCALE: Final = 2.0  # nu_b = max(1, round(LANCASTER_SCALE * M_b / mean M))
 DEFAULT_COMBINER: Final[Combiner] = "lancaster"
 COMBINERS: Final[tuple[Combiner, ...]] = ("fisher", "lancaster")
@@ -108,11 +112,12 @@ def level_weights(layers: int) -> I64:
     return out
 
 
-def token_levels(weights: npt.NDArray[np.floating]) -> I64:
-    """Each token's level ``round(12 a_t)`` (half up), clipped to 0..12; NaN (no model
-    evidence) gives :data:`MODEL_FREE_LEVEL`."""
+def token_levels(weights: npt.NDArray[np.floating], power: float = INFORMATIVENESS_POWER) -> I64:
+    """Each token's level ``round(12 a_t^power)`` (half up), ``a_t`` clipped to [0, 1];
+    NaN (no model evidence) gives :data:`MODEL_FREE_LEVEL`."""
     a = np.asarray(weights, dtype=np.float64)
-    out = np.floor(np.clip(np.nan_to_num(a, nan=-1.0), 0.0, 1.0) * LEVELS + 0.5)
+    x = np.clip(np.nan_to_num(a, nan=0.0), 0.0, 1.0) ** power
+    out = np.floor(x * LEVELS + 0.5)
     out = np.where(np.isnan(a), MODEL_FREE_LEVEL, out)
     return out.astype(np.int64)
 
@@ -216,8 +221,10 @@ def model_cells(
     texts: Sequence[Sequence[int]],
     symbols: int,
     token_weights: TokenWeights,
+    power: float = INFORMATIVENESS_POWER,
 ) -> ModelCells:
-    """The weighted cells of ``texts`` (one weight array per text, as long as it)."""
+    """The weighted cells of ``texts`` (one weight array per text, as long as it; each
+    token's level from its weight by :func:`token_levels` at ``power``)."""
     _check(config, texts, token_weights)
     k, m = config.groups, config.layers
     prf = PRFV2.of(key)
@@ -229,7 +236,7 @@ def model_cells(
     table = level_weights(m)
     pairs = zip(token_weights, items, strict=True)
     levels = (
-        np.concatenate([token_levels(np.asarray(w)[it.indices]) for w, it in pairs])
+        np.concatenate([token_levels(np.asarray(w)[it.indices], power) for w, it in pairs])
         if n_texts
         else np.zeros(0, dtype=np.int64)
     )
@@ -371,13 +378,16 @@ def model_log_p_many(
     num_bits: int | None,
     token_weights: TokenWeights,
     combiner: Combiner = DEFAULT_COMBINER,
+    power: float = INFORMATIVENESS_POWER,
 ) -> F64:
     """log p of the model-assisted statistic for each text: payload length ``num_bits``,
-    or the ``S`` slots when unknown (the message-free test). Exact under H0."""
+    or the ``S`` slots when unknown (the message-free test). Exact under H0 for any
+    ``combiner`` and ``power`` (both fixed before looking at the text)."""
     symbols = slot_count(config) if num_bits is None else config.symbols_for(num_bits)
     if not texts:
         return np.zeros(0)
-    return combine_log_p(model_cells(key, config, texts, symbols, token_weights), combiner)
+    cells = model_cells(key, config, texts, symbols, token_weights, power)
+    return combine_log_p(cells, combiner)
 
 
 # --------------------------------------------------------------------------- registry

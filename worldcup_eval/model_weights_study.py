@@ -10,9 +10,11 @@ human ELI5 answers (one batched forward pass of the model per batch of texts,
 :func:`worldcup_core.model_weights.model_token_weights`) and prints the tables.
 
 Splits (fixed before any scoring): prompts 0..T-1 tune the variant, T..T+H-1 are held
-out, the next N prompts give the unwatermarked answers. The variant is chosen on the
-tuning answers alone (median log10 p, message-free, at 128 tokens) and reported on the
-held-out answers beside today's statistic.
+out, the next N prompts give the unwatermarked answers; ``--extra-tuning`` more tuning
+answers come from the data file's other ELI5 questions (never held out). The variant is
+chosen on the tuning answers alone (median log10 p, message-free, at 128 tokens) and
+reported on the held-out answers beside today's statistic. The registry and decoding
+table uses the core's default (:mod:`worldcup_core.detector_model`: a^1.5, Lancaster).
 
 Everything is written as it finishes (``answers.jsonl``, ``weights.jsonl`` under
 ``--out``): a rerun reads it back and only does what is missing.
@@ -271,7 +273,7 @@ def variants() -> dict[str, Scorer]:
 
     def model(power: float, combiner: Any) -> Scorer:
         def run(key: Any, cfg: Any, texts: list[list[int]], bits: int | None, w: list[Any]) -> Any:
-            return model_log_p_many(key, cfg, texts, bits, [x**power for x in w], combiner)
+            return model_log_p_many(key, cfg, texts, bits, w, combiner, power)
 
         return run
 
@@ -339,7 +341,7 @@ def score_main(args: argparse.Namespace) -> int:
         _say(f"## Held-out answers ({held}), {title}\n")
         _say("| statistic | tokens | p < 1e-6 | p < 1e-3 | median log10 p |")
         _say("|---|---|---|---|---|")
-        for name in ("today", "model a^1 lancaster", "model a^1 fisher", chosen):
+        for name in dict.fromkeys(("today", "model a^1 lancaster", "model a^1 fisher", chosen)):
             for length in LENGTHS:
                 _say(f"| {name} | {length} | {_row(results[('heldout', name, length, label)])} |")
         _say()
@@ -374,7 +376,7 @@ def registry_table(answers: list[dict[str, Any]], weights: dict[str, Any], cfg: 
     _say("| statistic | tokens | registry p < 1e-6 | entry named (expected) | bit accuracy |")
     _say("|---|---|---|---|---|")
     for length in LENGTHS:
-        table: dict[str, list[tuple[bool, float, float]]] = {"today": [], "model": []}
+        table: dict[str, list[tuple[bool, float, float]]] = {"today": [], "model (default)": []}
         for a in rows:
             key = WatermarkKey.from_hex(a["key"])
             scheme = WorldCup(key, cfg)
@@ -387,7 +389,7 @@ def registry_table(answers: list[dict[str, Any]], weights: dict[str, Any], cfg: 
             o2, t2, weighted = model_text_cells(key, cfg, ids, NUM_BITS, w)
             for name, cells, lp in (
                 ("today", plain, entry_log_p(key, cfg, ids, a["payload"])),
-                ("model", text_cells(o2, t2, NUM_BITS, weighted), None),
+                ("model (default)", text_cells(o2, t2, NUM_BITS, weighted), None),
             ):
                 if lp is None:
                     lp = entry_log_p(key, cfg, ids, a["payload"], w)
