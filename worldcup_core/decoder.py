@@ -128,10 +128,17 @@ def decode_cells(
     num_bits: int,
     detections: Sequence[DetectionResult],
     list_size: int = DEFAULT_LIST_SIZE,
+    scale: I64 | None = None,
+    bit_log_p: npt.NDArray[np.float64] | None = None,
 ) -> list[DecodeResult]:
     """The payloads of many texts from their cells: ``ones``/``trials`` (S, B, k) and
     ``counts`` (S, B). The arithmetic runs once for all texts; only the top-L list search
-    and the result objects are per text."""
+    and the result objects are per text.
+
+    Weighted cells (:mod:`worldcup_core.detector_model`) pass their weighted score as
+    ``ones``, their mass as ``trials``, the variance of ``2 ones - trials`` under H0 as
+    ``scale`` (default ``trials``: unit g-bits) and each cell's exact two-sided
+    ``bit_log_p`` (default: the binomial one)."""
     if list_size < 1:
         raise ValueError(f"list_size must be >= 1, got {list_size}")
     texts = ones.shape[0]
@@ -141,8 +148,13 @@ def decode_cells(
     signed = 2 * ones_f - trials_f  # > 0 favours bit 0
     codes = np.where(erased, ord("?"), np.where(signed < 0, ord("1"), ord("0")))
     all_bits = codes.astype(np.uint8).tobytes().decode("ascii")
-    z = np.abs(signed) / np.sqrt(np.maximum(trials_f, 1))
-    p_vals = np.where(erased, 1.0, np.exp(two_sided_log_pvalues(ones_f, trials_f)))
+    var_f = trials_f if scale is None else scale.reshape(texts, -1)[:, :num_bits]
+    z = np.abs(signed) / np.sqrt(np.maximum(var_f, 1))
+    if bit_log_p is None:
+        bit_lp = two_sided_log_pvalues(ones_f, trials_f)
+    else:
+        bit_lp = bit_log_p.reshape(texts, -1)[:, :num_bits]
+    p_vals = np.where(erased, 1.0, np.exp(bit_lp))
     cost = np.abs(signed).astype(np.float64)
     live_trials = np.where(erased, 0, trials_f).sum(axis=1)
     delta = np.divide(cost.sum(axis=1), 2 * live_trials, out=np.zeros(texts), where=live_trials > 0)

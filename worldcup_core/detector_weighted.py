@@ -16,6 +16,14 @@ and Fisher's combination is exactly chi-square, as for the unweighted statistic
 
 Only the statistic changes, not the encoding: texts of every scheme version keep
 detecting and decoding as before through :mod:`worldcup_core.detector`.
+
+**Token weights from the model** (issue #44). Every test here takes an optional
+``token_weights`` (one array per text, as long as it: each token's informativeness from
+the served model, :mod:`worldcup_core.token_weights`); given, the test is the
+model-assisted one of :mod:`worldcup_core.detector_model` (exact under H0, as this one);
+None, it is this module's statistic, bit for bit. Where the layer-weighted statistic
+does not apply (``worldcup-v1`` keys, the ablation variants) the weights are ignored
+and today's unweighted statistic stands.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ import numpy.typing as npt
 from worldcup_core.config import Variant, WatermarkConfig
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import slot_count
+from worldcup_core.detector_model import (
+    TokenWeights,
+    model_entry_log_p,
+    model_log_p_many,
+)
 from worldcup_core.prf import (
     PRFV2,
     SCHEME_V2,
@@ -139,12 +152,18 @@ def weighted_log_p_many(
     texts: Sequence[Sequence[int]],
     num_bits: int | None,
     weights: I64 | None = None,
+    token_weights: TokenWeights | None = None,
 ) -> F64:
     """log p of the layer-weighted statistic for each text (payload length ``num_bits``,
     or the ``S`` slots when unknown, as v2's detection). ``worldcup-v2``, variant
-    ``worldcup`` only."""
+    ``worldcup`` only. With ``token_weights``, the model-assisted statistic
+    (:func:`worldcup_core.detector_model.model_log_p_many`; ``weights`` must be None)."""
     if not weighted_applies(config):
         raise ValueError("the layer-weighted statistic is for worldcup-v2, variant worldcup")
+    if token_weights is not None:
+        if weights is not None:
+            raise ValueError("token weights go with the default layer weights")
+        return model_log_p_many(key, config, texts, num_bits, token_weights)
     k, m = config.groups, config.layers
     w = layer_weights(m) if weights is None else np.asarray(weights, dtype=np.int64)
     symbols = slot_count(config) if num_bits is None else config.symbols_for(num_bits)
@@ -184,24 +203,35 @@ def weighted_applies(config: WatermarkConfig) -> bool:
     return config.version == SCHEME_V2 and config.variant is Variant.WORLDCUP
 
 
-def verdict_log_p(scheme: WorldCup, texts: Sequence[Sequence[int]], num_bits: int | None) -> F64:
+def verdict_log_p(
+    scheme: WorldCup,
+    texts: Sequence[Sequence[int]],
+    num_bits: int | None,
+    token_weights: TokenWeights | None = None,
+) -> F64:
     """The detection statistic the one verdict uses (:mod:`worldcup_core.assess`), log p
-    per text: layer-weighted under ``worldcup-v2`` (variant ``worldcup``), the unweighted
-    statistic of :mod:`worldcup_core.detector` otherwise (``worldcup-v1`` keys, the
-    ablation variants), so texts of every version keep their statistic."""
+    per text: layer-weighted under ``worldcup-v2`` (variant ``worldcup``), model-assisted
+    there when ``token_weights`` are given, the unweighted statistic of
+    :mod:`worldcup_core.detector` otherwise (``worldcup-v1`` keys, the ablation
+    variants, whatever the weights), so texts of every version keep their statistic."""
     if not texts:
         return np.zeros(0)
     if weighted_applies(scheme.config):
-        return weighted_log_p_many(scheme.key, scheme.config, texts, num_bits)
+        return weighted_log_p_many(
+            scheme.key, scheme.config, texts, num_bits, token_weights=token_weights
+        )
     found = scheme.detect_many(texts, num_bits)
     return np.array([r.log10_p_value for r in found]) * math.log(10.0)
 
 
 def best_verdict_log_p(
-    schemes: Sequence[WorldCup], texts: Sequence[Sequence[int]], num_bits: int | None
+    schemes: Sequence[WorldCup],
+    texts: Sequence[Sequence[int]],
+    num_bits: int | None,
+    token_weights: TokenWeights | None = None,
 ) -> tuple[F64, I64]:
     """(the smallest :func:`verdict_log_p` over ``schemes``, which scheme gave it) per text."""
-    stack = np.stack([verdict_log_p(s, texts, num_bits) for s in schemes])  # (V, n)
+    stack = np.stack([verdict_log_p(s, texts, num_bits, token_weights) for s in schemes])
     best = np.argmin(stack, axis=0).astype(np.int64)
     out: F64 = stack[best, np.arange(len(texts))]
     return out, best
@@ -266,15 +296,22 @@ def weighted_upper_log_sf(weights: I64, units: int, score: int) -> float:
 
 
 def entry_log_p(
-    key: WatermarkKey, config: WatermarkConfig, token_ids: Sequence[int], bits: str
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    token_ids: Sequence[int],
+    bits: str,
+    token_weights: npt.NDArray[np.floating] | None = None,
 ) -> float:
     """The registry test of one entry, layer-weighted: ``log P(A >= a)`` for ``A`` the
     text's layer-weighted agreement with the payload ``bits`` (pad bits 0), summed over
     its scored (token, group) units, each of which under H0 is one token's ``sum_l w_l
     g_l`` with fair g-bits: exact (:func:`weighted_upper_log_sf`). ``worldcup-v2``,
-    variant ``worldcup`` only."""
+    variant ``worldcup`` only. With ``token_weights`` (this text's), the model-weighted
+    agreement (:func:`worldcup_core.detector_model.model_entry_log_p`), exact too."""
     if not weighted_applies(config):
         raise ValueError("the layer-weighted statistic is for worldcup-v2, variant worldcup")
+    if token_weights is not None:
+        return model_entry_log_p(key, config, token_ids, bits, token_weights)
     k = config.groups
     w = layer_weights(config.layers)
     symbols = config.symbols_for(len(bits))
@@ -290,26 +327,37 @@ def entry_log_p(
 
 
 def registry_verdict_log_p(
-    scheme: WorldCup, token_ids: Sequence[int], bits: str, registry_size: int
+    scheme: WorldCup,
+    token_ids: Sequence[int],
+    bits: str,
+    registry_size: int,
+    token_weights: npt.NDArray[np.floating] | None = None,
 ) -> float | None:
     """The one verdict's registry test for the matched entry ``bits``: layer-weighted
     (:func:`entry_log_p`), Bonferroni-corrected for ``registry_size``. The entry is
     chosen by the unweighted maximum-likelihood match; the union bound covers any
     choice among the registry's entries, so the correction stays valid. None where the
-    weighted statistic does not apply (the unweighted match's p stands)."""
+    weighted statistic does not apply (the unweighted match's p stands). With
+    ``token_weights`` the entry test is model-weighted; the entry is best chosen on the
+    same weighted cells (:func:`worldcup_core.registry_lookup.text_cells` with
+    ``weighted``), but the union bound holds for any choice."""
     if not weighted_applies(scheme.config):
         return None
-    log_p = entry_log_p(scheme.key, scheme.config, token_ids, bits)
+    log_p = entry_log_p(scheme.key, scheme.config, token_ids, bits, token_weights)
     return min(log_p + math.log(max(registry_size, 1)), 0.0)
 
 
 def verdict_match(
-    scheme: WorldCup, token_ids: Sequence[int], match: RegistryMatch, registry_size: int
+    scheme: WorldCup,
+    token_ids: Sequence[int],
+    match: RegistryMatch,
+    registry_size: int,
+    token_weights: npt.NDArray[np.floating] | None = None,
 ) -> RegistryMatch:
     """``match`` with the p-value the one verdict takes from it
     (:func:`registry_verdict_log_p`), so an answer shows the registry test it was decided
     by; unchanged where the weighted statistic does not apply."""
-    log_p = registry_verdict_log_p(scheme, token_ids, match.bits, registry_size)
+    log_p = registry_verdict_log_p(scheme, token_ids, match.bits, registry_size, token_weights)
     if log_p is None:
         return match
     return replace(match, p_value=math.exp(log_p), log10_p_value=log_p / math.log(10.0))

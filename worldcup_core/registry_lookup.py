@@ -23,6 +23,13 @@ the store is asked about just those.
   are keyed-random among the payloads outside the list, so their expected
   contribution is ``(N - found) / (2^b - L)`` times the likelihood mass outside the
   list, which factorises over bits: ``prod_i (1 + exp(-beta c_i)) - sum_list``.
+* **Weighted cells** (:mod:`worldcup_core.detector_model`: token weights from the
+  served model): the same list, exhaustive match and completeness bound, on the
+  weighted flip costs ``|2S - M|``; the p-value is the exact tail of the weighted
+  agreement (:meth:`~worldcup_core.detector_model.WeightedCells.upper_log_sf`), again
+  Bonferroni over the registry. Every argument above holds for any nonnegative costs,
+  so the list's first issued payload is the registry's weighted-ML entry whenever its
+  cost is below ``complete_below``, as the exhaustive match on the same cells finds.
 * **Expired ids** (registry retention) stay candidates: a text issued for an expired
   entry matches it and the answer says so, instead of being pinned on a live
   neighbour.
@@ -33,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import overload
 
 import numpy as np
@@ -47,6 +54,7 @@ from worldcup_core.decoder import (
     registry_match,
     registry_match_of,
 )
+from worldcup_core.detector_model import WeightedCells
 from worldcup_core.scoring import I64
 
 LIST_SIZE = 4096  # payloads looked up per text: the likeliest, exactly, over SEARCH_BITS
@@ -84,23 +92,46 @@ class TextCells:
     ones: I64  # flattened cells, for the contradiction check
     trials: I64
     num_bits: int
+    weighted: WeightedCells | None = None  # costs and agreements are weighted (model)
+
+    def log_sf(self, agreement: int) -> float:
+        """``log P(A >= agreement)`` under H0 for one fixed entry: binomial, or the
+        weighted law's exact tail."""
+        if self.weighted is not None:
+            return self.weighted.upper_log_sf(agreement)
+        return registry_log_p(agreement, self.total, 1)
+
+    @property
+    def sd(self) -> float:
+        """The standard deviation of ``2A - total`` under H0."""
+        return self.weighted.sd if self.weighted is not None else math.sqrt(self.total)
 
 
-def text_cells(ones: I64, trials: I64, num_bits: int) -> TextCells:
-    """Summarise cells ``ones``/``trials`` (B, k) of a ``num_bits`` payload."""
+def text_cells(
+    ones: I64, trials: I64, num_bits: int, weighted: WeightedCells | None = None
+) -> TextCells:
+    """Summarise cells ``ones``/``trials`` (B, k) of a ``num_bits`` payload; with
+    ``weighted`` (the same text's model-weighted cells) payloads are ranked and tested
+    on the weighted evidence, the unweighted counts kept for the contradiction check."""
     ones_f, trials_f = ones.ravel().astype(np.int64), trials.ravel().astype(np.int64)
-    signed = 2 * ones_f[:num_bits] - trials_f[:num_bits]  # > 0 favours bit 0
+    score_f, mass_f = ones_f, trials_f
+    if weighted is not None:
+        k = int(weighted.score.shape[1])
+        score_f = weighted.score.ravel().astype(np.int64)
+        mass_f = np.repeat(weighted.mass.astype(np.int64), k)
+    signed = 2 * score_f[:num_bits] - mass_f[:num_bits]  # > 0 favours bit 0
     weights = _weights(num_bits)
     decoded = int(np.bitwise_or.reduce(np.where(signed < 0, weights, np.uint64(0)), initial=0))
-    free = np.maximum(ones_f[:num_bits], trials_f[:num_bits] - ones_f[:num_bits])
+    free = np.maximum(score_f[:num_bits], mass_f[:num_bits] - score_f[:num_bits])
     return TextCells(
         bit_costs=np.abs(signed).astype(np.float64),
         decoded=decoded,
-        agreement_max=int(free.sum()) + int(ones_f[num_bits:].sum()),  # pad bits are 0
-        total=int(trials_f.sum()),
+        agreement_max=int(free.sum()) + int(score_f[num_bits:].sum()),  # pad bits are 0
+        total=int(mass_f.sum()),
         ones=ones_f,
         trials=trials_f,
         num_bits=num_bits,
+        weighted=weighted,
     )
 
 
@@ -227,7 +258,20 @@ def exhaustive_match(
         return 0.0 if _contradicts(cells, bits) else posterior
 
     candidates = _PayloadBits(payloads, cells.num_bits)
-    return registry_match(candidates, agreement, cells.total, adjust, registry_size)
+    match = registry_match(candidates, agreement, cells.total, adjust, registry_size)
+    if cells.weighted is None:
+        return match
+    a_best = int(agreement[match.index])
+    size = max(int(payloads.size), registry_size or 0)
+    log_p = min(cells.log_sf(a_best) + math.log(size), 0.0)
+    ratio = math.sqrt(cells.total) / cells.sd
+    return replace(
+        match,
+        p_value=math.exp(log_p),
+        log10_p_value=log_p / math.log(10.0),
+        agreement_z=match.agreement_z * ratio,
+        margin_z=match.margin_z * ratio,
+    )
 
 
 def _log_sum_exp(x: F64) -> float:
@@ -260,7 +304,10 @@ def list_match(
     c_best = float(plist.costs[best])
     a_best = cells.agreement_max - round(c_best)
     size = max(registry_size, int(found.size))
-    log_p = registry_log_p(a_best, total, size)  # Bonferroni over the registry
+    if cells.weighted is None:
+        log_p = registry_log_p(a_best, total, size)  # Bonferroni over the registry
+    else:
+        log_p = min(cells.log_sf(a_best) + math.log(size), 0.0)
     delta = a_best / total - 0.5
     beta = llr_scale(delta)
     rel = -beta * (costs - c_best)
@@ -285,6 +332,11 @@ def list_match(
     runner_cost = float(plist.costs[runner]) if runner is not None else plist.complete_below
     margin = max(runner_cost - c_best, 0.0) if math.isfinite(runner_cost) else a_best - total / 2
     match = registry_match_of(best, bits, a_best, total, log_p, posterior, runner, margin)
+    if cells.weighted is not None:
+        ratio = math.sqrt(total) / cells.sd
+        match = replace(
+            match, agreement_z=match.agreement_z * ratio, margin_z=match.margin_z * ratio
+        )
     return ListMatch(
         match, int(message_ids[best]), bool(expired[best]), c_best < plist.complete_below
     )
