@@ -67,18 +67,19 @@ HEADLINES: Final[dict[Verdict, str]] = {
 # verdict per text and asker; every route reports the same one).
 STATISTICS: Final[dict[Statistic, str]] = {
     "detect": (
-        "message-free detection (payload length unknown), the best of the key versions "
-        "searched; weighted-Bonferroni-combined with the decode and registry tests and "
-        "corrected for the key versions searched"
+        "the message-free test: do the tokens lean towards the key's watermark at all "
+        "(payload unknown); its p is multiplied for the other tests and key versions tried "
+        "(Bonferroni), so trying several cannot make chance look significant"
     ),
     "decode": (
-        "detection with the payload length known (the grouping the decoder reads), the "
-        "best of the key versions searched; combined and corrected as above"
+        "the test at the payload length: the same lean, read in the cells the decoder "
+        "reads; its p is multiplied for the other tests and key versions tried"
     ),
     "registry": (
-        "agreement with the tenant's issued registry entries, Bonferroni over the "
-        "registry's size, under the key version the data chose; combined and corrected "
-        "as above"
+        "the registry test: does the text match one of the messages the tenant issued; "
+        "its p is multiplied by the number issued (Bonferroni: so it grows as the registry "
+        "grows) and "
+        "for the other tests tried"
     ),
     "withheld": (
         "one decision from every test the asker's keys allow (worldcup_core.assess); "

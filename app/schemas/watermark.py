@@ -362,8 +362,20 @@ class ProvenanceRequest(StrictRequest):
 
 class ProvenanceCandidate(StrictModel):
     tenant_id: str
+    tenant_name: str | None = Field(None, description="The tenant's name.")
     key_version: int
-    p_value: float = Field(description="This key alone, before the correction for the search.")
+    p_value: float = Field(
+        description="The message-free test of this key alone, before the correction for the "
+        "search: not the answer's p_value, and no verdict on its own."
+    )
+
+
+class ProvenanceSuspect(StrictModel):
+    """Whose key the evidence leans towards, when the verdict is inconclusive."""
+
+    tenant_id: str
+    tenant_name: str | None
+    key_version: int
 
 
 class ProvenanceMatch(StrictModel):
@@ -394,6 +406,12 @@ class ProvenanceResponse(_VerdictAnswer):
     num_scored_tokens: int
     significance: float = Field(description=SIGNIFICANCE_DESCRIPTION, deprecated=True)
     match: ProvenanceMatch | None
+    suspect: ProvenanceSuspect | None = Field(
+        None,
+        description="When the verdict is inconclusive: the tenant whose key the evidence "
+        "leans towards (some evidence, not enough to say watermarked: nothing is attributed "
+        "to it). The evidence block, for the admin, shows that key's tokens.",
+    )
     candidates: list[ProvenanceCandidate]
     scan_seconds: float
     scan_ms_per_1000_keys: float | None

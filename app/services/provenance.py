@@ -27,6 +27,7 @@ from app.schemas.watermark import (
     ProvenanceMatch,
     ProvenanceRequest,
     ProvenanceResponse,
+    ProvenanceSuspect,
     TokenScore,
     verdict_fields,
 )
@@ -87,15 +88,15 @@ def _evidence_not_allowed() -> APIError:
 
 
 def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
-    entry = outcome.decoded.entry if outcome.decoded is not None else None
+    found = outcome.significant
+    entry = outcome.decoded.entry if outcome.decoded is not None and found else None
     return {
-        "found": outcome.significant,
+        "found": found,
         "tenant_id": outcome.tenant.tenant_id if outcome.tenant else None,
-        "key_version": outcome.key_version,
+        "key_version": outcome.key_version if found else None,
         "message_id": entry.message_id if entry is not None else None,
-        "p_value": outcome.result.p_value,
+        "p_value": outcome.assessment.p_value,  # the verdict's, as the answer's
         "verdict": outcome.assessment.verdict,
-        "verdict_p_value": outcome.assessment.p_value,
         "num_keys": outcome.result.num_keys,
         "num_tokens": outcome.result.num_tokens,
     }
@@ -185,10 +186,20 @@ async def _search(
             ),
             registry_ambiguous=ambiguous_answer(decoded.match, outcome.assessment, settings),
         )
+    names = await _tenant_names(runtime, {t for t, _, _ in outcome.candidates})
     candidates = [
-        ProvenanceCandidate(tenant_id=t, key_version=v, p_value=10.0**log10_p)
+        ProvenanceCandidate(
+            tenant_id=t, tenant_name=names.get(t), key_version=v, p_value=10.0**log10_p
+        )
         for t, v, log10_p in outcome.candidates
     ]
+    suspect = None
+    if outcome.suspect is not None and outcome.key_version is not None:
+        suspect = ProvenanceSuspect(
+            tenant_id=outcome.suspect.tenant_id,
+            tenant_name=outcome.suspect.name,
+            key_version=outcome.key_version,
+        )
     await runtime.store.append_audit(
         AuditRecord(
             at=time.time(),
@@ -235,6 +246,7 @@ async def _search(
         num_scored_tokens=result.num_scored_tokens,
         significance=VERDICT_WATERMARKED_BELOW,  # deprecated alias of threshold
         match=match,
+        suspect=suspect,
         candidates=candidates,
         scan_seconds=round(outcome.scan_seconds, 6),
         scan_ms_per_1000_keys=round(1000.0 * per_1000, 3) if per_1000 is not None else None,
@@ -250,3 +262,13 @@ def _unfound_message(outcome: ProvenanceOutcome) -> str:
     watermark" of a text too short to tell or one with some evidence."""
     a = outcome.assessment
     return verdict_sentence(a.verdict, a.statistic, a.p_value, a.num_scored)
+
+
+async def _tenant_names(runtime: Runtime, tenant_ids: set[str]) -> dict[str, str]:
+    """The names of the runners-up's tenants (the console shows names, not hex ids)."""
+    names = {}
+    for tenant_id in sorted(tenant_ids):
+        tenant = await runtime.store.get_tenant(tenant_id)
+        if tenant is not None:
+            names[tenant_id] = tenant.name
+    return names

@@ -32,6 +32,7 @@ from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
 from worldcup_core.registry_lookup import text_cells
 from worldcup_core.scoring import sidak_log_p
+from worldcup_core.verdict import VERDICT_CLEAN_FROM
 
 T = TypeVar("T")
 
@@ -77,6 +78,9 @@ class ProvenanceOutcome:
     scheme: WorldCup | None  # the best key (for admin-only per-token scores)
     candidates: list[tuple[str, int, float]]  # (tenant id, key version, log10 p), best first
     assessment: Assessment  # "watermarked by someone": every key searched
+    # inconclusive: whose key the evidence leans towards (nothing is attributed), with
+    # the best key's decoding and scheme for the analyst's evidence; None otherwise
+    suspect: TenantRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -412,11 +416,25 @@ class WatermarkService:
         assessment = assess_outcomes(
             stats, decoded, lengths, set(issued), result.num_keys, keys, result.num_scored_tokens
         )
-        if not assessment.is_watermarked:
+        if assessment.p_value >= VERDICT_CLEAN_FROM:  # no evidence: nobody to lean to
             return ProvenanceOutcome(
                 result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment
             )
         tenant = await self.store.get_tenant(tenant_id)
+        if not assessment.is_watermarked:  # inconclusive: the lean, named, not attributed
+            return ProvenanceOutcome(
+                result,
+                False,
+                None,
+                version,
+                decoded[best_length(decoded)],
+                num_tenants,
+                elapsed,
+                bank.schemes[result.best.index],
+                candidates,
+                assessment,
+                suspect=tenant,
+            )
         return ProvenanceOutcome(
             result,
             True,

@@ -24,8 +24,14 @@ function verdictText(mode, data, verdict) {
       return [`${head}: too short to tell (${data.num_scored_tokens} scored tokens; ` +
         `${data.tokens_needed} needed), best p = ${fmtP(data.p_value)}`, false];
     }
+    if (verdict === "inconclusive" && data.suspect) {
+      const s = data.suspect;
+      return [`${head} — some evidence for tenant ${s.tenant_name || s.tenant_id} ` +
+        `(key version ${s.key_version}), not enough to say watermarked; ` +
+        `p = ${fmtP(data.p_value)}`, false];
+    }
     if (verdict === "not_watermarked" || !data.match) {
-      return [`${head} (best p = ${fmtP(data.p_value)})`, found];
+      return [`${head} (p = ${fmtP(data.p_value)})`, found];
     }
     const m = data.match;
     const parts = [`tenant ${m.tenant_name || m.tenant_id}`];
@@ -123,7 +129,7 @@ function showRunners(mode, data) {
   rows.forEach((c, i) => {
     const tr = el("tr");
     tr.appendChild(el("td", String(i + (data.found ? 2 : 1))));
-    tr.appendChild(el("td", c.tenant_id, "mono"));
+    tr.appendChild(el("td", c.tenant_name || c.tenant_id, c.tenant_name ? "" : "mono"));
     tr.appendChild(el("td", c.key_version));
     tr.appendChild(el("td", fmtP(c.p_value)));
     tbody.appendChild(tr);

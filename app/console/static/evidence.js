@@ -46,9 +46,7 @@ export function showHeatmap(mode, data, text) {
     map.appendChild(el("span", text, "tok unscored"));
     return;
   }
-  $("heatmap-note").textContent = ev.matched
-    ? "Evidence for the best key."
-    : "No key matched: the tokens carry no evidence for any key.";
+  $("heatmap-note").textContent = heatmapNote(data, ev);
   ev.tokens.forEach((tok, i) => {
     const span = el("span", tok.text, "tok");
     span.dataset.tokenIndex = String(tok.index);
@@ -77,7 +75,11 @@ export function showHeatmap(mode, data, text) {
     span.addEventListener("blur", hideTip);
     map.appendChild(span);
   });
-  if (ev.matched) $("islands").textContent = islandsText(ev.islands || [], ev.tokens.length);
+  if (ev.matched) {
+    $("islands").textContent = data.verdict === "watermarked"
+      ? islandsText(ev.islands || [], ev.tokens.length)
+      : "The evidence is too weak to say where a watermark would sit.";
+  }
 }
 
 export function moveFocus(event) {
@@ -97,6 +99,20 @@ export function moveFocus(event) {
 }
 
 // The server's islands (worldcup_core.islands): where the watermark is, as text.
+// What the heatmap shows, in words that agree with the verdict above it.
+function heatmapNote(data, ev) {
+  if (ev.matched && data.verdict === "inconclusive") {
+    const s = data.suspect;
+    const whose = s ? ` (tenant ${s.tenant_name || s.tenant_id})` : "";
+    return `Evidence for the best key${whose}: some, not enough to say watermarked.`;
+  }
+  if (ev.matched) return "Evidence for the best key.";
+  if (data.verdict === "inconclusive") {
+    return "Too little evidence to colour the tokens under any one key.";
+  }
+  return "No key matched: the tokens carry no evidence for any key.";
+}
+
 function islandsText(islands, length) {
   if (!islands.length) return "Too few scored tokens to say where the watermark is.";
   if (islands.length === 1 && islands[0].start === 0 && islands[0].end >= length - 1) {
@@ -127,7 +143,9 @@ export function showChart(mode, data) {
   if (!bits || !bits.length) {
     box.appendChild(el("p", mode === "detect"
       ? "Detect does not decode a message."
-      : "No decoded message to chart.", "help"));
+      : (data.reason === "too_short"
+        ? "Too short to decode a message."
+        : "No key's evidence was strong enough to decode a message under it."), "help"));
     return;
   }
   const bar = 14, gap = 10, height = 160, top = 10, left = 34;
