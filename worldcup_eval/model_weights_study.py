@@ -450,7 +450,12 @@ def null_calibration(
     scorers: dict[str, Scorer],
 ) -> None:
     """p-values of unwatermarked model answers and human answers under ``keys`` random
-    keys each: the rate below each level, with one binomial SE, and a KS test."""
+    keys each: the rate below each level, with one binomial SE, and a KS test.
+
+    Every (text, key) pair has a key of its own: texts that share a key share the
+    g-values of the (context, token) pairs they have in common ("of the", "it is"), so
+    their p-values, each exactly uniform, are dependent, and a KS test over them
+    (which assumes independence) would reject more often than its level."""
     from scipy import stats
 
     from worldcup_core import WatermarkKey
@@ -461,20 +466,24 @@ def null_calibration(
     names = ["today", "model a^1 lancaster", chosen]
     names = list(dict.fromkeys(names))
     _say(f"## Null calibration: {len(null)} unwatermarked answers + {len(human)} human")
-    _say(f"answers, {keys} random keys each (one (text, key) pair per row and test)\n")
+    _say(f"answers, {keys} random keys each, a fresh key per (text, key) pair\n")
     _say("| statistic | test | tokens | pairs | p < 1e-2 | p < 1e-3 | KS p |")
     _say("|---|---|---|---|---|---|---|")
-    rng = rng_for(SEED, "null-keys")
-    key_list = [WatermarkKey(rng.bytes(32)) for _ in range(keys)]
     texts = null + human
+    key_rows = [
+        [WatermarkKey(rng_for(SEED, "null-key", i, j).bytes(32)) for j in range(keys)]
+        for i in range(len(texts))
+    ]
     for length in LENGTHS:
         ids = [t[:length] for t, _ in texts]
         ws = [w[:length] for _, w in texts]
         for name in names:
             for bits, test in ((None, "message-free"), (NUM_BITS, f"{NUM_BITS} bits")):
-                p = []
-                for key in key_list:
-                    p.extend(np.exp(scorers[name](key, cfg, ids, bits, ws)).tolist())
+                p = [
+                    float(np.exp(scorers[name](key, cfg, [t], bits, [w])[0]))
+                    for t, w, row in zip(ids, ws, key_rows, strict=True)
+                    for key in row
+                ]
                 arr = np.array(p)
                 cells = []
                 for level in (1e-2, 1e-3):
