@@ -36,8 +36,10 @@ from worldcup_core.detector_model import (
 )
 from worldcup_core.detector_weighted import (
     layer_weights,
+    verdict_decode_many,
     verdict_log_p,
     verdict_match,
+    verdict_text_cells,
     weighted_log_p_many,
 )
 from worldcup_core.registry_lookup import exhaustive_match, list_match, payload_list, text_cells
@@ -140,6 +142,19 @@ def test_no_weights_is_todays_statistic_and_other_versions_ignore_weights() -> N
     np.testing.assert_allclose(verdict_log_p(v1, texts, 16, weights), ref)
     with pytest.raises(ValueError, match="weight arrays"):
         model_log_p_many(key, CONFIG, texts, None, weights[:-1])
+    # decoding and registry cells: today's path without weights or under v1
+    for scheme, w in ((v1, weights), (WorldCup(key, CONFIG), None)):
+        ref = scheme.decode_many(texts, 32)
+        got = verdict_decode_many(scheme, texts, 32, w)
+        assert [d.bits for d in got] == [d.bits for d in ref]
+        assert [d.bit_p_values for d in got] == [d.bit_p_values for d in ref]
+        cells = verdict_text_cells(scheme, texts[0], 32, None if w is None else w[0])
+        assert cells.weighted is None
+    v2 = WorldCup(key, CONFIG)
+    got = verdict_decode_many(v2, texts, 32, weights)
+    want = model_decode_many(key, CONFIG, texts, 32, weights)
+    assert [d.bits for d in got] == [d.bits for d in want]
+    assert verdict_text_cells(v2, texts[0], 32, weights[0]).weighted is not None
 
 
 def test_null_p_values_are_uniform_under_random_keys_and_weights() -> None:

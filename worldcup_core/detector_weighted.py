@@ -36,12 +36,14 @@ import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import Variant, WatermarkConfig
-from worldcup_core.decoder import RegistryMatch
-from worldcup_core.detector import slot_count
+from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch
+from worldcup_core.detector import DEFAULT_SIGNIFICANCE, slot_count
 from worldcup_core.detector_model import (
     TokenWeights,
+    model_decode_many,
     model_entry_log_p,
     model_log_p_many,
+    model_text_cells,
 )
 from worldcup_core.prf import (
     PRFV2,
@@ -56,6 +58,7 @@ from worldcup_core.prf import (
     v2_positions,
     v2_tiebreak_seeds,
 )
+from worldcup_core.registry_lookup import TextCells, text_cells
 from worldcup_core.scheme import WorldCup
 from worldcup_core.scoring import fisher_log_sf, symbol_index, text_digest
 
@@ -361,3 +364,40 @@ def verdict_match(
     if log_p is None:
         return match
     return replace(match, p_value=math.exp(log_p), log10_p_value=log_p / math.log(10.0))
+
+
+def verdict_decode_many(
+    scheme: WorldCup,
+    texts: Sequence[Sequence[int]],
+    num_bits: int,
+    token_weights: TokenWeights | None = None,
+    list_size: int = DEFAULT_LIST_SIZE,
+    significance: float = DEFAULT_SIGNIFICANCE,
+) -> list[DecodeResult]:
+    """Decode ``texts``: from the model-weighted cells where ``token_weights`` are given
+    and the statistic applies (:func:`worldcup_core.detector_model.model_decode_many`),
+    else :meth:`WorldCup.decode_many` (today's path: ``worldcup-v1`` keys, the ablation
+    variants, no model)."""
+    if token_weights is None or not weighted_applies(scheme.config):
+        return scheme.decode_many(texts, num_bits, list_size, significance)
+    return model_decode_many(
+        scheme.key, scheme.config, texts, num_bits, token_weights, list_size, significance
+    )
+
+
+def verdict_text_cells(
+    scheme: WorldCup,
+    token_ids: Sequence[int],
+    num_bits: int,
+    token_weights: npt.NDArray[np.floating] | None = None,
+) -> TextCells:
+    """A text's cells for the registry match (:mod:`worldcup_core.registry_lookup`):
+    ranked and tested on the model-weighted evidence where ``token_weights`` are given
+    and the statistic applies, on today's unweighted cells otherwise."""
+    if token_weights is not None and weighted_applies(scheme.config):
+        ones, trials, weighted = model_text_cells(
+            scheme.key, scheme.config, token_ids, num_bits, token_weights
+        )
+        return text_cells(ones, trials, num_bits, weighted)
+    ones, trials, _ = scheme.evidence(token_ids).cells(scheme.config.symbols_for(num_bits))
+    return text_cells(ones, trials, num_bits)

@@ -202,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     score.add_argument("--keys", type=int, default=50, help="random keys per null text")
     score.add_argument("--human", type=int, default=100, help="human ELI5 answers")
     score.add_argument("--batch", type=int, default=8)
+    score.add_argument(
+        "--header", action="store_true", help="weights with a generic chat header before the text"
+    )
     args = parser.parse_args(argv)
     if args.command == "generate":
         generate(
@@ -233,21 +236,37 @@ def human_texts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
     return out
 
 
-def compute_weights(out: Path, texts: dict[str, list[int]], batch: int) -> dict[str, Any]:
-    """Token weights of every named text, read back from ``weights.jsonl`` where saved."""
+def chat_header(tokenizer: Any) -> list[int]:
+    """A generic chat header: the chat template up to the assistant's turn, for an empty
+    user message (the text's true prompt is unknown to a detector)."""
+    from worldcup_eval.data import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, "", "")
+
+
+def compute_weights(
+    out: Path, texts: dict[str, list[int]], batch: int, header: bool = False
+) -> dict[str, Any]:
+    """Token weights of every named text, read back from ``weights.jsonl`` (with a chat
+    header before each text: ``weights-header.jsonl``) where saved."""
     from worldcup_core.model_weights import model_token_weights
 
-    path = out / "weights.jsonl"
+    path = out / ("weights-header.jsonl" if header else "weights.jsonl")
     saved = {r["name"]: np.array(r["w"], dtype=np.float64) for r in read_jsonl(path)}
     todo = [name for name in texts if name not in saved]
     _log(f"{len(saved)} weight arrays saved, {len(todo)} to compute")
     if todo:
         lm = load_lm()
+        prefix = chat_header(lm.tokenizer) if header else []
         started = time.perf_counter()
         for start in range(0, len(todo), batch):
             names = todo[start : start + batch]
             got = model_token_weights(
-                lm.model, [texts[n] for n in names], batch_size=batch, pad_token_id=lm.pad_token_id
+                lm.model,
+                [texts[n] for n in names],
+                prefix_ids=prefix,
+                batch_size=batch,
+                pad_token_id=lm.pad_token_id,
             )
             rows = []
             for name, w in zip(names, got, strict=True):
@@ -308,7 +327,9 @@ def score_main(args: argparse.Namespace) -> int:
     texts = {f"{a['split']}:{a['prompt']}": a["ids"] for a in answers}
     humans = human_texts(tok, args.human, max(LENGTHS))
     texts.update({f"human:{i}": ids for i, ids in enumerate(humans)})
-    weights = compute_weights(out, texts, args.batch)
+    weights = compute_weights(out, texts, args.batch, args.header)
+    if args.header:
+        _say("(token weights computed with a generic chat header before each text)\n")
     cfg = service_config()
     scorers = variants()
     # ------------------------------------------------------------ watermarked answers
@@ -355,8 +376,9 @@ def score_main(args: argparse.Namespace) -> int:
     _say()
     registry_table(answers, weights, cfg)
     null_calibration(answers, weights, humans, cfg, args.keys, chosen, scorers)
-    (out / "report.md").write_text("\n".join(_REPORT) + "\n", encoding="utf-8")
-    _log(f"report written to {out / 'report.md'}")
+    report = out / ("report-header.md" if args.header else "report.md")
+    report.write_text("\n".join(_REPORT) + "\n", encoding="utf-8")
+    _log(f"report written under {out}")
     return 0
 
 
@@ -428,7 +450,12 @@ def null_calibration(
     scorers: dict[str, Scorer],
 ) -> None:
     """p-values of unwatermarked model answers and human answers under ``keys`` random
-    keys each: the rate below each level, with one binomial SE, and a KS test."""
+    keys each: the rate below each level, with one binomial SE, and a KS test.
+
+    Every (text, key) pair has a key of its own: texts that share a key share the
+    g-values of the (context, token) pairs they have in common ("of the", "it is"), so
+    their p-values, each exactly uniform, are dependent, and a KS test over them
+    (which assumes independence) would reject more often than its level."""
     from scipy import stats
 
     from worldcup_core import WatermarkKey
@@ -439,20 +466,24 @@ def null_calibration(
     names = ["today", "model a^1 lancaster", chosen]
     names = list(dict.fromkeys(names))
     _say(f"## Null calibration: {len(null)} unwatermarked answers + {len(human)} human")
-    _say(f"answers, {keys} random keys each (one (text, key) pair per row and test)\n")
+    _say(f"answers, {keys} random keys each, a fresh key per (text, key) pair\n")
     _say("| statistic | test | tokens | pairs | p < 1e-2 | p < 1e-3 | KS p |")
     _say("|---|---|---|---|---|---|---|")
-    rng = rng_for(SEED, "null-keys")
-    key_list = [WatermarkKey(rng.bytes(32)) for _ in range(keys)]
     texts = null + human
+    key_rows = [
+        [WatermarkKey(rng_for(SEED, "null-key", i, j).bytes(32)) for j in range(keys)]
+        for i in range(len(texts))
+    ]
     for length in LENGTHS:
         ids = [t[:length] for t, _ in texts]
         ws = [w[:length] for _, w in texts]
         for name in names:
             for bits, test in ((None, "message-free"), (NUM_BITS, f"{NUM_BITS} bits")):
-                p = []
-                for key in key_list:
-                    p.extend(np.exp(scorers[name](key, cfg, ids, bits, ws)).tolist())
+                p = [
+                    float(np.exp(scorers[name](key, cfg, [t], bits, [w])[0]))
+                    for t, w, row in zip(ids, ws, key_rows, strict=True)
+                    for key in row
+                ]
                 arr = np.array(p)
                 cells = []
                 for level in (1e-2, 1e-3):
