@@ -62,6 +62,7 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 
 
 T = TypeVar("T")
+REFRESH_INTERVAL_S = 0.1  # slot-map re-reads at most this often (a failover's burst)
 
 
 class NotAcknowledged(StoreUnavailable):
@@ -110,7 +111,7 @@ class RedisBase:
         )
         self._topology = asyncio.Lock()
         self._ready = False
-        self._refresh_started = -1.0  # loop time the latest slot-map re-read began
+        self._refreshed_at = -1.0  # loop time the latest slot-map re-read completed
         self._redis: Any
         if cluster:
             self._redis = RedisCluster.from_url(
@@ -191,9 +192,11 @@ class RedisBase:
 
     async def _refresh(self, failed_at: float, exc: BaseException, until: float | None) -> None:
         """Re-read the slot map after a call failed at ``failed_at`` (cluster only), by
-        ``until`` (default: ``timeout_s`` from now). One re-read at a time, and none if
-        one began after this failure: its map is at least as new. So a burst of failing
-        calls re-reads once, and no call retries on a map older than its own failure."""
+        ``until`` (default: ``timeout_s`` from now). One re-read at a time; none if one
+        completed after this failure (its map is newer than the one the call failed
+        on), so a burst of failing calls re-reads once; and at most one every
+        ``REFRESH_INTERVAL_S`` (a re-read reconnects every pooled connection), waited
+        for, not skipped, so no call retries on a map older than its own failure."""
         if not self._cluster:
             return
         loop = asyncio.get_running_loop()
@@ -201,10 +204,11 @@ class RedisBase:
         failed_node = getattr(exc, "last_failed_node_name", None)  # asked last, if at all
         with contextlib.suppress(*UNAVAILABLE):
             async with asyncio.timeout_at(until), self._topology:
-                if self._refresh_started > failed_at:
+                if self._refreshed_at > failed_at:
                     return
-                self._refresh_started = loop.time()
+                await asyncio.sleep(self._refreshed_at + REFRESH_INTERVAL_S - loop.time())
                 await self._redis.nodes_manager.initialize(last_failed_node_name=failed_node)
+                self._refreshed_at = loop.time()
 
     def _pipeline(self) -> Any:
         """A non-transactional pipeline (per node in cluster mode)."""
