@@ -50,6 +50,30 @@ REPLICA_HEADER = b"x-worldcup-replica"
 # the Serve proxy's own plain-text answers, and the envelope code each gets
 PROXY_ERRORS = {408: "timeout", 429: "overloaded", 503: "unavailable"}
 PROXY_CALLBACK = "app.serve:proxy_middlewares"  # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+# Ray's switch for a cluster of this machine only: with it off (0), a node's and a
+# driver's address is 127.0.0.1, and Ray's own servers then listen on 127.0.0.1 alone.
+# Left on, Ray replaces 127.0.0.1 by the machine's outward address and listens on
+# every interface.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def on_loopback(address: str | None) -> bool:
+    """Whether a driver for ``address`` (None: a Ray started by this process) should stay
+    on loopback: a Ray started here, or one whose GCS is at a loopback address."""
+    if address is None:
+        return True
+    host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def pin_loopback() -> None:
+    """This process's Ray (the driver, and a Ray it starts) on 127.0.0.1 only."""
+    import os
+
+    import ray._private.ray_constants as constants  # ray is pinned (pyproject)
+
+    os.environ[RAY_LOOPBACK_ENV] = "0"  # read by the processes a local Ray starts
+    constants.ENABLE_RAY_CLUSTER = False  # read by this one (Ray may be imported already)
 
 
 class ReplicaConfigError(RuntimeError):

@@ -1,9 +1,10 @@
-"""A real Redis Cluster for the tests: six local ``redis-server`` processes (three
-primaries, one replica each) joined by ``redis-cli --cluster create``.
+"""A real Redis Cluster for the tests: local ``redis-server`` processes, three primaries
+with one replica each (six nodes) or two (nine), joined by ``redis-cli --cluster create``.
 
 Ports ``WORLDCUP_TEST_CLUSTER_PORT`` + 0..5 (default 21201; the cluster bus uses
-port + 10000). No persistence; everything lives in one temporary folder, removed on
-stop. A missing ``redis-server`` fails the tests that need the cluster: never a skip.
+port + 10000); the nine-node cluster is given its own base (+ 10 .. 18). No
+persistence; everything lives in one temporary folder, removed on stop. A missing
+``redis-server`` fails the tests that need the cluster: never a skip.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ NODE_TIMEOUT_MS = 2000  # failure detection: a replica takes over ~2-4 s after a
 
 
 class RedisClusterProcs:
-    def __init__(self, base_port: int | None = None, nodes: int = 6) -> None:
+    def __init__(self, base_port: int | None = None, replicas: int = 1) -> None:
         self.base_port = base_port or int(os.environ.get("WORLDCUP_TEST_CLUSTER_PORT", "21201"))
-        self.ports = [self.base_port + i for i in range(nodes)]
+        self.replicas = replicas
+        self.ports = [self.base_port + i for i in range(3 * (1 + replicas))]
         self.dir = Path(tempfile.mkdtemp(prefix="wc-redis-cluster-"))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -75,7 +77,7 @@ class RedisClusterProcs:
         create = subprocess.run(
             ["redis-cli", "--cluster", "create"]
             + [f"127.0.0.1:{p}" for p in self.ports]
-            + ["--cluster-replicas", "1", "--cluster-yes"],
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -29,7 +29,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RAY = str(Path(sys.executable).with_name("ray"))
+# ``ray start`` on loopback. Ray replaces 127.0.0.1 (``--node-ip-address``, ``--address``)
+# by the machine's outward address, so that other machines can reach the node: the
+# nodes then registered, and talked to each other and to the driver, on that address.
+# Here every node process gets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's switch
+# for "this machine only" (its node address is 127.0.0.1), and ``ray start`` itself runs
+# with that one check lifted (the switch would refuse a second node) and its node
+# address pinned to 127.0.0.1.
+RAY_START = (
+    "import sys\n"
+    "import ray._private.ray_constants as constants\n"
+    "import ray._private.services as services\n"
+    "constants.ENABLE_RAY_CLUSTER = True\n"
+    "services.get_node_ip_address = lambda address=None: '127.0.0.1'\n"
+    "from ray.scripts.scripts import main\n"
+    "sys.argv[0] = 'ray'\n"
+    "main()\n"
+)
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 REPLICA_TITLE = "ray::ServeReplica:worldcup:WorldCup"
 
 
@@ -73,13 +90,19 @@ class LocalRayCluster:
 
     @contextlib.contextmanager
     def driver_env(self) -> Iterator[None]:
-        """This process's environment for ``ray.init`` on the cluster (restored after)."""
-        saved = {name: os.environ.get(name) for name in self.auth}
-        os.environ.update(self.auth)
+        """This process's environment for ``ray.init`` on the cluster (restored after):
+        its token, and the driver on loopback (it joins 127.0.0.1, not the machine's
+        outward address, and registers its own address as 127.0.0.1)."""
+        import ray._private.ray_constants as constants
+
+        saved = {name: os.environ.get(name) for name in [*self.auth, *LOOPBACK_ENV]}
+        os.environ.update({**self.auth, **LOOPBACK_ENV})
+        cluster_mode, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
         _reload_ray_auth()
         try:
             yield
         finally:
+            constants.ENABLE_RAY_CLUSTER = cluster_mode
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
@@ -137,7 +160,9 @@ class LocalRayCluster:
 
     def _start_node(self, index: int, num_cpus: float) -> None:
         args = [
-            RAY,
+            sys.executable,
+            "-c",
+            RAY_START,
             "start",
             "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}",
@@ -146,7 +171,7 @@ class LocalRayCluster:
             "--disable-usage-stats",
             *(f"{k}={v}" for k, v in self._ports(index).items()),
         ]
-        env = {**os.environ, **self.env, **self.auth}
+        env = {**os.environ, **self.env, **self.auth, **LOOPBACK_ENV}
         if index == 0:
             args += [
                 "--head",

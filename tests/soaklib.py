@@ -211,6 +211,12 @@ def soak_settings(
         "request_timeout_s": 60.0,
         "drain_timeout_s": 2.0,
         "rate_limit_per_s": 0,  # 0 = disabled
+        # Probe accounting runs on every query (its store writes are part of the load),
+        # but no query is refused: the load asks about each text it generated, picked
+        # among those generated so far, so the first texts collect ~40 queries a run,
+        # past the default budget of 30 (a flaky 429 probe_budget_exceeded, whichever run).
+        "probe_budget_verdict": 1_000_000,
+        "probe_budget_full": 1_000_000,
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

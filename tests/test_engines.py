@@ -672,9 +672,13 @@ def _generated_tokens(svc: Service) -> float:
 
 def test_cancellation_on_disconnect(service: Service) -> None:
     """A client gone after the first streamed token stops its 900-token generation: the
-    engine holds no sequence within seconds and generated far fewer than 900 tokens.
-    (Counted after the fact: ``in_flight`` read right after the first line once found
-    the sequence already gone on a loaded machine, failing a CI check.)"""
+    sequence runs while the client is connected, and once it leaves the engine holds no
+    sequence within seconds and generated far fewer than 900 tokens.
+
+    The iterator of lines is kept while connected: ``next(resp.iter_lines())`` on a
+    temporary iterator disconnects at once (the iterator is collected, and closing it
+    closes httpcore's stream and so the connection), which is why a CI run once found
+    the sequence gone "before the client disconnected": it had disconnected."""
     engine = service.runtime.engine
     body = _gen(
         service, payload={"bits": "1011"}, max_new_tokens=900, min_new_tokens=900, stream=True
@@ -683,7 +687,10 @@ def test_cancellation_on_disconnect(service: Service) -> None:
     with httpx.Client(base_url=service.server.url, timeout=60) as client:
         with client.stream("POST", "/generate", json=body, headers=service.auth) as resp:
             assert resp.status_code == 200
-            assert next(resp.iter_lines()).startswith("data: ")
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            time.sleep(0.5)  # connected, not reading: the sequence goes on
+            assert engine.in_flight == 1 and not resp.is_closed
     deadline = time.monotonic() + 15
     while engine.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -12,6 +12,7 @@ Marked ``serve``: ``make test-serve`` (CI runs it after ``make test``).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -142,7 +143,12 @@ def service(data_dir: Path) -> Iterator[Service]:
     try:
         cluster.start([1, 1])
         stack.enter_context(cluster.driver_env())
-        ray.init(address=cluster.gcs, namespace="serve", log_to_driver=False)
+        ray.init(
+            address=cluster.gcs,
+            namespace="serve",
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
         config = serve_config(cluster, prefix)
         deploy(config, timeout_s=600)
         print(f"\n[serve] 2 nodes, 2 replicas running after {time.monotonic() - started:.1f} s")
@@ -225,6 +231,51 @@ def test_round_trips_through_the_proxy(service: Service) -> None:
     assert bad.status_code == 401 and bad.json()["error"]["code"]
     missing = http.get("/v1/models/nope", headers=service.auth)
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (a v6 socket)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def test_the_cluster_listens_and_talks_on_loopback_only(service: Service) -> None:
+    """Every process of both Ray nodes (GCS, raylets, agents, workers, the Serve
+    controller, proxies and replicas) and the driver: each connection between loopback
+    addresses, each listening socket on one; the nodes registered as 127.0.0.1.
+
+    One exception, Ray Serve's own: each replica's inter-deployment gRPC server, which
+    ray 2.60 binds to ``[::]:0`` whatever the node's address (ray/serve/_private/
+    replica.py). Nothing reaches it off loopback (the connections are checked), and it
+    is allowed once per replica, nowhere else."""
+    import psutil
+    import ray
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    assert ray.util.get_node_ip_address() == "127.0.0.1"  # the driver's own
+    cluster = service.cluster
+    pids = {os.getpid()} | {p for n in cluster.nodes for p in cluster.session_pids(n)}
+    listening: list[str] = []
+    off: list[str] = []
+    serve_grpc: Counter[int] = Counter()
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            name, conns = proc.name(), proc.net_connections(kind="inet")
+        except psutil.Error:  # gone since it was listed
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                listening.append(f"{name} {c.laddr.ip}:{c.laddr.port}")
+                if c.laddr.ip == "::" and name.startswith("ray::ServeReplica"):
+                    serve_grpc[pid] += 1
+                    continue
+            ends = [c.laddr.ip] + ([c.raddr.ip] if c.raddr else [])
+            if not all(_loopback(ip) for ip in ends):
+                off.append(f"{name} {c.status} {c.laddr} -> {c.raddr}")
+    assert len(listening) > 10, listening  # GCS, raylets, agents, workers, proxies
+    assert not off, off
+    assert len(serve_grpc) == 2 and set(serve_grpc.values()) == {1}, serve_grpc
 
 
 def test_replicas_share_one_store_across_nodes(service: Service) -> None:

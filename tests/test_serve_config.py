@@ -357,3 +357,13 @@ def test_serve_ray_refuses_before_starting_anything(
     assert result.exit_code == 2, result.output
     assert message in result.output, result.output
     assert "Traceback" not in result.output and "ray.init was reached" not in result.output
+
+
+def test_a_local_ray_stays_on_loopback() -> None:
+    """The driver of a Ray started here, or of one at a loopback address, joins and
+    registers on 127.0.0.1 (tests/test_serve.py checks the sockets of a real cluster)."""
+    assert ray_app.on_loopback(None)
+    assert ray_app.on_loopback("127.0.0.1:6379") and ray_app.on_loopback("localhost:21300")
+    assert ray_app.on_loopback("ray://127.0.0.1:10001") and ray_app.on_loopback("[::1]:6379")
+    assert not ray_app.on_loopback("10.0.0.5:6379")
+    assert not ray_app.on_loopback("auto")  # RAY_ADDRESS or the last cluster: Ray decides

@@ -18,11 +18,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 from pydantic import SecretStr
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from app.core.config import Settings
 from app.stores.base import (
@@ -481,7 +483,8 @@ async def test_redis_two_clients_allocate_distinct_ids() -> None:
 
 async def test_redis_write_without_replica_acknowledgement_is_refused() -> None:
     """``wait_replicas``: a registry write that too few replicas acknowledged (here: a
-    Redis without replicas) is refused, never reported as issued; its id is spent."""
+    Redis without replicas) is refused, never reported as issued. The counter's write
+    was retried once (a second INCR within the deadline): both ids are spent, unused."""
     async with two_replicas() as (plain, _):
         waiting = RedisStore(REDIS_URL, prefix=plain._prefix, wait_replicas=1, wait_timeout_ms=50)
         try:
@@ -492,9 +495,56 @@ async def test_redis_write_without_replica_acknowledgement_is_refused() -> None:
                 await waiting.allocate_message(tid, 1, 32, {"m": 1}, 0.0)
             with pytest.raises(StoreUnavailable, match="0 of 1 replicas"):
                 await waiting.add_key_version(key_record(tid, 2))
-            assert (await plain.allocate_message(tid, 1, 32, {}, 0.0)).message_id == 2
+            assert (await plain.allocate_message(tid, 1, 32, {}, 0.0)).message_id == 3
         finally:
             await waiting.close()
+
+
+def _reply_lost_once(fn: Any) -> tuple[Any, list[Any]]:
+    """``fn``, whose first call (per script, for ``_eval_acked``) is applied but answers
+    "Connection closed by server" (a primary killed between the write and its reply):
+    the store must retry it, and only a write idempotent by construction (or, for the
+    id counter, harmless to repeat) comes out right."""
+    results: list[Any] = []
+    lost: set[int] = set()
+
+    async def lossy(*args: Any, **kwargs: Any) -> Any:
+        results.append(await fn(*args, **kwargs))
+        script = id(args[0]) if args else 0
+        if script not in lost:
+            lost.add(script)
+            raise RedisConnectionError("Connection closed by server.")
+        return results[-1]
+
+    return lossy, results
+
+
+async def test_redis_writes_retried_after_a_lost_reply_count_once() -> None:
+    async with redis_namespace() as prefix:
+        store = RedisStore(REDIS_URL, prefix=prefix)
+        try:
+            tenant, key = tenant_records("acme")
+            await store.create_tenant(tenant, key)
+            tid = tenant.tenant_id
+            # the rate-limit debit: its decision is replayed, the bucket debited once
+            store._take_tokens, took = _reply_lost_once(store._take_tokens)
+            decision = await store.take_tokens(tid, 0.001, 10, 1)
+            assert len(took) == 2 and decision.allowed
+            assert decision.remaining == pytest.approx(9, abs=0.01)  # not 8
+            # a probe hit: counted once, so a budget of 1 still admits it
+            store._probe_hit, hits = _reply_lost_once(store._probe_hit)
+            probe = await store.probe_hit(tid, "k1", "c1", None, [], 60.0, 1)
+            assert len(hits) == 2 and (probe.allowed, probe.count) == (True, 1)
+            # the allocation: the lost INCR leaves id 1 unused, the lost entry write finds
+            # its own entry: one entry, under the id handed out
+            store._eval_acked, acked = _reply_lost_once(store._eval_acked)  # type: ignore[method-assign]
+            entry = await store.allocate_message(tid, 1, 32, {"m": 1}, 5.0)
+            assert len(acked) == 4  # NEXT_ID twice, PUT_ENTRY twice
+            assert entry.message_id == 2 and await store.message_ids(tid, 1, 32) == [2]
+            assert await store.registry_entry(tid, 2) == entry
+            assert await store.registry_entry(tid, 1) is None
+        finally:
+            await store.close()
 
 
 async def test_redis_name_claim_of_a_creation_that_died_is_taken_over() -> None:

@@ -25,6 +25,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from worldcup_cli.store_admin import store_app
 from worldcup_core import (
     SCHEME_V2,
     Payload,
@@ -46,6 +47,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(store_app, name="store")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 KeyFileOpt = Annotated[

@@ -89,6 +89,8 @@ def serve_ray(
         replicas=bounds,
         http_port=port,
     )
+    if ray_app.on_loopback(address):  # Ray on this machine: its traffic on loopback
+        ray_app.pin_loopback()
     ray.init(address=address, namespace="serve")
     typer.echo("deploying (each replica loads its model: this takes a while)...", err=True)
     ray_app.deploy(spec)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import secrets
 from collections import Counter
 from typing import Any, cast
@@ -134,12 +135,14 @@ class RedisStore(RedisRegistry, RedisCases):
         """The marker; a fresh deployment also records its key layout. A deployment with
         a marker but no layout record is in the legacy layout: refused until migrated."""
         g = self._keys.g
-        async with self._guard():
+
+        async def call() -> tuple[Any, Any]:  # set-if-absent, then reads: safe to re-run
             if not await self._redis.exists(g("marker")):
                 await self._redis.set(g("layout"), LAYOUT_VERSION, nx=True)
                 await self._redis.set(g("marker"), value, nx=True)
-            layout = await self._redis.get(g("layout"))
-            stored = await self._redis.get(g("marker"))
+            return await self._redis.get(g("layout")), await self._redis.get(g("marker"))
+
+        layout, stored = await self._retry(call)
         if layout != LAYOUT_VERSION:
             raise StoreUnavailable(
                 f"redis holds the legacy key layout ({layout or 'no layout record'}); "
@@ -148,8 +151,7 @@ class RedisStore(RedisRegistry, RedisCases):
         return str(stored if stored is not None else value)
 
     async def marker(self) -> str | None:
-        async with self._guard():
-            stored = await self._redis.get(self._keys.g("marker"))
+        stored = await self._retry(lambda: self._redis.get(self._keys.g("marker")))
         return None if stored is None else str(stored)
 
     # -- tenants --------------------------------------------------------------
@@ -223,29 +225,25 @@ class RedisStore(RedisRegistry, RedisCases):
 
     async def get_tenant(self, tenant_id: str) -> TenantRecord | None:
         key = self._keys.t(tenant_id, "tenant")
-        async with self._guard():
-            h = cast("dict[str, str]", await self._redis.hgetall(key))
+        h = cast("dict[str, str]", await self._retry(lambda: self._redis.hgetall(key)))
         return _tenant_from_hash(h)
 
     async def tenant_by_api_key_hash(self, api_key_hash: str) -> TenantRecord | None:
-        async with self._guard():
+        async def call() -> dict[str, str]:
             tid = cast("str | None", await self._redis.get(self._keys.g("apikey", api_key_hash)))
             if tid is None:
-                return None
-            h = cast("dict[str, str]", await self._redis.hgetall(self._keys.t(tid, "tenant")))
-        return _tenant_from_hash(h)
+                return {}
+            return cast("dict[str, str]", await self._redis.hgetall(self._keys.t(tid, "tenant")))
+
+        return _tenant_from_hash(await self._retry(call))
 
     async def _tenant_ids(self) -> list[str]:
-        async with self._guard():
-            return sorted(cast("set[str]", await self._redis.smembers(self._keys.g("tenants"))))
+        ids = await self._retry(lambda: self._redis.smembers(self._keys.g("tenants")))
+        return sorted(cast("set[str]", ids))
 
     async def list_tenants(self) -> list[TenantRecord]:
         ids = await self._tenant_ids()
-        async with self._guard():
-            pipe = self._pipeline()
-            for tid in ids:
-                pipe.hgetall(self._keys.t(tid, "tenant"))
-            hashes: list[dict[str, str]] = await pipe.execute() if ids else []
+        hashes = await self._hashes([self._keys.t(tid, "tenant") for tid in ids])
         tenants = [t for h in hashes if (t := _tenant_from_hash(h)) is not None]
         return sorted(tenants, key=lambda t: (t.created_at, t.tenant_id))
 
@@ -273,8 +271,7 @@ class RedisStore(RedisRegistry, RedisCases):
 
     async def key_versions(self, tenant_id: str) -> list[KeyRecord]:
         key = self._keys.t(tenant_id, "keys")
-        async with self._guard():
-            h = cast("dict[str, str]", await self._redis.hgetall(key))
+        h = cast("dict[str, str]", await self._retry(lambda: self._redis.hgetall(key)))
         return sorted(
             (key_from_json(tenant_id, raw) for raw in h.values()), key=lambda k: k.version
         )
@@ -312,11 +309,7 @@ class RedisStore(RedisRegistry, RedisCases):
 
     async def all_key_versions(self) -> list[KeyRecord]:
         ids = await self._tenant_ids()
-        async with self._guard():
-            pipe = self._pipeline()
-            for tid in ids:
-                pipe.hgetall(self._keys.t(tid, "keys"))
-            hashes: list[dict[str, str]] = await pipe.execute() if ids else []
+        hashes = await self._hashes([self._keys.t(tid, "keys") for tid in ids])
         return [
             key_from_json(tid, raw)
             for tid, h in zip(ids, hashes, strict=True)
@@ -335,11 +328,12 @@ class RedisStore(RedisRegistry, RedisCases):
             )
 
     async def audit_log(self, limit: int) -> list[AuditRecord]:
-        async with self._guard():
-            rows = cast(
-                "list[tuple[str, dict[str, str]]]",
-                await self._redis.xrevrange(self._keys.g("audit"), count=max(1, int(limit))),
-            )
+        rows = cast(
+            "list[tuple[str, dict[str, str]]]",
+            await self._retry(
+                lambda: self._redis.xrevrange(self._keys.g("audit"), count=max(1, int(limit)))
+            ),
+        )
         return [audit_from_json(fields["json"], str(entry_id)) for entry_id, fields in rows]
 
     # -- API keys -------------------------------------------------------------
@@ -363,30 +357,28 @@ class RedisStore(RedisRegistry, RedisCases):
 
     async def _api_key(self, tenant_id: str, key_id: str) -> ApiKeyRecord | None:
         t = self._keys.t
-        async with self._guard():
-            raw = cast("str | None", await self._redis.hget(t(tenant_id, "apikeys"), key_id))
-            revoked = cast(
-                "str | None", await self._redis.hget(t(tenant_id, "apikeys-revoked"), key_id)
-            )
+
+        async def call() -> tuple[str | None, str | None]:
+            raw = await self._redis.hget(t(tenant_id, "apikeys"), key_id)
+            return raw, await self._redis.hget(t(tenant_id, "apikeys-revoked"), key_id)
+
+        raw, revoked = await self._retry(call)
         if raw is None:
             return None
         return api_key_from_json(raw, None if revoked is None else float(revoked))
 
     async def api_key_by_hash(self, key_hash: str) -> ApiKeyRecord | None:
-        async with self._guard():
-            ref = cast("str | None", await self._redis.get(self._keys.g("keyhash", key_hash)))
+        key = self._keys.g("keyhash", key_hash)
+        ref = cast("str | None", await self._retry(lambda: self._redis.get(key)))
         if ref is None:
             return None
         tenant_id, _, key_id = ref.partition(" ")
         return await self._api_key(tenant_id, key_id)
 
     async def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
-        t = self._keys.t
-        async with self._guard():
-            raw = cast("dict[str, str]", await self._redis.hgetall(t(tenant_id, "apikeys")))
-            revoked = cast(
-                "dict[str, str]", await self._redis.hgetall(t(tenant_id, "apikeys-revoked"))
-            )
+        raw, revoked = await self._hashes(
+            [self._keys.t(tenant_id, "apikeys"), self._keys.t(tenant_id, "apikeys-revoked")]
+        )
         keys = [
             api_key_from_json(v, float(revoked[k]) if k in revoked else None)
             for k, v in raw.items()
@@ -415,17 +407,17 @@ class RedisStore(RedisRegistry, RedisCases):
             return []
         band = self._probe(tenant_id, key_id, "band", "")  # checked once, then joined
         band_keys = [band + b for b in bands]
-        async with self._guard():  # one tenant's keys: one slot, so MGET is allowed
-            refs = cast("list[str | None]", await self._redis.mget(band_keys))
-            counts = Counter(r for r in refs if r is not None)
-            hit = [c for c, n in counts.items() if n >= min_hits]
-            ids = sorted(hit, key=lambda c: (-counts[c], c))[:limit]
-            if not ids:
-                return []
-            sketches = cast(
-                "list[str | None]",
-                await self._redis.mget([self._probe(tenant_id, key_id, "sk", c) for c in ids]),
-            )
+        # one tenant's keys: one slot, so MGET is allowed
+        refs = cast("list[str | None]", await self._retry(lambda: self._redis.mget(band_keys)))
+        counts = Counter(r for r in refs if r is not None)
+        hit = [c for c, n in counts.items() if n >= min_hits]
+        ids = sorted(hit, key=lambda c: (-counts[c], c))[:limit]
+        if not ids:
+            return []
+        sketch_keys = [self._probe(tenant_id, key_id, "sk", c) for c in ids]
+        sketches = cast(
+            "list[str | None]", await self._retry(lambda: self._redis.mget(sketch_keys))
+        )
         return [
             (c, base64.b64decode(sk)) for c, sk in zip(ids, sketches, strict=True) if sk is not None
         ]
@@ -452,10 +444,9 @@ class RedisStore(RedisRegistry, RedisCases):
             int(budget),
             cluster_id,
             base64.b64encode(sketch).decode("ascii") if sketch is not None else "",
-            secrets.token_hex(6),
+            secrets.token_hex(8),  # this hit's id: a retried call counts it once
         ]
-        async with self._guard():
-            allowed, count, retry_ms = await self._probe_hit(keys=keys, args=args)
+        allowed, count, retry_ms = await self._retry(lambda: self._probe_hit(keys=keys, args=args))
         return ProbeDecision(bool(int(allowed)), int(count), max(0.0, float(retry_ms) / 1000))
 
     # -- rate limits ----------------------------------------------------------
@@ -463,19 +454,26 @@ class RedisStore(RedisRegistry, RedisCases):
     async def take_tokens(
         self, tenant_id: str, rate_per_s: float, burst: float, cost: float
     ) -> RateDecision:
-        key = self._keys.t(tenant_id, "ratelimit")
-        async with self._guard():
-            allowed, retry, left = await self._take_tokens(
-                keys=[key], args=[repr(float(rate_per_s)), repr(float(burst)), repr(float(cost))]
-            )
+        # this debit's record (tenant slot), kept past the call's deadline: a retried
+        # call finds it and debits nothing more
+        keys = [
+            self._keys.t(tenant_id, "ratelimit"),
+            self._keys.t(tenant_id, "ratelimit-op", secrets.token_hex(8)),
+        ]
+        args: list[str | int] = [
+            repr(float(rate_per_s)),
+            repr(float(burst)),
+            repr(float(cost)),
+            math.ceil(self._timeout_s * 1000) + 1000,
+        ]
+        allowed, retry, left = await self._retry(lambda: self._take_tokens(keys=keys, args=args))
         return RateDecision(bool(int(allowed)), max(0.0, float(retry)), float(left))
 
     # -- idempotency ----------------------------------------------------------
 
     async def idempotency_get(self, tenant_id: str, key: str) -> IdempotencyRecord | None:
         rkey = self._keys.t(tenant_id, "idem", key)
-        async with self._guard():
-            raw = cast("str | None", await self._redis.get(rkey))
+        raw = cast("str | None", await self._retry(lambda: self._redis.get(rkey)))
         if raw is None:
             return None
         d = json.loads(raw)
@@ -499,14 +497,19 @@ class RedisStore(RedisRegistry, RedisCases):
                 "response": record.response,
             }
         )
-        async with self._guard():
-            ok = await self._redis.set(rkey, raw, nx=not overwrite, ex=max(1, int(ttl_s)))
+
+        def call() -> Any:
+            return self._redis.set(rkey, raw, nx=not overwrite, ex=max(1, int(ttl_s)))
+
+        if overwrite:  # a plain SET: the same value twice is one write
+            return bool(await self._retry(call))
+        async with self._guard():  # set-if-absent: a second attempt would find its own
+            ok = await call()
         return bool(ok)
 
     async def idempotency_delete(self, tenant_id: str, key: str) -> None:
         rkey = self._keys.t(tenant_id, "idem", key)
-        async with self._guard():
-            await self._redis.delete(rkey)
+        await self._retry(lambda: self._redis.delete(rkey))
 
     # -- stored responses -----------------------------------------------------
 
@@ -514,13 +517,12 @@ class RedisStore(RedisRegistry, RedisCases):
         self, tenant_id: str, response_id: str, record: dict[str, Any], ttl_s: int
     ) -> None:
         rkey = self._keys.t(tenant_id, "response", response_id)
-        async with self._guard():
-            await self._redis.set(rkey, compact_json(record), ex=max(1, int(ttl_s)))
+        raw = compact_json(record)
+        await self._retry(lambda: self._redis.set(rkey, raw, ex=max(1, int(ttl_s))))
 
     async def response_get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
         rkey = self._keys.t(tenant_id, "response", response_id)
-        async with self._guard():
-            raw = cast("str | None", await self._redis.get(rkey))
+        raw = cast("str | None", await self._retry(lambda: self._redis.get(rkey)))
         if raw is None:
             return None
         record: dict[str, Any] = json.loads(raw)

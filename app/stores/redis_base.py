@@ -1,19 +1,31 @@
 """The Redis store's client and plumbing: single Redis or Redis Cluster, fail fast.
 
 Failure policy: each store call has a hard deadline of ``timeout_s`` (pool wait +
-connect + command), redis-py's own retries are disabled, and any connection-level or
-cluster-topology error becomes :class:`StoreUnavailable` whose message never contains
-the URL or its password. Broken pooled connections are re-opened on their next use,
-and the cluster client re-reads the slot map after an error, so the store recovers by
-itself when Redis (or a promoted replica) answers again.
+connect + command, a retry included), redis-py's own retries are disabled, and any
+connection-level or cluster-topology error becomes :class:`StoreUnavailable` whose
+message never contains the URL or its password. Broken pooled connections are re-opened
+on their next use, and the cluster client re-reads the slot map after an error, so the
+store recovers by itself when Redis (or a promoted replica) answers again.
+
+Retry (:meth:`RedisBase._retry`): a call that is safe to run twice runs once more,
+within the same deadline, after the failed attempt re-read the slot map (cluster), or
+after a write that too few replicas acknowledged. That keeps a failover the cluster has
+already absorbed away from clients: the first call after it meets a stale slot map or a
+pooled connection to the dead primary, and its second attempt goes to the promoted
+replica. Safe to run twice: every read; the writes that are idempotent by construction
+(a registry entry, by id and content; a rate-limit debit and a probe hit, by an
+operation id that the script records with its effect; plain SETs and DELs); and the
+registry's id allocation, where a second ``INCR`` only leaves an id unused, never hands
+one out twice (see :mod:`~app.stores.redis_registry`). Everything else (tenant
+creation, API keys, cases, the audit stream, voids) gets one attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -47,6 +59,10 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,  # our own per-call deadline (asyncio.timeout)
 )
+
+
+T = TypeVar("T")
+REFRESH_INTERVAL_S = 0.1  # slot-map re-reads at most this often (a failover's burst)
 
 
 class NotAcknowledged(StoreUnavailable):
@@ -95,7 +111,7 @@ class RedisBase:
         )
         self._topology = asyncio.Lock()
         self._ready = False
-        self._refreshed_at = -1.0
+        self._refreshed_at = -1.0  # loop time the latest slot-map re-read completed
         self._redis: Any
         if cluster:
             self._redis = RedisCluster.from_url(
@@ -130,16 +146,41 @@ class RedisBase:
 
     @contextlib.asynccontextmanager
     async def _guard(self) -> AsyncIterator[None]:
-        """Bound the whole call by ``timeout_s`` and map outages to StoreUnavailable."""
+        """One attempt, bounded by ``timeout_s``, outages mapped to StoreUnavailable:
+        for a call that must not run twice (:meth:`_retry` runs one that may)."""
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self._timeout_s), self._slots:
+            async with asyncio.timeout_at(loop.time() + self._timeout_s), self._slots:
                 if self._cluster and not self._ready:
                     await self._initialize()
                 yield
         except UNAVAILABLE as exc:
-            if self._cluster:  # the topology may have changed: re-read it now
-                await self._refresh()
+            await self._refresh(loop.time(), exc, None)  # the topology may have changed
             raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
+
+    async def _retry(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, which must be safe to run twice (module docstring), and once more
+        after an outage error or an unacknowledged write, all within one deadline of
+        ``timeout_s``. Before the second attempt the slot map is re-read (cluster), so it
+        goes to whichever node serves the slot now. A hung node uses the whole deadline
+        in the first attempt: then there is no second."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        for attempt in (1, 2):
+            try:
+                async with asyncio.timeout_at(deadline), self._slots:
+                    if self._cluster and not self._ready:
+                        await self._initialize()
+                    return await call()
+            except NotAcknowledged:
+                if attempt == 2 or loop.time() >= deadline:
+                    raise
+            except UNAVAILABLE as exc:
+                last = attempt == 2 or loop.time() >= deadline
+                await self._refresh(loop.time(), exc, None if last else deadline)
+                if last:
+                    raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
+        raise AssertionError("unreachable")
 
     async def _initialize(self) -> None:
         """The cluster client's first slot-map read, once: concurrent first calls would
@@ -149,20 +190,40 @@ class RedisBase:
                 await self._redis.initialize()
                 self._ready = True
 
-    async def _refresh(self) -> None:
-        """Re-read the slot map after an error; one refresh at a time, at most every
-        0.2 s (a burst of failing calls must not close each other's connections)."""
+    async def _refresh(self, failed_at: float, exc: BaseException, until: float | None) -> None:
+        """Re-read the slot map after a call failed at ``failed_at`` (cluster only), by
+        ``until`` (default: ``timeout_s`` from now). One re-read at a time; none if one
+        completed after this failure (its map is newer than the one the call failed
+        on), so a burst of failing calls re-reads once; and at most one every
+        ``REFRESH_INTERVAL_S`` (a re-read reconnects every pooled connection), waited
+        for, not skipped, so no call retries on a map older than its own failure."""
+        if not self._cluster:
+            return
         loop = asyncio.get_running_loop()
+        until = loop.time() + self._timeout_s if until is None else until
+        failed_node = getattr(exc, "last_failed_node_name", None)  # asked last, if at all
         with contextlib.suppress(*UNAVAILABLE):
-            async with asyncio.timeout(self._timeout_s), self._topology:
-                if loop.time() - self._refreshed_at < 0.2:
+            async with asyncio.timeout_at(until), self._topology:
+                if self._refreshed_at > failed_at:
                     return
-                await self._redis.nodes_manager.initialize()
+                await asyncio.sleep(self._refreshed_at + REFRESH_INTERVAL_S - loop.time())
+                await self._redis.nodes_manager.initialize(last_failed_node_name=failed_node)
                 self._refreshed_at = loop.time()
 
     def _pipeline(self) -> Any:
         """A non-transactional pipeline (per node in cluster mode)."""
         return self._redis.pipeline() if self._cluster else self._redis.pipeline(transaction=False)
+
+    async def _hashes(self, keys: list[str]) -> list[dict[str, str]]:
+        """HGETALL of each key, in one pipeline (one round trip per node); retried."""
+
+        async def call() -> list[dict[str, str]]:
+            pipe = self._pipeline()
+            for key in keys:
+                pipe.hgetall(key)
+            return cast("list[dict[str, str]]", await pipe.execute())
+
+        return await self._retry(call) if keys else []
 
     async def _eval_acked(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
         """Run a script, then ``WAIT`` for replicas on the same connection.
@@ -202,8 +263,7 @@ class RedisBase:
     # -- lifecycle ------------------------------------------------------------
 
     async def ping(self) -> None:
-        async with self._guard():
-            await self._redis.ping()
+        await self._retry(self._redis.ping)
 
     async def close(self) -> None:
         # Closing the client closes its pool(s) too.

@@ -44,8 +44,7 @@ class RedisCases(RedisBase):
             key = self._case_key(case_id)
         except ValueError:
             return None
-        async with self._guard():
-            raw = cast("str | None", await self._redis.get(key))
+        raw = cast("str | None", await self._retry(lambda: self._redis.get(key)))
         if raw is None:
             return None
         case = case_from_json(raw)

@@ -30,6 +30,7 @@ One tenant (tag ``{t}``: one slot)::
     p:{t}:msgexpired          str   the retention watermark: every id below it is expired
     p:{t}:retention           str   registry retention in days (absent: keep forever)
     p:{t}:ratelimit           hash  token bucket (tokens, ts), expires when full
+    p:{t}:ratelimit-op:<op>   str   one debit's decision, for its retry (TTL: the deadline + 1 s)
     p:{t}:apikeys             hash  key id -> ApiKeyRecord JSON
     p:{t}:apikeys-revoked     hash  key id -> revocation time
     p:{t}:probe:<k>:...       str/zset probe accounting of API key k (TTL)

@@ -15,10 +15,23 @@ increment lost with no ``WAIT``, or a replica promoted that had not acknowledged
 next allocation meets an id that already holds an entry; ``PUT_ENTRY`` refuses it and
 allocation moves on to a fresh id, so an acknowledged id never names a second entry.
 A crash between the writes leaves an unused id (a gap): never handed out again.
+
+Retries (a failover, see :mod:`~app.stores.redis_base`). ``INCR`` is not idempotent,
+but the allocation needs it not to be: an id is handed out only with the entry that
+``PUT_ENTRY`` wrote for it, and ``PUT_ENTRY`` never writes over another entry. So
+``NEXT_ID`` is re-run after a failed or unacknowledged attempt: if the first attempt
+was applied, its id is a gap (never handed out), and if a promoted replica lacks it,
+the second attempt takes the same id, which no one holds. ``PUT_ENTRY`` is re-run too:
+it is idempotent by id and content (a retried write finds its own entry and answers
+"written"; another entry under the id answers 0 and the allocation moves on). Two
+allocations could only share an entry if the counter went back *and* both carried
+identical metadata and issue time, i.e. the same entry. Ids lost to retries are counted
+as issued (``msglive``), which errs towards the conservative registry-size correction.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, cast
 
@@ -95,14 +108,15 @@ class RedisRegistry(RedisBase):
         ]
         limit = -1 if max_id is None else int(max_id)
         for _ in range(ALLOCATE_TRIES):
-            async with self._guard():
-                message_id = int(await self._eval_acked(self._next_id, seq, [num_bits, limit]))
+            message_id = int(
+                await self._retry(lambda: self._eval_acked(self._next_id, seq, [num_bits, limit]))
+            )
             if message_id < 0:
                 raise RegistryFull(f"no message id left below {max_id}")
             b = bucket_of(message_id)
             keys = [k.msgs(tenant_id, b), k.idx(tenant_id, b, key_version, num_bits)]
-            async with self._guard():
-                written = int(await self._eval_acked(self._put_entry, keys, [message_id, payload]))
+            put = functools.partial(self._eval_acked, self._put_entry, keys, [message_id, payload])
+            written = int(await self._retry(put))
             if written:
                 return RegistryEntry(
                     tenant_id=tenant_id,
@@ -118,8 +132,8 @@ class RedisRegistry(RedisBase):
         if int(message_id) < 1:
             return None
         key = self._keys.msgs(tenant_id, bucket_of(message_id))
-        async with self._guard():
-            raw = cast("str | None", await self._redis.hget(key, str(int(message_id))))
+        field = str(int(message_id))
+        raw = cast("str | None", await self._retry(lambda: self._redis.hget(key, field)))
         return None if raw is None else _entry(tenant_id, message_id, raw)
 
     async def registry_entries(self, tenant_id: str, message_ids: list[int]) -> list[RegistryEntry]:
@@ -129,11 +143,7 @@ class RedisRegistry(RedisBase):
             by_bucket.setdefault(bucket_of(mid), []).append(mid)
         if not by_bucket:
             return []
-        async with self._guard():
-            pipe = self._pipeline()
-            for b, ids in by_bucket.items():
-                pipe.hmget(self._keys.msgs(tenant_id, b), [str(i) for i in ids])
-            rows: list[list[str | None]] = await pipe.execute()
+        rows = await self._hmgets(tenant_id, by_bucket)
         return [
             _entry(tenant_id, mid, raw)
             for ids, raws in zip(by_bucket.values(), rows, strict=True)
@@ -141,9 +151,22 @@ class RedisRegistry(RedisBase):
             if raw is not None
         ]
 
+    async def _hmgets(
+        self, tenant_id: str, by_bucket: dict[int, list[int]]
+    ) -> list[list[str | None]]:
+        """One HMGET of each bucket's ids, in one pipeline (a round trip per node)."""
+
+        async def call() -> list[list[str | None]]:
+            pipe = self._pipeline()
+            for b, ids in by_bucket.items():
+                pipe.hmget(self._keys.msgs(tenant_id, b), [str(i) for i in ids])
+            return cast("list[list[str | None]]", await pipe.execute())
+
+        return await self._retry(call) if by_bucket else []
+
     async def _buckets(self, tenant_id: str) -> int:
-        async with self._guard():
-            last = cast("str | None", await self._redis.get(self._keys.t(tenant_id, "msgseq")))
+        key = self._keys.t(tenant_id, "msgseq")
+        last = cast("str | None", await self._retry(lambda: self._redis.get(key)))
         return 0 if last is None else bucket_of(int(last)) + 1
 
     async def message_ids(
@@ -153,7 +176,8 @@ class RedisRegistry(RedisBase):
         first = bucket_of(after + 1) if after > 0 else 0
         if first >= buckets:
             return []
-        async with self._guard():
+
+        async def call() -> list[list[str]]:
             pipe = self._pipeline()
             for b in range(first, buckets):
                 key = self._keys.idx(tenant_id, b, key_version, num_bits)
@@ -161,13 +185,14 @@ class RedisRegistry(RedisBase):
                     pipe.zrangebyscore(key, f"({int(after)}", "+inf")
                 else:
                     pipe.zrange(key, 0, -1)
-            chunks: list[list[str]] = await pipe.execute()
+            return cast("list[list[str]]", await pipe.execute())
+
+        chunks = await self._retry(call)
         return [int(i) for chunk in chunks for i in chunk]  # buckets in id order
 
     async def registry_bit_lengths(self, tenant_id: str, key_version: int) -> list[int]:
         key = self._keys.t(tenant_id, "msgbits", int(key_version))
-        async with self._guard():
-            bits = cast("set[str]", await self._redis.smembers(key))
+        bits = cast("set[str]", await self._retry(lambda: self._redis.smembers(key)))
         return sorted(int(b) for b in bits)
 
     async def void_message(self, tenant_id: str, message_id: int, reason: str) -> bool:
@@ -194,11 +219,7 @@ class RedisRegistry(RedisBase):
         by_bucket: dict[int, list[int]] = {}
         for mid in message_ids:
             by_bucket.setdefault(bucket_of(mid), []).append(mid)
-        async with self._guard():
-            pipe = self._pipeline()
-            for b, ids in by_bucket.items():
-                pipe.hmget(self._keys.msgs(tenant_id, b), [str(i) for i in ids])
-            rows: list[list[str | None]] = await pipe.execute() if by_bucket else []
+        rows = await self._hmgets(tenant_id, by_bucket)
         found = {
             mid: raw
             for ids, raws in zip(by_bucket.values(), rows, strict=True)
@@ -214,8 +235,8 @@ class RedisRegistry(RedisBase):
             t(tenant_id, "msgexpired"),
             t(tenant_id, "msgseq"),
         ]
-        async with self._guard():  # one tenant's keys: one slot, one MGET
-            live, expired, below, last = await self._redis.mget(keys)
+        # one tenant's keys: one slot, one MGET
+        live, expired, below, last = await self._retry(lambda: self._redis.mget(keys))
         return RegistrySize(
             max(0, int(live or 0)), int(expired or 0), int(below or 0), int(last or 0)
         )
@@ -237,8 +258,8 @@ class RedisRegistry(RedisBase):
             )
             for b, positions in by_bucket.items()
         ]
-        async with self._guard():  # one script per bucket, hits only back: ~1 us an id
-            replies = await self._run_scripts(self._issued_among, calls)
+        # one script per bucket, hits only back: ~1 us an id
+        replies = await self._retry(lambda: self._run_scripts(self._issued_among, calls))
         for positions, hits in zip(by_bucket.values(), replies, strict=True):
             for i in hits:
                 found[positions[int(i) - 1]] = True
@@ -301,15 +322,14 @@ class RedisRegistry(RedisBase):
 
     async def set_registry_retention(self, tenant_id: str, days: float | None) -> None:
         key = self._keys.t(tenant_id, "retention")
-        async with self._guard():
-            if days is None:
-                await self._redis.delete(key)
-            else:
-                await self._redis.set(key, repr(float(days)))
+        if days is None:
+            await self._retry(lambda: self._redis.delete(key))
+        else:
+            await self._retry(lambda: self._redis.set(key, repr(float(days))))
 
     async def registry_retention(self, tenant_id: str) -> float | None:
-        async with self._guard():
-            raw = cast("str | None", await self._redis.get(self._keys.t(tenant_id, "retention")))
+        key = self._keys.t(tenant_id, "retention")
+        raw = cast("str | None", await self._retry(lambda: self._redis.get(key)))
         return None if raw is None else float(raw)
 
     async def _first_issued_at_or_after(self, tenant_id: str, lo: int, hi: int, t: float) -> int:

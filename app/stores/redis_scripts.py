@@ -143,10 +143,19 @@ redis.call('HSET', KEYS[1], 'scopes', ARGV[1])
 return 1
 """
 
-# Token bucket. KEYS: bucket hash. ARGV: rate per second, burst, cost.
-# Redis's own clock (TIME) so every replica of the API shares one time base.
+# Token bucket. KEYS: bucket hash, this debit's record. ARGV: rate per second, burst,
+# cost, record TTL ms. Redis's own clock (TIME) so every replica of the API shares one
+# time base. Idempotent: the decision is recorded (KEYS[2], with the debit, so a
+# promoted replica has both or neither) and a retried call gets it back, debiting once.
 # Returns {allowed, retry_after_s, tokens_left} (floats as strings).
 TAKE_TOKENS = """
+local done = redis.call('GET', KEYS[2])
+if done then
+  local out = {}
+  for v in string.gmatch(done, '%S+') do out[#out + 1] = v end
+  out[1] = tonumber(out[1])
+  return out
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -161,7 +170,9 @@ end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens),
            'ts', string.format('%.6f', now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
-return {allowed, string.format('%.6f', retry), string.format('%.6f', tokens)}
+local out = {allowed, string.format('%.6f', retry), string.format('%.6f', tokens)}
+redis.call('SET', KEYS[2], table.concat(out, ' '), 'PX', ARGV[4])
+return out
 """
 
 # KEYS: apikeys hash, revoked hash. ARGV: key id, time. 0 if no such key.
@@ -172,8 +183,9 @@ return 1
 """
 
 # Sliding-window probe counter. KEYS: hits zset, sketch key, band keys...
-# ARGV: window ms, budget, cluster id, sketch ('' keeps the old one), member nonce.
-# Redis's clock, so every replica shares one time base.
+# ARGV: window ms, budget, cluster id, sketch ('' keeps the old one), this hit's id.
+# Redis's clock, so every replica shares one time base. Idempotent: the hit's id is
+# its member, so a retried call whose hit is already counted is not counted again.
 # Returns {allowed, count, retry_after_ms}.
 PROBE_HIT = """
 local t = redis.call('TIME')
@@ -181,13 +193,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 local count = redis.call('ZCARD', KEYS[1])
+if redis.call('ZSCORE', KEYS[1], ARGV[5]) then return {1, count, 0} end
 if count >= budget then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   local retry = window
   if oldest[2] then retry = tonumber(oldest[2]) + window - now end
   return {0, count, retry}
 end
-redis.call('ZADD', KEYS[1], now, now .. ':' .. ARGV[5])
+redis.call('ZADD', KEYS[1], now, ARGV[5])
 redis.call('PEXPIRE', KEYS[1], window)
 if ARGV[4] ~= '' then
   redis.call('SET', KEYS[2], ARGV[4], 'PX', window)

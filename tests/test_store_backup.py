@@ -1,0 +1,103 @@
+"""The backup drill of docs/operations.md, on each store: texts issued through the
+service, ``worldcup store backup``, the store wiped, ``worldcup store restore``; then
+every text decodes to its own entry, the case, the API keys and the counter survived.
+SQLite in a temporary folder; Redis on the test server (DB 15) under a private prefix.
+The cluster drill is in tests/test_redis_cluster.py."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from test_service_api import ADMIN, make_settings
+from test_store_contract import REDIS_URL
+from test_trust_safety import generate
+from typer.testing import CliRunner
+
+from app.main import create_app
+from worldcup_cli.main import app as cli
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    prefix = f"wcbackup{uuid.uuid4().hex[:10]}"
+    yield prefix
+    with redis.Redis.from_url(REDIS_URL) as client:
+        _wipe_redis(client, prefix)
+
+
+def _wipe_redis(client: Any, prefix: str) -> int:
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    return len(keys)
+
+
+def _state(c: TestClient, auth: dict[str, str], texts: list[dict[str, Any]], case_id: str,
+           tenant_id: str) -> dict[str, Any]:  # fmt: skip
+    """What the drill must find again: each text's registry match, the case, the keys."""
+    matches = []
+    for g in texts:
+        r = c.post("/decode", json={"text": g["text"], "num_bits": 16}, headers=auth)
+        assert r.status_code == 200, r.text
+        matches.append(r.json()["registry_match"])
+    case = c.get(f"/console/api/cases/{case_id}", headers=ADMIN)
+    keys = c.get(f"/admin/tenants/{tenant_id}/api-keys", headers=ADMIN)
+    assert case.status_code == 200 and keys.status_code == 200, (case.text, keys.text)
+    return {"matches": matches, "case": case.json(), "api_keys": keys.json()}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_backup_wipe_restore_drill(
+    kind: str, tiny_model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    db = tmp_path / "db.sqlite3"
+    if kind == "redis":
+        prefix = request.getfixturevalue("redis_prefix")
+        settings = make_settings(tiny_model_dir, tmp_path, redis_url=REDIS_URL, redis_prefix=prefix)
+        where = ["--redis-url", REDIS_URL, "--prefix", prefix]
+    else:
+        settings = make_settings(tiny_model_dir, tmp_path)
+        where = ["--sqlite-path", str(db)]
+    env = {"WORLDCUP_REDIS_URL": "", "WORLDCUP_REDIS_CLUSTER": "false"}
+    with TestClient(create_app(settings)) as c:
+        r = c.post("/admin/tenants", json={"name": f"drill-{kind}"}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        tenant_id, auth = r.json()["tenant_id"], {"Authorization": f"Bearer {r.json()['api_key']}"}
+        body = {"name": "analyst", "scopes": ["provenance"], "detail": "full"}
+        r = c.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        texts = [generate(c, auth, seed=i, max_new_tokens=96, min_new_tokens=96) for i in range(3)]
+        r = c.post("/console/api/cases", json={"text": texts[0]["text"]}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        case_id = r.json()["case"]["case_id"]
+        before = _state(c, auth, texts, case_id, tenant_id)
+    for g, match in zip(texts, before["matches"], strict=True):  # the drill's premise
+        assert match is not None and match["message_id"] == g["message_id"], match
+
+    out = tmp_path / "store.backup"
+    done = runner.invoke(cli, ["store", "backup", "--out", str(out), *where], env=env)
+    assert done.exit_code == 0, done.output
+    assert "1 tenants, 3 registry entries" in done.output
+    if kind == "redis":  # wiped
+        with redis.Redis.from_url(REDIS_URL) as client:
+            assert _wipe_redis(client, prefix) > 0
+    else:
+        for path in tmp_path.glob("db.sqlite3*"):
+            path.unlink()
+    restore = ["store", "restore", "--from", str(out), *where]
+    done = runner.invoke(cli, restore, env=env)
+    assert done.exit_code == 0, done.output
+    again = runner.invoke(cli, restore, env=env)  # into a store that is not empty
+    assert again.exit_code == 2 and "--force" in again.output, again.output
+
+    with TestClient(create_app(settings)) as c:
+        assert _state(c, auth, texts, case_id, tenant_id) == before
+        assert generate(c, auth, seed=9)["message_id"] == 4  # the counter came back too
