@@ -1,0 +1,188 @@
+"""Issue 44 item 1, the service side: every answer about a text takes the served model's
+token weights when the model is loaded, says which statistic it took, computes the
+weights once per text whatever the key, and the hf engine runs detection's forward
+passes beside generation without either starving the other.
+
+Over the tiny random model (tests/conftest.py): its next-token distributions are
+near-uniform, so the weights are high but not equal, and the model-assisted p-values
+differ from the model-free ones (Lancaster over weighted cells, not Fisher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+import app.services.watermark as watermark_module
+from app.core.metrics import Metrics
+from app.engines.hf import HFEngine
+from app.main import create_app
+from app.services.intake import encode_texts
+from tests.test_service_api import fixed_watermark_keys, gen_body, make_settings, new_tenant
+from worldcup_core import SamplingConfig
+from worldcup_core.detector_model import model_entry_log_p
+from worldcup_core.detector_weighted import verdict_log_p
+from worldcup_core.generation import GenerationRequest, GenerationResult
+from worldcup_core.message import MessageIdCodec
+from worldcup_core.model_weights import model_token_weights
+from worldcup_core.models import load_model
+
+NUM_BITS = 32  # the deployment's default payload length: the registry's
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    app: FastAPI = create_app(make_settings(tiny_model_dir, tmp_path_factory.mktemp("db")))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        with fixed_watermark_keys(44):
+            a_id, a = new_tenant(client, "a")
+            b_id, b = new_tenant(client, "b")
+        body = gen_body(metadata={"user": "u1"}, max_new_tokens=96, seed=7)
+        body.pop("payload", None)
+        r = client.post("/generate", json=body, headers=a)  # a registry entry
+        assert r.status_code == 200, r.text
+        yield app, client, (a_id, a), (b_id, b), r.json()
+
+
+def _ids(app: FastAPI, text: str) -> list[int]:
+    return encode_texts(app.state.runtime.tokenizer, [text])[0]
+
+
+def _direct_weights(app: FastAPI, ids: list[int]) -> Any:
+    engine = app.state.runtime.engine
+    return model_token_weights(engine._batch.model, [ids], pad_token_id=engine._batch.pad)[0]  # noqa: SLF001
+
+
+def _tests(answer: dict[str, Any]) -> dict[str, float | None]:
+    return {
+        t["test"] if t["num_bits"] is None else f"{t['test']}@{t['num_bits']}": t["p_value"]
+        for t in answer["tests"]
+    }
+
+
+def test_detect_and_decode_take_the_models_weights(world: Any) -> None:
+    """/detect and /decode answer statistic "model", and every test's p (detect, decode,
+    registry) is the core's model-assisted p with the model's weights, not today's."""
+    app, client, (tenant_id, auth), _, generated = world
+    text = generated["text"]
+    ids = _ids(app, text)
+    weights = _direct_weights(app, ids)
+    scheme = client.portal.call(app.state.runtime.tenants.version, tenant_id, None).scheme  # type: ignore[attr-defined]
+    det = client.post("/detect", json={"text": text}, headers=auth).json()
+    dec = client.post("/decode", json={"text": text}, headers=auth).json()
+    assert det["statistic"] == dec["statistic"] == "model"
+    assert det["verdict"] == dec["verdict"] == "watermarked"
+    assert dec["registry_match"]["message_id"] == generated["message_id"]
+    free = math.exp(float(verdict_log_p(scheme, [ids], None)[0]))
+    for answer in (det, dec):
+        got = _tests(answer)
+        detect = math.exp(float(verdict_log_p(scheme, [ids], None, [weights])[0]))
+        decode = math.exp(float(verdict_log_p(scheme, [ids], NUM_BITS, [weights])[0]))
+        assert got["detect"] == pytest.approx(detect, rel=1e-9, abs=0)
+        assert got[f"decode@{NUM_BITS}"] == pytest.approx(decode, rel=1e-9, abs=0)
+        assert not math.isclose(got["detect"] or 1.0, free, rel_tol=1e-3)  # not model-free
+    bits = MessageIdCodec(scheme.key, NUM_BITS).payload(generated["message_id"]).bits
+    entry = math.exp(model_entry_log_p(scheme.key, scheme.config, ids, bits, weights))
+    assert _tests(dec)[f"registry@{NUM_BITS}"] == pytest.approx(entry, rel=1e-9, abs=0)  # 1 entry
+    batch = client.post("/detect/batch", json={"texts": [text]}, headers=auth).json()
+    assert batch["results"][0]["result"]["statistic"] == "model"
+    assert batch["results"][0]["result"]["p_value"] == det["p_value"]
+
+
+def test_weights_are_the_texts_whatever_the_key(
+    world: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tenants, one text: the weights every test of either took are the same
+    arrays (the model's on the text alone), computed afresh for each."""
+    app, client, (_, a), (_, b), generated = world
+    text = generated["text"]
+    seen: list[Any] = []
+    real = watermark_module.verdict_stats
+
+    def spy(versions: Any, texts: Any, lengths: Any, weights: Any = None) -> Any:
+        seen.append(weights)
+        return real(versions, texts, lengths, weights)
+
+    monkeypatch.setattr(watermark_module, "verdict_stats", spy)
+    cache = app.state.runtime.watermark.weights._cache  # noqa: SLF001
+    for auth in (a, b):
+        cache.clear()  # each tenant's answer runs the model again
+        r = client.post("/detect", json={"text": text}, headers=auth)
+        assert r.status_code == 200 and r.json()["statistic"] == "model"
+    assert len(seen) == 2 and all(w is not None and len(w) == 1 for w in seen)
+    expected = _direct_weights(app, _ids(app, text))
+    assert np.array_equal(seen[0][0], seen[1][0], equal_nan=True)
+    np.testing.assert_allclose(seen[0][0], expected, atol=1e-6)
+    finite = expected[np.isfinite(expected)]
+    assert finite.size and finite.std() > 0  # not a constant: the model's evidence
+
+
+@pytest.mark.anyio
+async def test_detection_batches_and_generation_alternate(tiny_model_dir: Path) -> None:
+    """Under both loads the engine's thread alternates one generation step and one
+    detection batch: neither waits for more than one of the other's units, both finish,
+    and every batch keeps to its bounds."""
+    lm = load_model(str(tiny_model_dir))
+    engine = HFEngine(
+        lm.model,
+        lm.eos_token_ids,
+        lm.pad_token_id,
+        Metrics(),
+        max_batch=4,
+        max_queue=8,
+        weights_batch_texts=4,
+        weights_batch_tokens=4 * 128,
+        weights_max_pending=8,
+    )
+    log: list[tuple[str, bool, int]] = []  # (unit, the other kind was waiting, size)
+    step, weigh_batch = engine._batch.step, engine._next_weights_batch  # noqa: SLF001
+
+    def logged_step() -> Any:
+        out = step()
+        log.append(("g", engine.weights_waiting > 0, len(engine._active)))  # noqa: SLF001
+        return out
+
+    def logged_batch() -> Any:
+        picked = weigh_batch()
+        if picked:
+            width = max(len(job.texts[i]) for job, i in picked)
+            log.append(("w", bool(engine._active), len(picked) * width))  # noqa: SLF001
+        return picked
+
+    engine._batch.step = logged_step  # type: ignore[method-assign]  # noqa: SLF001
+    engine._next_weights_batch = logged_batch  # type: ignore[method-assign]  # noqa: SLF001
+    engine.start()
+    rng = np.random.default_rng(0)
+    texts = [rng.integers(100, 5000, size=128).tolist() for _ in range(40)]
+    try:
+        sampling = SamplingConfig(max_new_tokens=60, min_new_tokens=60, seed=1)
+        jobs = [engine.submit(GenerationRequest([1, 2, 3], sampling)) for _ in range(2)]
+        await asyncio.wait_for(jobs[0].events.get(), timeout=30)  # generating
+        detection = asyncio.gather(*(engine.token_weights(texts[i::4]) for i in range(4)))
+        for job in jobs:
+            item: Any = None
+            while not isinstance(item, GenerationResult):
+                item = await asyncio.wait_for(job.events.get(), timeout=60)
+                assert not isinstance(item, BaseException), item
+        found = await asyncio.wait_for(detection, timeout=120)
+    finally:
+        engine.stop()
+    assert sum(len(f) for f in found) == 40 and all(len(w) == 128 for f in found for w in f)
+    direct = model_token_weights(lm.model, texts[:1], pad_token_id=lm.pad_token_id)[0]
+    np.testing.assert_allclose(found[0][0], direct, atol=1e-5)
+    units = [u for u, _, _ in log]
+    both = [i for i, (u, other, _) in enumerate(log) if other]  # the other kind was waiting
+    assert units.count("w") >= 10 and units.count("g") >= 60
+    assert any(u == "w" for u, _, _ in log[: units.index("g", units.index("w")) + 1])
+    for i in both:  # a contended unit is followed by one of the other kind
+        if i + 1 < len(log):
+            assert log[i + 1][0] != log[i][0], log[max(0, i - 3) : i + 3]
+    assert all(size <= 4 * 128 for u, _, size in log if u == "w")
