@@ -11,15 +11,19 @@ the same thread, so the model is only ever used by one thread, in their own
 batches: texts from any number of detection requests are packed into batches of at
 most ``weights_batch_texts`` texts and ``weights_batch_tokens`` tokens (a text
 longer than ``weights_max_tokens`` is read in windows of that many tokens, each
-from its own start). The policy is strict alternation: after every generation
-step, at most one detection batch, then the next step. So
+from its own start). The policy is a **time share** of the thread: while both kinds
+of work wait, a detection batch runs only once generation steps have had
+``(1 - share) / share`` times the previous batch's time since it
+(``weights_time_share``, default one half), so
 
-* generation is never starved: while detection traffic lasts, each inter-token
-  gap grows by at most one detection batch (bounded by the token budget);
-* detection is never starved: while generation runs, each detection batch waits
-  at most one generation step; with nothing generating, batches run back to back;
+* generation is never starved: under any detection load it keeps at least
+  ``1 - share`` of the thread's time, and each inter-token gap grows by at most one
+  detection batch (bounded by ``weights_batch_tokens``);
+* detection is never starved: under any generation load it gets ``share`` of the
+  thread's time (at least one batch per step while its batches are shorter than a
+  step); with nothing generating, batches run back to back;
 * the detection queue is bounded: at most ``weights_max_pending`` texts wait; a
-  request beyond that waits for room (on the event loop, not holding a worker)
+  request beyond that waits for room (on the event loop, holding no worker)
   instead of growing the queue.
 """
 
@@ -118,6 +122,7 @@ class HFEngine:
             weights_batch_texts=settings.weights_batch_texts,
             weights_batch_tokens=settings.weights_batch_tokens,
             weights_max_pending=settings.weights_max_pending,
+            weights_time_share=settings.weights_time_share,
             weights_max_tokens=min(
                 settings.weights_max_tokens,
                 int(getattr(lm.model.config, "max_position_embeddings", 0) or 1 << 30),
@@ -139,16 +144,23 @@ class HFEngine:
         max_batch: int,
         max_queue: int,
         weights_batch_texts: int = 8,
-        weights_batch_tokens: int = 2048,
+        weights_batch_tokens: int = 1024,
         weights_max_pending: int = 256,
         weights_max_tokens: int = 2048,
+        weights_time_share: float = 0.5,
     ) -> None:
         self._batch = ContinuousBatch(model, eos_token_ids, pad_token_id)
         self.weigh = True  # offer detection's forward passes (WORLDCUP_DETECT_WITH_MODEL)
         self.weights_batch_texts = weights_batch_texts
         self.weights_batch_tokens = weights_batch_tokens
         self.weights_max_pending = weights_max_pending
-        self.weights_max_tokens = max(2, weights_max_tokens)
+        # a window always fits one batch: a batch is never wider than the token budget
+        self.weights_max_tokens = max(2, min(weights_max_tokens, weights_batch_tokens))
+        if not 0.0 < weights_time_share < 1.0:
+            raise ValueError(f"weights_time_share must be in (0, 1), got {weights_time_share}")
+        self.weights_time_share = weights_time_share
+        self._stepped_s = 0.0  # generation step time since the last detection batch
+        self._batch_s = 0.0  # the last detection batch's time
         self._weighing: collections.deque[WeightsJob] = collections.deque()
         self._room: asyncio.Condition | None = None  # made on the event loop
         self._queued = 0  # texts (windows) handed to the thread, not yet answered
@@ -306,6 +318,7 @@ class HFEngine:
             return
         self._metrics.active_sequences.set(len(self._active))
         self._metrics.batch_size.observe(len(self._active))
+        started = time.perf_counter()
         try:
             events, finished = self._batch.step()
         except Exception as exc:
@@ -317,6 +330,7 @@ class HFEngine:
             self._metrics.active_sequences.set(0)
             return
         now = time.perf_counter()
+        self._stepped_s += now - started
         results = iter(finished)
         for ev in events:
             job = self._active[ev.row_id]
@@ -359,8 +373,18 @@ class HFEngine:
                 self._weighing.popleft()
         return picked
 
+    def detection_due(self) -> bool:
+        """Whether a detection batch may run now: always with nothing generating, else
+        once generation has had its share since the last batch (the time share)."""
+        if not self._active:
+            return True
+        share = self.weights_time_share
+        return self._stepped_s * share >= self._batch_s * (1.0 - share)
+
     def _weigh(self) -> None:
-        """At most one detection batch (between two generation steps)."""
+        """At most one detection batch (between two generation steps), when due."""
+        if not self.detection_due():
+            return
         picked = self._next_weights_batch()
         if not picked:
             return
@@ -381,7 +405,9 @@ class HFEngine:
             with self._cond:
                 self._weighing = collections.deque(j for j in self._weighing if not j.failed)
             return
-        self._metrics.detection_batch.observe(time.perf_counter() - started)
+        self._batch_s = time.perf_counter() - started
+        self._stepped_s = 0.0
+        self._metrics.detection_batch.observe(self._batch_s)
         for (job, i), weights in zip(picked, found, strict=True):
             job.out[i] = weights
             job.done += 1
