@@ -130,4 +130,4 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--rows", type=int, default=4, help="generation rows")
     parser.add_argument("--gen-tokens", type=int, default=64)
-    print(json.dumps(asyncio.run(main(parser.parse_args())), indent=2))
+    print(json.dumps(asyncio.run(main(parser.parse_args())), indent=2))  # noqa: T201
