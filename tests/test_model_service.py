@@ -11,6 +11,7 @@ differ from the model-free ones (Lancaster over weighted cells, not Fisher).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -198,3 +199,25 @@ async def test_detection_and_generation_share_the_engine(tiny_model_dir: Path) -
     batches = [s for u, _, s, _ in log if u == "w"]
     assert detect_s <= generate_s + max(batches) * 1.5, (detect_s, generate_s, max(batches))
     assert all(tokens <= 4 * 128 for u, _, _, tokens in log if u == "w")
+
+
+def test_the_cli_is_model_free_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`worldcup detect` loads the tokenizer only and says model_free; --with-model
+    weighs the tokens by the model (another p on the same text) and says model."""
+    from typer.testing import CliRunner
+
+    from worldcup_cli.main import app as cli_app
+    from worldcup_core.models import load_tokenizer
+
+    key_file = tmp_path / "k.key"
+    key_file.write_text("cd" * 32)
+    rng = np.random.default_rng(1)
+    text = load_tokenizer(str(tiny_model_dir)).decode(rng.integers(300, 5000, 90).tolist())
+    base = ["detect", "--key-file", str(key_file), "--model", str(tiny_model_dir), "--json"]
+    answers = {}
+    for extra in ([], ["--with-model"]):
+        r = CliRunner().invoke(cli_app, base + extra, input=text)
+        assert r.exit_code == 0, r.output
+        answers[bool(extra)] = json.loads(r.stdout)
+    assert answers[False]["statistic"] == "model_free" and answers[True]["statistic"] == "model"
+    assert answers[False]["tests"][0]["p_value"] != answers[True]["tests"][0]["p_value"]
