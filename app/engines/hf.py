@@ -202,10 +202,12 @@ class HFEngine:
             self._room = asyncio.Condition()
         cut = [windows(t, self.weights_max_tokens) for t in texts]
         flat = [w for parts in cut for w in parts]
-        out: list[F64] = []
         step = max(1, min(self.weights_batch_texts, self.weights_max_pending))
-        for start in range(0, len(flat), step):  # never more than the bound in the queue
-            out.extend(await self._weigh_chunk(flat[start : start + step]))
+        # chunks of one batch each, queued as the bound allows (each takes its room whole)
+        found = await asyncio.gather(
+            *(self._weigh_chunk(flat[i : i + step]) for i in range(0, len(flat), step))
+        )
+        out = [w for part in found for w in part]
         joined: list[F64] = []
         at = 0
         for parts in cut:
