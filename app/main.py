@@ -43,6 +43,7 @@ from app.services.registry import sweep_forever
 from app.services.runtime import Runtime
 from app.services.tenants import TenantService
 from app.services.watermark import WatermarkService
+from app.services.weights import ModelWeights
 from app.stores.base import StoreUnavailable
 from app.stores.factory import make_store
 from worldcup_core import WatermarkConfig, __version__
@@ -102,7 +103,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
             store=store,
             tenants=tenants,
-            watermark=WatermarkService(store, tenants, cpu, settings.provenance_refresh_s),
+            watermark=WatermarkService(
+                store,
+                tenants,
+                cpu,
+                settings.provenance_refresh_s,
+                # detection's forward passes on the engine's model; None: model-free
+                ModelWeights(engine.weigher if engine is not None else None),
+            ),
             cpu=cpu,
             tokenizer=tokenizer,
             model_id=model_id,

@@ -909,8 +909,10 @@ def test_detector_role(model_dir: Path, tmp_path: Path) -> None:
         text = "Plain human text about the tides and the moon, nothing hidden in it."
         r = c.post("/decode", json={"text": text, "num_bits": 8}, headers=auth)
         assert r.status_code == 200 and len(r.json()["bits"]) == 8
+        assert r.json()["statistic"] == "model_free"  # no model loaded: said so
         r = c.post("/detect", json={"text": text}, headers=auth)
         assert r.status_code == 200 and r.json()["is_watermarked"] is False
+        assert r.json()["statistic"] == "model_free"
 
 
 # --------------------------------------------------------------------------- 10. readiness

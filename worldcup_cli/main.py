@@ -37,6 +37,7 @@ from worldcup_core import (
 )
 from worldcup_core.assess import TestP, answer_tests, assess
 from worldcup_core.config import MAX_PAYLOAD_BITS
+from worldcup_core.detector_model import model_applies, model_decode_many
 from worldcup_core.detector_weighted import verdict_log_p
 from worldcup_core.scheme import WatermarkScheme
 from worldcup_core.verdict import verdict_sentence
@@ -228,6 +229,29 @@ def _stdin_text() -> str:
     if not text.strip():
         fail("no text on stdin: pipe the text to decode or detect")
     return text
+
+
+WithModelOpt = Annotated[
+    bool,
+    typer.Option(
+        "--with-model",
+        help="Load the model (--model, default: embedded) and weigh every scored token by "
+        "its informativeness under it, as a service with the model loaded does (statistic "
+        "'model'; worldcup-v2 keys). Default: the tokenizer only, statistic 'model_free'.",
+    ),
+]
+
+
+def _token_weights(ids: list[int], model: str | None) -> Any:
+    """The text's token weights under the model (one forward pass), as the service's."""
+    from worldcup_core.model_weights import model_token_weights
+    from worldcup_core.models import ModelLoadError, load_model
+
+    try:
+        lm = load_model(model)
+    except ModelLoadError as exc:
+        fail(str(exc))
+    return model_token_weights(lm.model, [ids], pad_token_id=lm.pad_token_id)[0]
 
 
 def _tokenize(text: str, model: str | None) -> list[int]:
@@ -433,6 +457,7 @@ def decode(
     scheme_version: VersionOpt = SCHEME_V2,
     list_size: Annotated[int, typer.Option("--list-size", help="Alternatives to list.")] = 5,
     model: ModelOpt = None,
+    with_model: WithModelOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Recover the payload from text on stdin."""
@@ -443,9 +468,16 @@ def decode(
         fail(f"--list-size must be >= 1, got {list_size}")
     wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant, scheme_version)
     ids = _tokenize(_stdin_text(), model)
-    result = wm.decode(ids, num_bits, list_size=list_size)
+    weighted = with_model and isinstance(wm, WorldCup) and model_applies(wm.config)
+    if weighted:
+        assert isinstance(wm, WorldCup)
+        weights = _token_weights(ids, model)
+        result = model_decode_many(wm.key, wm.config, [ids], num_bits, [weights], list_size)[0]
+    else:
+        result = wm.decode(ids, num_bits, list_size=list_size)
     det = result.detection
     out = {
+        "statistic": "model" if weighted else "model_free",
         "bits": result.bits,
         "bit_confidence": [
             {"z": round(z, 3), "p_value": p}
@@ -508,12 +540,13 @@ def detect(
         ),
     ] = 0.01,
     model: ModelOpt = None,
+    with_model: WithModelOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Is the text on stdin watermarked with this key? One verdict, as the service's for
     a tenant with this one key and no registry: the message-free test and the test at
     the payload length (--num-bits, else the service's default 32), weighted-Bonferroni
-    combined (worldcup_core.assess)."""
+    combined (worldcup_core.assess). Model-free unless --with-model."""
     key = _read_key(key_file)
     if num_bits is not None and not 1 <= num_bits <= MAX_PAYLOAD_BITS:
         fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
@@ -523,9 +556,11 @@ def detect(
     ids = _tokenize(_stdin_text(), model)
     det = wm.detect(ids, num_bits=None, significance=significance)
     length = num_bits or CLI_DEFAULT_NUM_BITS
+    weighted = with_model and isinstance(wm, WorldCup) and model_applies(wm.config)
     if isinstance(wm, WorldCup):  # the verdict's statistics, as the service's
-        free = math.exp(float(verdict_log_p(wm, [ids], None)[0]))
-        known = math.exp(float(verdict_log_p(wm, [ids], length)[0]))
+        weights = [_token_weights(ids, model)] if weighted else None
+        free = math.exp(float(verdict_log_p(wm, [ids], None, weights)[0]))
+        known = math.exp(float(verdict_log_p(wm, [ids], length, weights)[0]))
     else:
         free, known = det.p_value, wm.detect(ids, num_bits=length).p_value
     tests = [TestP("detect", free), TestP("decode", known, length)]
@@ -538,6 +573,7 @@ def detect(
         "p_value": found.p_value,
         "threshold": found.threshold,
         "keys_searched": found.keys_searched,
+        "statistic": "model" if weighted else "model_free",
         "is_watermarked": found.is_watermarked,
         "num_scored_tokens": det.num_scored_tokens,
         "num_tokens": det.num_tokens,

@@ -90,16 +90,16 @@ def _batch_weights(
         r_idx = torch.tensor([w[0] for w in part], device=device)
         p_idx = torch.tensor([w[1] for w in part], device=device)
         logits = head(hidden[r_idx, p_idx]).float()
-        original = logits.clone()
         flat_r = [j for j, b in enumerate(bans[s : s + chunk]) for _ in b]
         flat_c = [c for b in bans[s : s + chunk] for c in b]
         if flat_r:
-            logits[
-                torch.tensor(flat_r, device=device), torch.tensor(flat_c, device=device)
-            ] = -torch.inf
-            empty = ~torch.isfinite(logits).any(dim=1)
+            rows_t = torch.tensor(flat_r, device=device)
+            banned = torch.unique(rows_t)
+            saved = logits[banned].clone()  # only the rows with bans (few): not all of them
+            logits[rows_t, torch.tensor(flat_c, device=device)] = -torch.inf
+            empty = ~torch.isfinite(logits[banned]).any(dim=1)
             if bool(empty.any()):  # bans that leave nothing are lifted (as the sampler does)
-                logits[empty] = original[empty]
+                logits[banned[empty]] = saved[empty]
         n = len(part)
         _, probs = filter_logits_torch(
             logits, [sampling.temperature] * n, [sampling.top_k] * n, [sampling.top_p] * n

@@ -55,6 +55,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("is_watermarked", "bool"),
     ("verdict", "string"),  # worldcup_core.assess: the API's verdict for the same asker
     ("verdict_statistic", "string"),  # the test that decided
+    # which statistic the tests took: always model_free here (a scan loads the tokenizer
+    # only; the API's answers say model where the served model weighs tokens, issue #44)
+    ("statistic", "string"),
     ("reason", "string"),  # why inconclusive: too_short or some_evidence (as the API's)
     ("tokens_needed", "int64"),  # scored tokens an inconclusive answer would need
     ("p_value", "float64"),  # the verdict's p-value, every correction included
@@ -196,6 +199,7 @@ class Scanner:
                 is_watermarked=said.is_watermarked,
                 verdict=said.verdict,
                 verdict_statistic=said.statistic,
+                statistic="model_free",
                 reason=said.reason,
                 tokens_needed=said.tokens_needed,
                 p_value=said.p_value,

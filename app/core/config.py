@@ -123,6 +123,22 @@ class Settings(BaseSettings):
     # worse than naming none (the soak run saw 2 such mix-ups in 322 at 16 bits).
     registry_min_confidence: Annotated[float, Field(ge=0, le=1)] = 0.95
 
+    # detection's forward passes (issue #44): with an engine that offers them (hf),
+    # every test weighs each token by its informativeness under the served model;
+    # false, or the detector role, or vllm: model-free (every answer says which).
+    # The hf engine runs them in batches of at most weights_batch_texts texts and
+    # weights_batch_tokens padded tokens, between two generation steps, at
+    # most weights_max_pending texts queued; texts longer than weights_max_tokens are
+    # read in windows of that many tokens (capped at the model's context). While both
+    # wait, detection takes weights_time_share of the engine thread's time, generation
+    # the rest (app/engines/hf.py)
+    detect_with_model: bool = True
+    weights_batch_texts: Annotated[int, Field(ge=1, le=256)] = 8
+    weights_batch_tokens: Annotated[int, Field(ge=16)] = 1024
+    weights_time_share: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    weights_max_pending: Annotated[int, Field(ge=1)] = 256
+    weights_max_tokens: Annotated[int, Field(ge=16)] = 2048
+
     # serving limits
     max_batch_size: Annotated[int, Field(ge=1, le=256)] = 8
     max_queue: Annotated[int, Field(ge=1)] = 64

@@ -89,6 +89,19 @@ class Metrics:
             "Registry entries voided because their generation could not be watermarked.",
             registry=r,
         )
+        self.detection_batch = Histogram(
+            "worldcup_detection_batch_seconds",
+            "One batch of detection's forward passes (token weights), run between two "
+            "generation steps.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
+        self.statistic = Counter(
+            "worldcup_detection_statistic",
+            "Texts scored, by the statistic their answer took (model or model_free).",
+            ["statistic"],
+            registry=r,
+        )
         self.batch_size = Histogram(
             "worldcup_generate_batch_size",
             "Rows per forward pass.",

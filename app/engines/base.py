@@ -11,14 +11,25 @@ full queue and drain behave the same on every engine (``WORLDCUP_ENGINE``):
   Hugging Face model, in a thread. The embedded default.
 - ``vllm`` (:mod:`app.engines.vllm`): vLLM's async engine, with WorldCup as a
   batch-level logits processor.
+
+An engine may also run detection's forward passes (:attr:`Engine.weigher`, issue
+#44): the informativeness of every token of a text under the served model
+(:mod:`worldcup_core.token_weights`), which the detection statistics weigh tokens
+by. ``hf`` runs them in its own batches, interleaved with generation steps
+(:mod:`app.engines.hf`); ``vllm`` offers none, so its deployments detect
+model-free and say so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from app.core.logging import request_id_var
 from worldcup_core.generation import GenerationRequest, GenerationResult, StepEvent
@@ -68,6 +79,20 @@ class GenerationJob:
             pass
 
 
+F64 = npt.NDArray[np.float64]
+
+
+class TokenWeigher(Protocol):
+    """Runs the served model over texts for detection (no generation, no key)."""
+
+    async def token_weights(self, texts: Sequence[Sequence[int]]) -> list[F64]:
+        """Each text's per-token informativeness ``a_t`` in [0, 1] (NaN where the model
+        gives no distribution, e.g. the first token), one array per text, as long as
+        it (:func:`worldcup_core.model_weights.model_token_weights`). Raises
+        :class:`EngineStopped` when the engine shuts down first."""
+        ...
+
+
 class Engine(Protocol):
     """What every generation engine offers the service."""
 
@@ -88,6 +113,12 @@ class Engine(Protocol):
     @property
     def in_flight(self) -> int:
         """Requests waiting or generating."""
+        ...
+
+    @property
+    def weigher(self) -> TokenWeigher | None:
+        """Detection's forward passes on this engine's model, or None: detection is
+        then model-free (the statistic every answer names)."""
         ...
 
     def start(self) -> None:

@@ -277,6 +277,14 @@ class VLLMEngine:
     def in_flight(self) -> int:
         return len(self._tasks)
 
+    @property
+    def weigher(self) -> None:
+        """None: this engine does not run detection's forward passes yet (issue #44
+        item 1 names prompt log-probs over the top tokens as the way), so a vLLM
+        deployment detects model-free, and every answer says ``statistic:
+        "model_free"`` (docs/api.md)."""
+        return None
+
     def start(self) -> None:
         self._running = True
 

@@ -21,6 +21,16 @@ VERDICT_DESCRIPTION = (
     "reason). verdict_statistic names the test it was taken from."
 )
 
+STATISTIC_DESCRIPTION = (
+    "Which statistic the tests took. model: every scored token weighed by its "
+    "informativeness under the served model (1 - sum p^2 of its filtered next-token "
+    "distribution given the text before it), in every test (message-free, payload "
+    "length known, registry, the decoder's per-bit evidence). The weights depend on the "
+    "text and the model only, never on a key, so the p-values stay exact. model_free: no "
+    "model is loaded (detector role, vLLM engine, WORLDCUP_DETECT_WITH_MODEL=false) or "
+    "the key is worldcup-v1: every token counts by today's layer weights."
+)
+
 TEXT_DESCRIPTION = (
     "The text to score, at most the server's `WORLDCUP_MAX_TEXT_CHARS` characters (the "
     "schema states the limit). Text that is only whitespace is refused, as empty text is."
@@ -212,6 +222,7 @@ class _VerdictAnswer(StrictModel):
         description="The fixed level of 'watermarked' and of is_watermarked: 1e-6."
     )
     keys_searched: str = Field(description="The key set the verdict searched, in words.")
+    statistic: Literal["model", "model_free"] = Field(description=STATISTIC_DESCRIPTION)
     tests: list[TestOut] = Field(
         description="Every test combined into the verdict, each with its own p-value."
     )
@@ -226,8 +237,11 @@ class _VerdictAnswer(StrictModel):
     )
 
 
-def verdict_fields(assessment: Assessment) -> dict[str, Any]:
-    """The verdict fields of an answer, from its assessment."""
+def verdict_fields(
+    assessment: Assessment, statistic: Literal["model", "model_free"] = "model_free"
+) -> dict[str, Any]:
+    """The verdict fields of an answer, from its assessment and the statistic its
+    tests took (:mod:`app.services.weights`)."""
     parts = [TestOut(**asdict(c)) for c in components(assessment)]
     return {
         "verdict": assessment.verdict,
@@ -238,6 +252,7 @@ def verdict_fields(assessment: Assessment) -> dict[str, Any]:
         "p_value": assessment.p_value,
         "threshold": assessment.threshold,
         "keys_searched": assessment.keys_searched,
+        "statistic": statistic,
         "tests": parts,
         "verdict_p_value": assessment.p_value,
         "verdict_threshold": assessment.threshold,

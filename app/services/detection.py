@@ -34,22 +34,25 @@ from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
 from app.services.watermark import Assessed, DecodeOutcome, best_length
+from app.services.weights import Statistic
 from worldcup_core.assess import Assessment
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 
-def _count(runtime: Runtime, assessment: Assessment) -> None:
-    """The detections metric, by verdict (the fixed 1e-6 level of "watermarked")."""
+def _count(runtime: Runtime, assessment: Assessment, statistic: Statistic) -> None:
+    """The detections metric, by verdict (the fixed 1e-6 level of "watermarked"), and
+    the statistic each answer took."""
     runtime.metrics.detections.labels(assessment.verdict).inc()
+    runtime.metrics.statistic.labels(statistic).inc()
 
 
 def _decode_response(
-    runtime: Runtime, outcome: DecodeOutcome, assessment: Assessment
+    runtime: Runtime, outcome: DecodeOutcome, assessment: Assessment, statistic: Statistic
 ) -> DecodeResponse:
     result, det = outcome.result, outcome.result.detection
-    _count(runtime, assessment)
+    _count(runtime, assessment, statistic)
     return DecodeResponse(
-        **verdict_fields(assessment),
+        **verdict_fields(assessment, statistic),
         bits=result.bits,
         bit_confidence=[
             BitConfidence(z=round(z, 4), p_value=p)
@@ -70,9 +73,9 @@ def _decode_response(
 
 def _detect_response(runtime: Runtime, assessed: Assessed) -> DetectResponse:
     outcome, assessment = assessed.detect, assessed.assessment
-    _count(runtime, assessment)
+    _count(runtime, assessment, assessed.statistic)
     return DetectResponse(
-        **verdict_fields(assessment),
+        **verdict_fields(assessment, assessed.statistic),
         is_watermarked=assessment.is_watermarked,
         num_tokens=outcome.result.num_tokens,
         num_scored_tokens=outcome.result.num_scored_tokens,
@@ -137,7 +140,7 @@ async def _decode_outcomes(
     ids: list[list[int]],
     num_bits: int | None,
     key_version: int | None,
-) -> list[tuple[DecodeOutcome, Assessment]]:
+) -> list[tuple[DecodeOutcome, Assessment, Statistic]]:
     """(the decoding the route shows, the text's verdict) for each text, at ``num_bits``
     or, where the request names none, at the length of the tested ones (those the tenant
     issued entries at, else the default) whose entry is found (:func:`best_length`)."""
@@ -149,15 +152,21 @@ async def _decode_outcomes(
         by_index: dict[int, DecodeOutcome] = {}
         for n in sorted(set(lengths)):
             at = [i for i, m in enumerate(lengths) if m == n]
+            given = [assessed[i].weights for i in at]
+            weights = [w for w in given if w is not None]  # the ones the verdict took
             try:
                 outs = await runtime.watermark.decode_texts(
-                    principal.tenant.tenant_id, [ids[i] for i in at], n, key_version
+                    principal.tenant.tenant_id,
+                    [ids[i] for i in at],
+                    n,
+                    key_version,
+                    weights if len(weights) == len(at) else None,
                 )
             except UnknownKeyVersion:
                 raise _unknown_version(key_version) from None
             by_index.update(zip(at, outs, strict=True))
         shown = [by_index[i] for i in range(len(ids))]
-    return [(o, a.assessment) for o, a in zip(shown, assessed, strict=True)]
+    return [(o, a.assessment, a.statistic) for o, a in zip(shown, assessed, strict=True)]
 
 
 def _is_verdict(principal: Principal) -> bool:
@@ -192,10 +201,10 @@ async def decode(
         _check_evidence_allowed(principal)
     ids, pieces, sketches = await intake.tokenise(runtime, principal, body.text, body.evidence)
     await intake.admit_one(runtime, principal, "decode", sketches)
-    outcome, assessment = (
+    outcome, assessment, statistic = (
         await _decode_outcomes(runtime, principal, [ids], body.num_bits, body.key_version)
     )[0]
-    answer = _decode_response(runtime, outcome, assessment)
+    answer = _decode_response(runtime, outcome, assessment, statistic)
     if body.evidence:
         answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
@@ -226,9 +235,9 @@ async def decode_batch(
     outcomes = await _decode_outcomes(runtime, principal, ids, body.num_bits, body.key_version)
     answers: list[DecodeResponse] = []
     answered: list[int] = []
-    for index, (outcome, assessment) in zip(good, outcomes, strict=True):
+    for index, (outcome, assessment, statistic) in zip(good, outcomes, strict=True):
         try:
-            answers.append(_decode_response(runtime, outcome, assessment))
+            answers.append(_decode_response(runtime, outcome, assessment, statistic))
             answered.append(index)
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)

@@ -97,6 +97,7 @@ def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
         "message_id": entry.message_id if entry is not None else None,
         "p_value": outcome.assessment.p_value,  # the verdict's, as the answer's
         "verdict": outcome.assessment.verdict,
+        "statistic": outcome.statistic,
         "num_keys": outcome.result.num_keys,
         "num_tokens": outcome.result.num_tokens,
     }
@@ -233,7 +234,7 @@ async def _search(
             block = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
     per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None
     return ProvenanceResponse(
-        **verdict_fields(outcome.assessment),
+        **verdict_fields(outcome.assessment, outcome.statistic),
         found=outcome.significant,
         message=(
             f"watermarked for tenant {outcome.tenant.name!r}"

@@ -6,6 +6,14 @@ over them); provenance searches every tenant's every version through a
 themselves (their versions, unwrapping, the scheme cache) belong to
 :class:`~app.services.tenants.TenantService`; the scoring runs in the bounded
 CPU pool (:mod:`app.services.cpu`), never on the event loop.
+
+**The model's evidence** (issue #44): where the served model is loaded, every test
+(message-free, payload length known, registry, the decoder's per-bit evidence and
+its list ranking) weighs each token by its informativeness under the model
+(:mod:`app.services.weights`). The weights depend on the text and the model only,
+so they are computed once per text (one batched request to the engine) and reused
+under every key version and tenant searched; each answer names the statistic it
+took (``model`` or ``model_free``).
 """
 
 from __future__ import annotations
@@ -17,20 +25,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from app.engines.base import F64
 from app.schemas.watermark import EvidenceOut
 from app.services.cpu import TOKEN_CHARS, CpuPool, offload, offload_map
 from app.services.evidence import evidence_block
 from app.services.registry import Found, Pending, RegistryLookup
 from app.services.tenants import TenantService
+from app.services.weights import ModelWeights, Statistic, statistic_of
 from app.stores.base import RegistryEntry, Store, TenantRecord
 from worldcup_core import DecodeResult, DetectionResult, WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
+from worldcup_core.detector_model import model_applies, model_decode_many, model_text_cells
 from worldcup_core.detector_weighted import best_verdict_log_p, verdict_match
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
-from worldcup_core.registry_lookup import text_cells
+from worldcup_core.registry_lookup import TextCells, text_cells
 from worldcup_core.scoring import sidak_log_p
 from worldcup_core.verdict import VERDICT_CLEAN_FROM
 
@@ -81,6 +92,7 @@ class ProvenanceOutcome:
     # inconclusive: whose key the evidence leans towards (nothing is attributed), with
     # the best key's decoding and scheme for the analyst's evidence; None otherwise
     suspect: TenantRecord | None = None
+    statistic: Statistic = "model_free"  # whether the model's token weights were used
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,8 @@ class Assessed:
     assessment: Assessment
     detect: DetectOutcome
     decoded: dict[int, DecodeOutcome]
+    statistic: Statistic = "model_free"  # whether the model's token weights were used
+    weights: F64 | None = None  # the text's token weights (None: model-free)
 
 
 @dataclass(frozen=True)
@@ -104,12 +118,16 @@ class VerdictStats:
 
 
 def verdict_stats(
-    versions: Sequence[tuple[int, WorldCup]], texts: Sequence[list[int]], lengths: list[int]
+    versions: Sequence[tuple[int, WorldCup]],
+    texts: Sequence[list[int]],
+    lengths: list[int],
+    weights: Sequence[F64] | None = None,
 ) -> list[VerdictStats]:
-    """The detect and decode tests of every text under every version (worker job)."""
+    """The detect and decode tests of every text under every version (worker job);
+    with ``weights`` (one array per text) model-assisted where the scheme allows."""
     schemes = [s for _, s in versions]
-    free, free_best = best_verdict_log_p(schemes, texts, None)
-    known = {bits: best_verdict_log_p(schemes, texts, bits) for bits in lengths}
+    free, free_best = best_verdict_log_p(schemes, texts, None, weights)
+    known = {bits: best_verdict_log_p(schemes, texts, bits, weights) for bits in lengths}
     return [
         VerdictStats(
             (float(free[i]), versions[int(free_best[i])][0]),
@@ -117,6 +135,32 @@ def verdict_stats(
         )
         for i in range(len(texts))
     ]
+
+
+def decode_one(
+    scheme: WorldCup, token_ids: list[int], num_bits: int, weights: F64 | None
+) -> DecodeResult:
+    """The decoder's reading of one text: from the model-weighted cells (per-bit
+    evidence, list ranking, the test at this length) where the weights apply."""
+    if weights is not None and model_applies(scheme.config):
+        config = scheme.config
+        return model_decode_many(scheme.key, config, [token_ids], num_bits, [weights])[0]
+    return scheme.decode(token_ids, num_bits)
+
+
+def registry_cells(
+    scheme: WorldCup, token_ids: list[int], num_bits: int, weights: F64 | None
+) -> TextCells:
+    """The cells a registry match ranks entries on: weighted where the weights apply
+    (the unweighted counts kept for the contradiction check)."""
+    if weights is not None and model_applies(scheme.config):
+        ones, trials, weighted = model_text_cells(
+            scheme.key, scheme.config, token_ids, num_bits, weights
+        )
+        return text_cells(ones, trials, num_bits, weighted)
+    symbols = scheme.config.symbols_for(num_bits)
+    ones, trials, _ = scheme.evidence(token_ids).cells(symbols)
+    return text_cells(ones, trials, num_bits)
 
 
 def assess_outcomes(
@@ -160,8 +204,10 @@ class WatermarkService:
         tenants: TenantService,
         cpu: CpuPool | None = None,
         provenance_refresh_s: float = 30.0,
+        weights: ModelWeights | None = None,
     ) -> None:
         self.store = store
+        self.weights = weights if weights is not None else ModelWeights(None)
         self.tenants = tenants
         self.cpu = cpu
         self.provenance_refresh_s = provenance_refresh_s
@@ -180,11 +226,13 @@ class WatermarkService:
         texts: Sequence[list[int]],
         num_bits: int,
         key_version: int | None,
+        weights: Sequence[F64] | None = None,
     ) -> list[DecodeOutcome]:
         """Decode under each candidate key version, keep the most significant, and
         match it against that version's registry (:mod:`app.services.registry`: the
         registry's counters once per batch, then its cached payloads, or one lookup
-        of the text's likeliest ids per text)."""
+        of the text's likeliest ids per text). ``weights``: the texts' token weights
+        (:mod:`app.services.weights`), None for the model-free statistic."""
         versions = (
             [await self.tenants.version(tenant_id, key_version)]
             if key_version is not None
@@ -197,14 +245,17 @@ class WatermarkService:
             for v in versions
         }
 
+        per_text: list[F64 | None] = list(weights) if weights is not None else [None] * len(texts)
+        items = list(zip(texts, per_text, strict=True))
+
         def work(
-            chunk: list[list[int]],
+            chunk: list[tuple[list[int], F64 | None]],
         ) -> list[tuple[DecodeOutcome, Found | None, Pending | None]]:
             out = []
-            for token_ids in chunk:
+            for token_ids, w in chunk:
                 best: DecodeOutcome | None = None
                 for v in versions:
-                    result = v.scheme.decode(token_ids, num_bits)
+                    result = decode_one(v.scheme, token_ids, num_bits, w)
                     if best is None or (
                         result.detection.log10_p_value < best.result.detection.log10_p_value
                     ):
@@ -214,9 +265,7 @@ class WatermarkService:
                 plan = plans[best.key_version]
                 found, pending = None, None
                 if plan.candidates > 0:
-                    symbols = scheme.config.symbols_for(num_bits)
-                    ones, trials, _ = scheme.evidence(token_ids).cells(symbols)
-                    cells = text_cells(ones, trials, num_bits)
+                    cells = registry_cells(scheme, token_ids, num_bits, w)
                     if plan.payloads is not None:
                         found = self.registry.match_small(plan, cells)
                     else:
@@ -225,14 +274,15 @@ class WatermarkService:
             return out
 
         # one job per chunk of texts: a big batch does not hold the workers for long
-        decoded = await offload_map(self.cpu, work, texts, lambda ids: TOKEN_CHARS * len(ids))
+        decoded = await offload_map(self.cpu, work, items, lambda it: TOKEN_CHARS * len(it[0]))
         waiting = [(best.key_version, p) for best, _, p in decoded if p is not None]
         listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting))
         founds = [next(listed) if pending is not None else found for _, found, pending in decoded]
         schemes = {v.version: v.scheme for v in versions}
 
         def rescore() -> list[Found | None]:
-            """Each match with the registry test the verdict takes (layer-weighted)."""
+            """Each match with the registry test the verdict takes (layer-weighted, or
+            model-weighted with the text's weights)."""
             return [
                 None
                 if found is None
@@ -243,9 +293,10 @@ class WatermarkService:
                         ids,
                         found.match,
                         plans[best.key_version].bonferroni,
+                        w,
                     ),
                 )
-                for ids, (best, _, _), found in zip(texts, decoded, founds, strict=True)
+                for (ids, w), (best, _, _), found in zip(items, decoded, founds, strict=True)
             ]
 
         founds = await self.offload(rescore)
@@ -320,6 +371,7 @@ class WatermarkService:
         wanted = lengths + (
             [also_num_bits] if also_num_bits is not None and also_num_bits not in lengths else []
         )
+        weights = await self.weights.of(texts)  # once per text, for every version
         scorer = await self.detector(tenant_id, significance)
         detects = await offload_map(
             self.cpu,
@@ -327,14 +379,18 @@ class WatermarkService:
             texts,
             lambda t: TOKEN_CHARS * len(t),
         )
-        decoded = {bits: await self.decode_texts(tenant_id, texts, bits, None) for bits in wanted}
+        decoded = {
+            bits: await self.decode_texts(tenant_id, texts, bits, None, weights) for bits in wanted
+        }
         pairs = [(v.version, v.scheme) for v in records]
-        stats = await offload_map(
-            self.cpu,
-            lambda chunk: verdict_stats(pairs, chunk, lengths),
-            texts,
-            lambda t: TOKEN_CHARS * len(t),
-        )
+        given: list[F64 | None] = list(weights) if weights is not None else [None] * len(texts)
+        items = list(zip(texts, given, strict=True))
+
+        def stats_of(chunk: list[tuple[list[int], F64 | None]]) -> list[VerdictStats]:
+            held = [w for _, w in chunk if w is not None]
+            return verdict_stats(pairs, [ids for ids, _ in chunk], lengths, held or None)
+
+        stats = await offload_map(self.cpu, stats_of, items, lambda it: TOKEN_CHARS * len(it[0]))
         searched = f"tenant {tenant_id}'s {len(versions)} key version(s)"
         out = []
         for i, detect in enumerate(detects):
@@ -348,7 +404,10 @@ class WatermarkService:
                 searched,
                 detect.result.num_scored_tokens,
             )
-            out.append(Assessed(assessment, detect, by_length))
+            deciding = [v.scheme for v in records if v.version == assessment.key_version]
+            statistic = statistic_of(weights, deciding or [v.scheme for v in records])
+            text_weights = None if weights is None else weights[i]
+            out.append(Assessed(assessment, detect, by_length, statistic, text_weights))
         return out
 
     async def token_evidence(
@@ -404,21 +463,35 @@ class WatermarkService:
         tenant_id, version = refs[result.best.index]
         issued = await self.store.registry_bit_lengths(tenant_id, version)
         lengths = issued or [default_num_bits]
+        # the key search above screens on the model-free statistic (a union bound over
+        # every key in the bank covers any choice); the chosen key's tests are weighted
+        weights = await self.weights.of([token_ids])
         decoded = {
-            bits: (await self.decode_texts(tenant_id, [token_ids], bits, version))[0]
+            bits: (await self.decode_texts(tenant_id, [token_ids], bits, version, weights))[0]
             for bits in lengths
         }
         # the best key's tests, each corrected for the search (every key in the bank)
         best_scheme = bank.schemes[result.best.index]
+        statistic = statistic_of(weights, [best_scheme])
         stats = await self.offload(
-            lambda: verdict_stats([(version, best_scheme)], [token_ids], lengths)[0]
+            lambda: verdict_stats([(version, best_scheme)], [token_ids], lengths, weights)[0]
         )
         assessment = assess_outcomes(
             stats, decoded, lengths, set(issued), result.num_keys, keys, result.num_scored_tokens
         )
         if assessment.p_value >= VERDICT_CLEAN_FROM:  # no evidence: nobody to lean to
             return ProvenanceOutcome(
-                result, False, None, None, None, num_tenants, elapsed, None, candidates, assessment
+                result,
+                False,
+                None,
+                None,
+                None,
+                num_tenants,
+                elapsed,
+                None,
+                candidates,
+                assessment,
+                statistic=statistic,
             )
         tenant = await self.store.get_tenant(tenant_id)
         if not assessment.is_watermarked:  # inconclusive: the lean, named, not attributed
@@ -434,6 +507,7 @@ class WatermarkService:
                 candidates,
                 assessment,
                 suspect=tenant,
+                statistic=statistic,
             )
         return ProvenanceOutcome(
             result,
@@ -446,6 +520,7 @@ class WatermarkService:
             bank.schemes[result.best.index],
             candidates,
             assessment,
+            statistic=statistic,
         )
 
 
