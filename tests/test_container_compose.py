@@ -116,28 +116,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # subnet in FORWARDED_ALLOW_IPS); made here first so that its subnet is known.
     network = f"{project}_default"
     podman("network", "create", network)
-    env = dict(os.environ)
-    env.update(
-        APP_IMAGE=need("WORLDCUP_CT_CPU_IMAGE"),
-        REDIS_IMAGE=need("WORLDCUP_CT_REDIS_IMAGE"),
-        TLS_IMAGE=need("WORLDCUP_CT_TLS_IMAGE"),
-        APP_PORT=f"127.0.0.1:{port}",
-        TLS_PORT=f"127.0.0.1:{tls_port}",
-        SECRETS_DIR=str(secrets_dir),
-        TLS_CERT_FILE=str(tls_dir / "server.crt"),
-        TLS_KEY_FILE=str(tls_dir / "server.key"),
-        WORLDCUP_TLS_HSTS="max-age=300",
-        FORWARDED_ALLOW_IPS=_subnet(network),
-    )
-    running = Stack(
-        project,
-        env,
-        f"http://127.0.0.1:{port}",
-        write_secrets(secrets_dir),
-        f"https://127.0.0.1:{tls_port}",
-        tls_dir / "ca.crt",
-    )
+    running: Stack | None = None
     try:
+        env = dict(os.environ)
+        env.update(
+            APP_IMAGE=need("WORLDCUP_CT_CPU_IMAGE"),
+            REDIS_IMAGE=need("WORLDCUP_CT_REDIS_IMAGE"),
+            TLS_IMAGE=need("WORLDCUP_CT_TLS_IMAGE"),
+            APP_PORT=f"127.0.0.1:{port}",
+            TLS_PORT=f"127.0.0.1:{tls_port}",
+            SECRETS_DIR=str(secrets_dir),
+            TLS_CERT_FILE=str(tls_dir / "server.crt"),
+            TLS_KEY_FILE=str(tls_dir / "server.key"),
+            TLS_HSTS="max-age=300",
+            FORWARDED_ALLOW_IPS=_subnet(network),
+        )
+        running = Stack(
+            project,
+            env,
+            f"http://127.0.0.1:{port}",
+            write_secrets(secrets_dir),
+            f"https://127.0.0.1:{tls_port}",
+            tls_dir / "ca.crt",
+        )
         up = running.compose("up", "-d", "app", "redis", "tls")
         running.healthy()
         print(f"podman-compose up printed:\n{up.stdout}{up.stderr}")
@@ -146,10 +147,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
     except BaseException:
         for service in ("app", "redis", "tls"):
-            print(logs(running.container(service)))
+            print(logs(f"{project}_{service}_1"))
         raise
     finally:
-        running.compose("down", "-v", "-t", "40", check=False)
+        if running is not None:
+            running.compose("down", "-v", "-t", "40", check=False)
         podman("network", "rm", "-f", network, check=False)
 
 
@@ -204,7 +206,7 @@ def test_compose_file_as_users_run_it(stack: Stack) -> None:
 
 def test_https_round_trip_with_the_ca_verified(stack: Stack) -> None:
     """Tenant, /generate, /decode through the proxy, the server's certificate verified
-    against the test's CA (and refused without it); HSTS as WORLDCUP_TLS_HSTS says."""
+    against the test's CA (and refused without it); HSTS as TLS_HSTS says."""
     with stack.https() as https:
         api_key = create_tenant(https, stack.secrets["admin_token"], "tls")
         meta = {"doc": "tls-1"}
