@@ -215,6 +215,10 @@ def test_https_round_trip_with_the_ca_verified(stack: Stack) -> None:
         health = https.get("/health")
         assert health.status_code == 200
         assert health.headers["strict-transport-security"] == "max-age=300"
+    # its access log: the requests, never a key or the admin token (they are headers)
+    proxy_log = logs(stack.container("tls"))
+    assert '"POST /generate HTTP/1.1" 200' in proxy_log, proxy_log
+    assert api_key not in proxy_log and stack.secrets["admin_token"] not in proxy_log
     with pytest.raises(httpx.ConnectError) as refused, stack.https(verify=True) as public:
         public.get("/health")  # the system's CAs: the private CA is not among them
     assert "CERTIFICATE_VERIFY_FAILED" in str(refused.value), repr(refused.value)
@@ -292,3 +296,38 @@ def test_proxy_body_limit_is_the_apps(stack: Stack) -> None:
 def test_only_the_https_port_is_published(stack: Stack) -> None:
     ports = podman("port", stack.container("tls")).stdout.split()
     assert ports == ["8443/tcp", "->", stack.tls_url.removeprefix("https://")], ports
+
+
+def test_proxy_alone_answers_envelopes_and_checks_its_settings(tmp_path: Path) -> None:
+    """The proxy image without its app: a 502 in the service's envelope (Retry-After), not
+    nginx's page; and its entrypoint refuses a body limit that is not a number of bytes,
+    and a missing certificate, before nginx starts."""
+    image = need("WORLDCUP_CT_TLS_IMAGE")
+    tls_dir = tmp_path / "tls"
+    subprocess.run(["bash", str(ROOT / "scripts" / "tls-cert.sh"), str(tls_dir)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    mounts = ["-v", f"{tls_dir / 'server.crt'}:/run/secrets/tls_cert:ro",
+              "-v", f"{tls_dir / 'server.key'}:/run/secrets/tls_key:ro"]  # fmt: skip
+    bad = podman("run", "--rm", *mounts, "-e", "WORLDCUP_MAX_BODY_BYTES=1mb", image, check=False)
+    assert bad.returncode == 2 and "whole numbers of bytes" in bad.stderr, bad.stderr
+    nocert = podman("run", "--rm", image, check=False)
+    assert nocert.returncode == 2 and "/run/secrets/tls_cert is missing" in nocert.stderr
+    port, name = free_port(), f"worldcup-ct-tls-{uuid.uuid4().hex[:6]}"
+    podman("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8443", *mounts, image)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/ready", verify=str(tls_dir / "ca.crt"),
+                              timeout=10)  # fmt: skip
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert r.status_code == 502, r.text
+        assert r.headers["content-type"] == "application/json"
+        assert r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "upstream_unavailable"
+    finally:
+        podman("rm", "-f", "-t", "5", name, check=False)
