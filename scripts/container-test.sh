@@ -15,6 +15,7 @@
 #     cgroups) and lower rlimits (nofile 10000, nproc 4096);
 #   - a base image made from Debian packages: debootstrap --variant=minbase bookworm with
 #     python3, python3-venv and ca-certificates, imported once (podman keeps it);
+#   - the tls profile's proxy image (docker/Dockerfile.tls: nginx-light) on that base;
 #   - pip inside the builds uses this host's pip setup: its CA bundle, its find-links folders
 #     and local file:// indexes are mounted read-only (the CPU torch wheel lies there). The
 #     Dockerfiles themselves stay as users run them: PyTorch's wheel index by default.
@@ -29,6 +30,7 @@ BASE_IMAGE=localhost/worldcup-base:bookworm
 CPU_IMAGE=localhost/worldcup:cpu-ci
 CUDA_BUILDER_IMAGE=localhost/worldcup:cuda-builder-ci
 REDIS_IMAGE=localhost/worldcup-redis:ci
+TLS_IMAGE=localhost/worldcup-tls:ci
 COMPOSE_VERSION=1.6.0
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 T0=$(date +%s)
@@ -168,6 +170,15 @@ EOF
     > "$STATE/build-redis.log" 2>&1 || { tail -20 "$STATE/build-redis.log" >&2; exit 1; }
 }
 
+# The compose profile tls's proxy: docker/Dockerfile.tls (Debian's nginx-light) on the same
+# Debian base; its certificate is made by the test (scripts/tls-cert.sh), never built in.
+tls_image() {
+  phase "build $TLS_IMAGE (docker/Dockerfile.tls)"
+  podman build --format docker -t "$TLS_IMAGE" --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    -f docker/Dockerfile.tls "$ROOT" > "$STATE/build-tls.log" 2>&1 \
+    || { tail -20 "$STATE/build-tls.log" >&2; exit 1; }
+}
+
 images() {
   base
   build "$CPU_IMAGE" docker/Dockerfile
@@ -177,14 +188,16 @@ images() {
   TARGET_BUILDER_ONLY=1 build "$CUDA_BUILDER_IMAGE" docker/Dockerfile.cuda \
     --build-arg CUDA_IMAGE="$BASE_IMAGE" --build-arg ENGINE=hf
   redis_image
+  tls_image
   podman image prune -f > /dev/null  # the images the rebuilds replaced (no cache is lost)
   phase "images: $(podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' \
-    | grep -E 'worldcup(-redis|-base)?:' | tr '\n' ';')"
+    | grep -E 'worldcup(-redis|-base|-tls)?:' | tr '\n' ';')"
 }
 
 export_env() {
   export WORLDCUP_CT_CPU_IMAGE=$CPU_IMAGE WORLDCUP_CT_CUDA_BUILDER_IMAGE=$CUDA_BUILDER_IMAGE
-  export WORLDCUP_CT_REDIS_IMAGE=$REDIS_IMAGE WORLDCUP_CT_STATE=$STATE
+  export WORLDCUP_CT_REDIS_IMAGE=$REDIS_IMAGE WORLDCUP_CT_TLS_IMAGE=$TLS_IMAGE
+  export WORLDCUP_CT_STATE=$STATE
   export WORLDCUP_CT_COMPOSE=$STATE/venv/bin/podman-compose
 }
 

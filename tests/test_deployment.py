@@ -573,3 +573,55 @@ def test_the_package_metadata_builds_without_a_deprecated_license_table(
         built = setuptools.build_meta.prepare_metadata_for_build_wheel(str(tmp_path))
     metadata = (tmp_path / built / "METADATA").read_text(encoding="utf-8")
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
+
+
+def test_tls_proxy_service(compose: dict[str, Any], services: dict[str, Any]) -> None:
+    """The `tls` profile: only its https port, on loopback unless TLS_PORT says otherwise;
+    cert and key as compose secrets from TLS_CERT_FILE / TLS_KEY_FILE (never in the image);
+    the app behind it on the compose network. make test-container runs it for real."""
+    tls = services["tls"]
+    assert tls["profiles"] == ["tls"]
+    assert tls["build"]["dockerfile"] == "docker/Dockerfile.tls"
+    assert _published(tls) == [("127.0.0.1", "8443", "8443")]
+    assert _defaults(tls["ports"][0], {"TLS_PORT": "0.0.0.0:443"}) == "0.0.0.0:443:8443"
+    assert _env(tls)["WORLDCUP_TLS_UPSTREAM"] == f"app:{_default('port')}"
+    assert tls["depends_on"]["app"]["condition"] == "service_healthy"
+    assert set(tls["secrets"]) == {"tls_cert", "tls_key"}
+    declared = compose["secrets"]
+    assert _defaults(declared["tls_cert"]["file"]) == "./secrets/tls/server.crt"
+    assert _defaults(declared["tls_key"]["file"], {"TLS_KEY_FILE": "/k"}) == "/k"
+    dockerfile = (DOCKER / "Dockerfile.tls").read_text(encoding="utf-8")
+    assert "nginx-light" in dockerfile and "EXPOSE 8443" in dockerfile
+    assert ".key" not in dockerfile and ".crt" not in dockerfile
+
+
+def test_tls_proxy_body_limits_are_the_apps() -> None:
+    """The proxy's client_max_body_size defaults (compose's and the entrypoint's) equal the
+    app's WORLDCUP_MAX_BODY_BYTES and WORLDCUP_MAX_BATCH_BODY_BYTES defaults, and compose
+    passes the operator's values (shell or .env) to the proxy as the app reads them."""
+    tls_env = _env(_load_yaml(ROOT / "docker-compose.yml")["services"]["tls"])
+    entrypoint = (DOCKER / "tls" / "entrypoint.sh").read_text(encoding="utf-8")
+    for var, field in (
+        ("WORLDCUP_MAX_BODY_BYTES", "max_body_bytes"),
+        ("WORLDCUP_MAX_BATCH_BODY_BYTES", "max_batch_body_bytes"),
+    ):
+        assert int(_defaults(tls_env[var])) == _default(field), var
+        assert _defaults(tls_env[var], {var: "4096"}) == "4096"
+        assert f"${{{var}:-{_default(field)}}}" in entrypoint, var
+    template = (DOCKER / "tls" / "nginx.conf.template").read_text(encoding="utf-8")
+    assert "client_max_body_size @MAX_BODY@;" in template
+    assert "location ~ /batch$ {\n            client_max_body_size @MAX_BATCH_BODY@;" in template
+
+
+def test_tls_proxy_forwards_and_streams() -> None:
+    """X-Forwarded-For replaced with the peer (not appended to a client's own), the proto
+    https, no response buffering (SSE), a read timeout past the app's request timeout, and
+    an access log format without headers (API keys travel in Authorization)."""
+    template = (DOCKER / "tls" / "nginx.conf.template").read_text(encoding="utf-8")
+    assert "proxy_set_header X-Forwarded-For $remote_addr;" in template
+    assert "proxy_set_header X-Forwarded-Proto https;" in template
+    assert "proxy_buffering off;" in template
+    read = re.search(r"proxy_read_timeout (\d+)s;", template)
+    assert read is not None and int(read.group(1)) > _default("request_timeout_s")
+    assert "access_log /dev/stdout combined;" in template and "log_format" not in template
+    assert "error_page 497" in template  # plain http: refused (the container test asserts 400)
