@@ -34,14 +34,18 @@ a different entry of the user, so a user's evidence is read per text. Two exact
 constructions (:data:`GROUP_DESIGNS`), measured on simulated collections
 (``docs/design.md``):
 
-* ``mixture`` (the default): per text, the user's best entry, its one-entry registry
+* ``mixture``: per text, the user's best entry, its one-entry registry
   test (:class:`~worldcup_core.detector_model.WeightedCells`: exact tail of the
   weighted agreement) Bonferroni-corrected by the user's entry count ``n_u``; the
   corrected p's of the texts (independent under H0 after de-duplication, each
   super-uniform) combined by Fisher: a valid p;
 * ``pooled``: the sum over texts of the best entry's weighted agreement, against the
   exact law of the sum over all units (the same law for every assignment of entries to
-  texts, each unit's law being symmetric), Bonferroni over the ``n_u^T`` assignments.
+  texts, each unit's law being symmetric), Bonferroni over the ``n_u^T`` assignments
+  of entries to the ``T`` texts with units. The default: on simulated collections of
+  5 texts x 24 tokens (100 users x 100 entries) it names the user at 1e-6 in 30 of 40,
+  the mixture in 1 of 40 (the mixture pays Fisher's degrees of freedom on top of the
+  same per-text Bonferroni).
 
 The winner is the value of smallest p, corrected by the number of **distinct values
 searched** ``G`` (union bound): ``p_group = min(1, G p_u)``.
@@ -95,7 +99,7 @@ I64 = npt.NDArray[np.int64]
 Statistic = Literal["model", "model_free"]
 GroupDesign = Literal["mixture", "pooled"]
 GROUP_DESIGNS: Final[tuple[GroupDesign, ...]] = ("mixture", "pooled")
-DEFAULT_GROUP_DESIGN: Final[GroupDesign] = "mixture"
+DEFAULT_GROUP_DESIGN: Final[GroupDesign] = "pooled"  # measured: docs/design.md
 MAX_COLLECTION_TEXTS: Final = 1000  # a bound for callers (the service's limits are its own)
 _LN10 = math.log(10.0)
 _FLOOR = math.log(1e-300)
