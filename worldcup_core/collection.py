@@ -365,17 +365,20 @@ def _group_scores(
         if not entries:
             continue
         n_u = len(entries)
+        by_length = []  # the user's entries of each length, as a matrix (parsed once)
+        for length in sorted({len(b) for b in entries}):
+            same = [b for b in entries if len(b) == length]
+            by_length.append((length, same, _entry_matrix(same, config.symbols_for(length) * k)))
         best: list[tuple[float, int, str]] = []  # per live text: (log p, agreement, entry)
         for i in live:
             cand: tuple[float, int, str] | None = None
-            for length in sorted({len(b) for b in entries}):
-                same = [b for b in entries if len(b) == length]
+            for length, same, matrix in by_length:
                 ev = evidence[length][i]
-                agree = ev.agreements(_entry_matrix(same, config.symbols_for(length) * k))
-                for r in np.argsort(-agree, kind="stable")[:1].tolist():
-                    lp = ev.log_sf(int(agree[r]))
-                    if cand is None or lp < cand[0]:
-                        cand = (lp, int(agree[r]), same[r])
+                agree = ev.agreements(matrix)
+                r = int(np.argmax(agree))  # the first of the best: the user's order breaks ties
+                lp = ev.log_sf(int(agree[r]))
+                if cand is None or lp < cand[0]:
+                    cand = (lp, int(agree[r]), same[r])
             assert cand is not None
             best.append(cand)
         chosen: list[str | None] = [None] * units.num_texts
