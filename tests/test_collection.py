@@ -114,6 +114,7 @@ def test_sign_flip_tail_is_brute_force() -> None:
         want = hits / 2 ** len(devs)
         got = sign_flip_upper_log_sf(devs, excess)
         assert (want == 0 and got == -math.inf) or math.isclose(math.exp(got), want, rel_tol=1e-12)
+        assert sign_flip_upper_log_sf(devs, excess, coarse=2) <= got + 1e-12  # a lower bound
 
 
 def _watermarked(
@@ -192,3 +193,11 @@ def test_group_search_names_the_right_user_and_never_an_outsider() -> None:
             units = collection_units(CONFIG, list(other), list(other_w))
             assert group_search(scheme.key, CONFIG, units, groups, design).p_value > 1e-6
     assert named >= trials - 1
+    # the search's pruning is exact: each group searched alone (G = 1) gives its p, and
+    # no ruled-out group beats the named one
+    subset = {v: groups[v] for v in list(groups)[:12]}
+    units = collection_units(CONFIG, list(texts), list(weights))
+    whole = group_search(scheme.key, CONFIG, units, subset)
+    alone = {v: group_search(scheme.key, CONFIG, units, {v: e}).log_p for v, e in subset.items()}
+    assert whole.value == min(alone, key=lambda v: (alone[v], v))
+    assert math.isclose(whole.log_p, min(alone[whole.value] + math.log(12), 0.0), abs_tol=1e-9)

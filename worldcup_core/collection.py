@@ -238,9 +238,11 @@ def _entry_matrix(entries: Sequence[str], width: int) -> npt.NDArray[np.int64]:
     return out
 
 
-def sign_flip_upper_log_sf(deviations: npt.ArrayLike, excess: int) -> float:
+def sign_flip_upper_log_sf(deviations: npt.ArrayLike, excess: int, coarse: int = 1) -> float:
     """``log P(sum_b s_b |D_b| >= excess)`` for fair independent signs ``s_b`` (exact: the
-    convolution of two-point laws, the same law as a cell's score, shifted)."""
+    convolution of two-point laws, the same law as a cell's score, shifted). With
+    ``coarse`` q > 1, a cheap lower bound: each |D_b| rounded down to a multiple of q
+    (the sum can only drop, for every draw of the signs)."""
     d = np.abs(np.asarray(deviations, dtype=np.int64))
     d = d[d > 0]
     total = int(d.sum())
@@ -249,12 +251,18 @@ def sign_flip_upper_log_sf(deviations: npt.ArrayLike, excess: int) -> float:
     if excess > total:
         return -math.inf
     # sum s_b |D_b| = 2 X - total, X = sum over b of |D_b| times a fair bit
+    need = -(-(excess + total) // 2)  # X >= ceil((excess + total) / 2)
+    if coarse > 1:
+        d = d // coarse
+        d = d[d > 0]
+        need = -(-need // coarse)
     law = np.array([1.0])
     for w in np.sort(d).tolist():
         step = np.zeros(w + 1)
         step[0] = step[-1] = 0.5
         law = np.convolve(law, step)
-    need = -(-(excess + total) // 2)  # X >= ceil((excess + total) / 2)
+    if need >= len(law):
+        return -math.inf
     tail = float(law[max(need, 0) :].sum())
     return math.log(tail) if tail > 0 else math.log(1e-300)
 
@@ -289,7 +297,8 @@ class _TextEvidence:
         self.base = int(cells.score.sum())  # agreement of the all-zero entry
         self.gain = (cells.mass[:, None] - 2 * cells.score).ravel()  # per bit set to 1
         dev = (2 * cells.score - cells.mass[:, None]).ravel()  # D per cell (bit 0 agrees)
-        self.dev = np.abs(dev[:num_bits])  # the payload's own bits; pad bits are 0 always
+        self.signed = dev[:num_bits]  # the payload's own bits; pad bits are 0 always
+        self.dev = np.abs(self.signed)
         self.offset = cells.total + int(dev[num_bits:].sum())  # 2A - this = sum s_b |D_b|
         laws = cell_laws(cells.layers).token_laws
         units = cells.level_units.tolist()
@@ -323,13 +332,30 @@ def _lookup(table: F64, value: int) -> float:
     return float(table[value])
 
 
-def _pooled_tables(texts: Sequence[_TextEvidence]) -> tuple[F64, F64, int]:
-    """Both null laws of the summed agreement over texts (their units independent), and
-    the offset: ``2 A - offset = 2 X - ...`` as one text's (``X`` the flip variable)."""
-    token = _log_sf_table(_convolve_all([t.token_pmf for t in texts]))
-    flip = _log_sf_table(_convolve_all([t.flip_pmf for t in texts]))
-    offset = sum(t.offset - int(t.dev.sum()) for t in texts)
-    return token, flip, offset
+def _pooled_tables(texts: Sequence[_TextEvidence]) -> F64:
+    """The token-null law of the summed agreement over texts (their units independent)."""
+    return _log_sf_table(_convolve_all([t.token_pmf for t in texts]))
+
+
+def _assignment_flip_log_sf(
+    texts: Sequence[_TextEvidence],
+    entries: Sequence[str],
+    agreements: Sequence[int],
+    coarse: int = 1,
+) -> float:
+    """The sign-flip tail of the summed agreement for one assignment of entries to texts:
+    texts given the same entry share its signs, so their deviations add per bit before
+    the signs are drawn (``sum_i (2 A_i - offset_i) = sum_e sum_b s_eb C_eb``)."""
+    combined: dict[str, I64] = {}
+    excess = 0
+    for ev, entry, agreement in zip(texts, entries, agreements, strict=True):
+        excess += 2 * agreement - ev.offset
+        if entry in combined:
+            combined[entry] = combined[entry] + ev.signed
+        else:
+            combined[entry] = ev.signed.copy()
+    devs = np.concatenate(list(combined.values())) if combined else np.zeros(0, dtype=np.int64)
+    return sign_flip_upper_log_sf(devs, excess, coarse)
 
 
 @dataclass(frozen=True)
@@ -339,6 +365,7 @@ class GroupScore:
     value: str
     log_p: float
     entries: tuple[str | None, ...]  # per text: the group's best entry (None: no units)
+    exact: bool = True  # False: log_p is a lower bound (a group the search ruled out)
 
 
 def _group_scores(
@@ -359,7 +386,15 @@ def _group_scores(
         ]
     live = [i for i in range(units.num_texts) if len(units.items[i])]
     k = config.groups
-    pooled: dict[tuple[int, ...], tuple[F64, F64, int]] = {}
+    pooled: dict[tuple[int, ...], F64] = {}
+    pending: list[
+        tuple[
+            float,
+            str,
+            tuple[str | None, ...],
+            tuple[list[_TextEvidence], list[str], list[int], float],
+        ]
+    ] = []
     out = []
     for value, entries in groups.items():
         if not entries:
@@ -397,12 +432,34 @@ def _group_scores(
                 pooled[shape] = _pooled_tables(
                     [evidence[len(c[2])][i] for i, c in zip(live, best, strict=True)]
                 )
-            token_sf, flip_sf, offset = pooled[shape]
+            token_sf = pooled[shape]
             total = sum(c[1] for c in best)
-            token = _lookup(token_sf, total)
-            flip = _lookup(flip_sf, -(-(2 * total - offset) // 2))
-            log_p = min(max(token, flip) + len(best) * math.log(n_u), 0.0)
+            penalty = len(best) * math.log(n_u)
+            bound = min(_lookup(token_sf, total) + penalty, 0.0)
+            if bound < 0.0:  # the sign-flip guard, below, for the likeliest groups only
+                chosen_ev = [evidence[len(c[2])][i] for i, c in zip(live, best, strict=True)]
+                args = (chosen_ev, [c[2] for c in best], [c[1] for c in best], penalty)
+                pending.append((bound, value, tuple(chosen), args))
+                continue
+            log_p = bound
         out.append(GroupScore(value, log_p, tuple(chosen)))
+    # The guard can only raise a p, so the groups are visited by their token-null bound
+    # and the guard stops once a bound exceeds the best exact p: the others' exact p
+    # is at least their bound (GroupScore.exact False, log_p that bound).
+    best_exact = min((g.log_p for g in out), default=math.inf)
+    for bound, value, chosen_t, (evs, entries, agreements, penalty) in sorted(
+        pending, key=lambda x: (x[0], x[1])
+    ):
+        if bound > best_exact:
+            out.append(GroupScore(value, bound, chosen_t, exact=False))
+            continue
+        if max(bound, _assignment_flip_log_sf(evs, entries, agreements, 16) + penalty) > best_exact:
+            out.append(GroupScore(value, bound, chosen_t, exact=False))
+            continue
+        flip = _assignment_flip_log_sf(evs, entries, agreements)
+        log_p = min(max(bound, flip + penalty), 0.0)
+        best_exact = min(best_exact, log_p)
+        out.append(GroupScore(value, log_p, chosen_t))
     return out
 
 
@@ -414,7 +471,7 @@ class GroupSearch:
     log_p: float  # corrected: min(0, log G + the group's own log p)
     groups_searched: int
     entries: tuple[str | None, ...]  # per text: the named group's best entry
-    scores: tuple[GroupScore, ...]  # every group's uncorrected score, best first
+    scores: tuple[GroupScore, ...]  # every group's uncorrected score: exact ones best first
 
     @property
     def p_value(self) -> float:
@@ -432,7 +489,8 @@ def group_search(
     explains the set under ``key``, and its p corrected for the distinct values searched
     (values with no entry are not searched)."""
     scores = sorted(
-        _group_scores(key, config, units, groups, design), key=lambda g: (g.log_p, g.value)
+        _group_scores(key, config, units, groups, design),
+        key=lambda g: (not g.exact, g.log_p, g.value),  # a ruled-out group's p is a bound
     )
     if not scores:
         return GroupSearch(None, 0.0, 0, (None,) * units.num_texts, ())
