@@ -59,6 +59,13 @@ text is ``sum_b (M_b + s_b |D_b|) / 2`` with fair signs ``s_b``, ``D_b = 2 S_b -
 (exact by convolution). Registry payloads are keyed permutations of message ids
 (:class:`~worldcup_core.message.MessageIdCodec`), so a wrong user's entries are such
 entries. A text's p for an entry is the larger of the two: valid under either null.
+In the pooled design the guard is taken per assignment, the texts given one entry
+sharing its signs (their deviations add per bit). The guard only raises a p, so the
+groups are visited by their token-null bound and the search stops once a bound, or a
+coarse lower bound of the guard, exceeds the best exact p: the exhaustive answer.
+The mixture's Fisher step treats the texts' corrected p's as independent: true under
+the unwatermarked null, not strictly for an outsider's texts (the user's entries are
+shared by the texts); it is kept for comparison.
 """
 
 from __future__ import annotations
