@@ -43,7 +43,7 @@ constructions (:data:`GROUP_DESIGNS`), measured on simulated collections
   exact law of the sum over all units (the same law for every assignment of entries to
   texts, each unit's law being symmetric), Bonferroni over the ``n_u^T`` assignments
   of entries to the ``T`` texts with units. The default: on simulated collections of
-  5 texts x 24 tokens (100 users x 100 entries) it names the user at 1e-6 in 30 of 40,
+  5 texts x 24 tokens (100 users x 100 entries) it names the user at 1e-6 in 29 of 40,
   the mixture in 1 of 40 (the mixture pays Fisher's degrees of freedom on top of the
   same per-text Bonferroni).
 
