@@ -226,17 +226,32 @@ def model_cells(
     """The weighted cells of ``texts`` (one weight array per text, as long as it; each
     token's level from its weight by :func:`token_levels` at ``power``)."""
     _check(config, texts, token_weights)
-    k, m = config.groups, config.layers
-    prf = PRFV2.of(key)
     ids = [np.asarray(t, dtype=np.int64) for t in texts]
     items = [ScoredTokensV2.of(t, config.context_width) for t in ids]
+    pairs = zip(token_weights, items, strict=True)
+    levels = [token_levels(np.asarray(w)[it.indices], power) for w, it in pairs]
+    return cells_of_items(key, config, ids, items, levels, symbols)
+
+
+def cells_of_items(
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    ids: Sequence[npt.NDArray[np.integer]],
+    items: Sequence[ScoredTokensV2],
+    levels_per_text: Sequence[I64],
+    symbols: int,
+) -> ModelCells:
+    """The weighted cells of texts ``ids`` from the scored units ``items`` chosen for
+    each (usually :meth:`ScoredTokensV2.of`; a collection drops the units an earlier
+    text already holds) and their levels (one per unit, key-independent)."""
+    k, m = config.groups, config.layers
+    prf = PRFV2.of(key)
     scored = [len(it) for it in items]
     n_texts = len(ids)
     size = n_texts * symbols
     table = level_weights(m)
-    pairs = zip(token_weights, items, strict=True)
     levels = (
-        np.concatenate([token_levels(np.asarray(w)[it.indices], power) for w, it in pairs])
+        np.concatenate([np.asarray(lv, dtype=np.int64) for lv in levels_per_text])
         if n_texts
         else np.zeros(0, dtype=np.int64)
     )
