@@ -770,7 +770,8 @@ class Judge:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
             return 0.0
-        marks = {m.index: m.z for m in text_evidence(self.tenant.worldcup(), ids, 32)}
+        scheme, bits = self.tenant.worldcup(), self.config.num_bits
+        marks = {m.index: m.z for m in text_evidence(scheme, ids, bits)}
         islands = locate_islands([marks.get(i) for i in range(len(ids))])
         return 0.0 if not islands else (islands[0].end - islands[0].start + 1) / len(ids)
 
@@ -815,7 +816,7 @@ def measure_spoofs(
     rows = []
     for v in variants(config, tenant):
         picked: list[dict[str, Any]] = []
-        for p in range(len({r["prompt"] for r in spoofs})):
+        for p in range(config.spoof_prompts):
             drafts = [by_key.get(_spoof_key(v, p, d)) for d in range(v.draws)]
             texts = [tokenizer.decode(d["tokens"], skip_special_tokens=True) for d in drafts if d]
             if not texts:
@@ -1004,7 +1005,11 @@ def report(summary: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m worldcup_eval.forgery``: one scenario, resumable (see the docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m worldcup_eval.forgery", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m worldcup_eval.forgery",
+        description="Watermark stealing, spoofing and piggybacking against one tenant "
+        "(issue #45); resumes from --out.",
+    )
     ap.add_argument("--scenario", choices=SCENARIOS, required=True)
     ap.add_argument("--budget-tokens", type=int, required=True)
     ap.add_argument("--out", type=Path, required=True)
