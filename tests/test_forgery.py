@@ -215,7 +215,7 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     victim's leaked payload, names the victim's entry.
 
     Not asserted: that WorldCup's verdict refuses the stolen spoofs. In this 64-word
-    world it does not (3/8 unconditioned, 5/8 aimed, at delta 8): averaged over payloads
+    world it did not in our run (3/8 unconditioned, 5/8 aimed, at delta 8): averaged over payloads
     the tokens with extreme g-values in either direction are the favoured ones, and the
     message-free test is two-sided per message position, so a spoof built of them
     inflates its variance (see the report of the real-model runs)."""
