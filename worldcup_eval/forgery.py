@@ -72,8 +72,8 @@ from typing import Any, Final
 
 SCENARIOS: Final = ("fixed", "per-request", "kgw")
 ANSWERS: Final = "answers.jsonl"
-SPOOFS: Final = "spoofs.jsonl"
-EDITS: Final = "piggyback.jsonl"
+SPOOFS: Final = "spoofs-{budget}.jsonl"  # per budget: the spoofer learned from that many
+EDITS: Final = "piggyback-{budget}.jsonl"
 TOP_LOGPROBS: Final = 20  # the base model's alternatives kept per position
 WATERMARKED_BELOW: Final = 1e-6  # the production verdict (worldcup_core.verdict)
 ANCHOR_FPR: Final = 1e-3  # KGW's own operating point in the literature
@@ -539,7 +539,7 @@ def generate_spoofs(
     from worldcup_eval.data import chat_prompt_ids
     from worldcup_eval.stealing import Spoofer, SpoofPlan
 
-    path = out / SPOOFS
+    path = out / SPOOFS.format(budget=config.budget_tokens)
     have = {r["key"] for r in read_jsonl(path)}
     jobs: list[Job] = []
     for v in variants(config, tenant):
@@ -615,7 +615,7 @@ def piggyback_edits(
     from worldcup_eval.data import chat_prompt_ids
 
     tok = lm.tokenizer
-    path = out / EDITS
+    path = out / EDITS.format(budget=config.budget_tokens)
     done = {r["key"]: r for r in read_jsonl(path)}
     chosen = sorted(answers, key=lambda a: -int(a["index"]))[: config.piggyback]
     rows: list[dict[str, Any]] = []
@@ -900,13 +900,15 @@ def run_forgery(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """The whole measurement of one scenario (see the module docstring), resuming from
-    what ``out`` holds; returns the summary (also written to ``summary.json`` and, as
-    a table, ``report.md``). ``lm``: a loaded model (default: the embedded SmolLM2)."""
+    what ``out`` holds; returns the summary (also written to ``summary-BUDGET.json``
+    and, as a table, ``report-BUDGET.md``). Answers are shared by every budget (a larger
+    one extends them); spoofs and edits are kept per budget. ``lm``: a loaded model
+    (default: the embedded SmolLM2)."""
     from worldcup_core.models import load_model
     from worldcup_eval.data import default_data_dir
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(config), indent=1))
+    (out / f"config-{config.budget_tokens}.json").write_text(json.dumps(asdict(config), indent=1))
     cpu = _Cpu(out)
     if lm is None:
         lm = load_model()
@@ -945,8 +947,8 @@ def run_forgery(
     }
     cpu.lap("judging")
     summary["cpu_seconds"] = dict(cpu.spent)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "report.md").write_text(report(summary))
+    (out / f"summary-{config.budget_tokens}.json").write_text(json.dumps(summary, indent=1))
+    (out / f"report-{config.budget_tokens}.md").write_text(report(summary))
     return summary
 
 
