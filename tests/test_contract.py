@@ -493,6 +493,9 @@ def test_a_too_short_text_is_inconclusive_on_every_route(client: TestClient) -> 
                 "result"
             ],
         ]
+        search = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
+        assert (search["verdict"], search["reason"]) == ("inconclusive", "too_short"), search
+        assert search["found"] is False and search["message"].startswith("Inconclusive: too short")
         for a in answers:
             assert a["verdict"] == "inconclusive" and a["reason"] == "too_short", (text, a)
             assert a["num_scored_tokens"] < a["min_scored_tokens"] <= a["tokens_needed"]

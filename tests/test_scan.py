@@ -352,6 +352,12 @@ def test_changed_inputs_refuse_to_resume_stale_parts(tmp_path: Path) -> None:
     assert summary.texts == 1 and summary.errors == 0 and summary.hits == 0
     (row,) = _read(out)
     assert row["short_text"] is True and row["num_scored_tokens"] < 64
+    # as the API: a short row is inconclusive (too_short), never not_watermarked
+    assert (row["verdict"], row["reason"], row["tokens_needed"]) == (
+        "inconclusive",
+        "too_short",
+        66,
+    )
     assert not state.exists()
 
 
