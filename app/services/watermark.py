@@ -494,25 +494,11 @@ class WatermarkService:
                 statistic=statistic,
             )
         tenant = await self.store.get_tenant(tenant_id)
-        if not assessment.is_watermarked:  # inconclusive: the lean, named, not attributed
-            return ProvenanceOutcome(
-                result,
-                False,
-                None,
-                version,
-                decoded[best_length(decoded)],
-                num_tenants,
-                elapsed,
-                bank.schemes[result.best.index],
-                candidates,
-                assessment,
-                suspect=tenant,
-                statistic=statistic,
-            )
+        found = assessment.is_watermarked  # else inconclusive: the lean, named, not attributed
         return ProvenanceOutcome(
             result,
-            True,
-            tenant,
+            found,
+            tenant if found else None,
             version,
             decoded[best_length(decoded)],
             num_tenants,
@@ -520,6 +506,7 @@ class WatermarkService:
             bank.schemes[result.best.index],
             candidates,
             assessment,
+            suspect=None if found else tenant,
             statistic=statistic,
         )
 
