@@ -250,6 +250,8 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("serve-ray", ["--replicas", "3:1"], b"", "MIN:MAX"),
         ("bench service", ["--detect-seconds", "0"], b"", "positive"),
         ("migrate-store", ["--from", "redis://127.0.0.1:1/0"], b"", "migration failed"),
+        ("store backup", ["--out", "{tmp}/b.json", "--redis-url", "http://x"], b"", "redis://"),
+        ("store restore", ["--from", "{miss}/b.json"], b"", "no such file"),
         ("bench attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
         ("bench registry", ["--sizes", "abc"], b"", "--sizes"),
         ("bench registry", ["--redis-url", "redis://127.0.0.1:1/0"], b"", "unreachable"),

@@ -263,7 +263,7 @@ def test_key_rotation_keeps_old_texts_decodable(http: httpx.Client, articles: li
 @pytest.mark.parametrize(
     ("content", "headers", "status"),
     [
-        (b'{"text": ', {"content-type": "application/json"}, 422),
+        (b'{"text": ', {"content-type": "application/json"}, 400),  # invalid_json
         (json.dumps({"text": 12}).encode(), {"content-type": "application/json"}, 422),
         (json.dumps({"text": ""}).encode(), {"content-type": "application/json"}, 422),
         (json.dumps({"text": "x", "extra": 1}).encode(), {"content-type": "application/json"}, 422),
