@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from worldcup_cli.calibration_bench import human_chunks, null_p_values
+from worldcup_cli.calibration_bench import human_chunks, null_joint_p_values, null_p_values
 from worldcup_core.assess import TestP, assess, weights_for
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, verdict_of
 
@@ -169,6 +169,34 @@ def test_the_verdict_p_is_calibrated_on_human_text_under_many_keys(
     assert float(np.mean(sample.combined < 0.1)) >= 0.03  # conservative, not dead
     for component in (sample.detect, sample.decode):
         assert stats.kstest(component, "uniform").pvalue > 1e-3
+
+
+def _text_only_weights(chunks: list[list[int]]) -> list[Any]:
+    """Stand-in informativeness per token, a function of the text alone (as the model's
+    is): the null stays exact for any key-independent weights, which is what is tested."""
+    return [
+        np.random.default_rng(abs(hash(tuple(c))) % 2**32).uniform(0.0, 1.0, len(c)) for c in chunks
+    ]
+
+
+def test_the_model_weighted_verdict_and_the_joint_test_are_calibrated(
+    data_dir: Path, smollm2_tokenizer: Any
+) -> None:
+    """``worldcup bench calibration --statistic model --joint N`` on a small sample: the
+    model-weighted verdict p at or below each level (4 SE), its exact components uniform;
+    the joint test of 5 null texts read together uniform (its group search
+    is tested in test_collection.py)."""
+    chunks = human_chunks(data_dir, smollm2_tokenizer)[:400]
+    weights = _text_only_weights(chunks)
+    sample = null_p_values(chunks, 800, seed=36, weights=weights)
+    n = len(sample.combined)
+    for t in (0.1, 0.01):
+        assert float(np.mean(sample.combined < t)) <= t + 4 * math.sqrt(t / n)
+    for component in (sample.detect, sample.decode):
+        assert stats.kstest(component, "uniform").pvalue > 1e-3
+    together = null_joint_p_values(chunks, 300, seed=37, weights=weights, searched=0)
+    assert len(together.joint) == 300 and len(together.group) == 0
+    assert stats.kstest(together.joint, "uniform").pvalue > 1e-3
 
 
 def test_absence_needs_the_scored_tokens_the_line_asks_for() -> None:

@@ -684,21 +684,130 @@ def bench_calibration(
     per_key: Annotated[int, typer.Option(min=1, help="Chunks per fresh random key.")] = 8,
     registry_size: Annotated[int, typer.Option(min=1, help="Issued entries per key.")] = 20,
     seed: Annotated[int | None, typer.Option(help="Key seed (default: OS randomness).")] = None,
+    statistic: Annotated[
+        str,
+        typer.Option(
+            help="model_free, or model: every chunk's tokens weighted by the embedded "
+            "model (from the chunk alone, never the key), as the HF service scores."
+        ),
+    ] = "model_free",
+    model_texts: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also this many unwatermarked answers of the embedded model (T 0.7, "
+            "ELI5 questions) as null texts, beside the human chunks.",
+        ),
+    ] = 0,
+    joint: Annotated[
+        int,
+        typer.Option(min=0, help="Also this many null collections read together (0: none)."),
+    ] = 0,
+    joint_size: Annotated[int, typer.Option(min=2, help="Texts per collection.")] = 5,
+    chunks_used: Annotated[
+        int | None,
+        typer.Option(
+            "--chunks",
+            min=10,
+            help="Use only this many human chunks (drawn at random; every pair still has "
+            "its own fresh key): fewer forward passes under --statistic model.",
+        ),
+    ] = None,
+    joint_groups: Annotated[
+        int,
+        typer.Option(min=0, help="Of the collections, this many also search 20 users x 5 entries."),
+    ] = 1000,
+    threads: Annotated[
+        int, typer.Option(min=1, help="torch threads (more oversubscribe a busy machine).")
+    ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Null calibration of the one verdict's p-value (worldcup_core.assess): human text
-    under many random keys, the tail rate of p < t against t, down to 1e-4, with SE."""
-    from worldcup_cli.bench import default_data_dir
-    from worldcup_cli.calibration_bench import human_chunks, null_p_values, table, tail_rows
-    from worldcup_core.models import load_tokenizer
+    (and unwatermarked model text) under many random keys, the tail rate of p < t against
+    t, down to 1e-4, with SE; with --joint, the joint test of texts read together and
+    its group search too."""
+    import numpy as np
+    from rich.console import Console
+    from rich.progress import Progress
 
-    chunks = human_chunks(default_data_dir(), load_tokenizer())
+    from worldcup_cli.bench import default_data_dir
+    from worldcup_cli.calibration_bench import (
+        eli5_questions,
+        human_chunks,
+        joint_table,
+        model_null_texts,
+        null_joint_p_values,
+        null_p_values,
+        table,
+        tail_rows,
+    )
+    from worldcup_core.models import load_model, load_tokenizer
+
+    if statistic not in ("model_free", "model"):
+        fail(f"--statistic: model_free or model, got {statistic!r}")
+    data_dir = default_data_dir()
     started = time.perf_counter()
-    sample = null_p_values(chunks, texts, seed, per_key, registry_size)
-    result = {
+    lm = None
+    if statistic == "model" or model_texts:
+        import torch
+
+        torch.set_num_threads(threads)
+        lm = load_model(None)
+    chunks = human_chunks(data_dir, lm.tokenizer if lm is not None else load_tokenizer())
+    if chunks_used is not None and chunks_used < len(chunks):
+        keep = np.random.default_rng(seed).choice(len(chunks), chunks_used, replace=False)
+        chunks = [chunks[int(i)] for i in sorted(keep)]
+    sources = {"human": len(chunks)}
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        if model_texts:
+            assert lm is not None
+            task = bar.add_task("unwatermarked model texts", total=model_texts)
+            chunks += model_null_texts(
+                lm,
+                eli5_questions(data_dir),
+                model_texts,
+                progress=lambda n: bar.advance(task, n),
+            )
+            sources["model"] = model_texts
+        weights = None
+        if statistic == "model":
+            assert lm is not None
+            from worldcup_core.model_weights import model_token_weights
+
+            task = bar.add_task("model weights", total=len(chunks))
+            weights = []
+            for start in range(0, len(chunks), 64):
+                weights += model_token_weights(
+                    lm.model, chunks[start : start + 64], pad_token_id=lm.pad_token_id
+                )
+                bar.advance(task, len(chunks[start : start + 64]))
+        task = bar.add_task("null (text, key) pairs", total=texts)
+        sample = null_p_values(
+            chunks,
+            texts,
+            seed,
+            per_key,
+            registry_size,
+            weights=weights,
+            progress=lambda n: bar.advance(task, n),
+        )
+        together = None
+        if joint:
+            task = bar.add_task("null collections", total=joint)
+            together = null_joint_p_values(
+                chunks,
+                joint,
+                joint_size,
+                seed=None if seed is None else seed + 1,
+                weights=weights,
+                progress=lambda n: bar.advance(task, n),
+                searched=joint_groups,
+            )
+    result: dict[str, Any] = {
+        "statistic": statistic,
+        "null_texts": sources,
         "texts": len(sample.combined),
         "keys": sample.keys,
-        "seconds": round(time.perf_counter() - started, 1),
         **{
             name: tail_rows(values)
             for name, values in (
@@ -709,7 +818,19 @@ def bench_calibration(
             )
         },
     }
-    _emit(as_json, result, table(sample))
+    text = f"statistic: {statistic}; null texts: {sources}\n" + table(sample)
+    if together is not None:
+        result["joint"] = {
+            "collections": together.collections,
+            "size": together.size,
+            "groups": together.groups,
+            "searched": len(together.group),
+            "test": tail_rows(together.joint),
+            "group": tail_rows(together.group),
+        }
+        text += "\n\n" + joint_table(together)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    _emit(as_json, result, text)
 
 
 @_bench("first-use")

@@ -408,6 +408,51 @@ def model_log_p_many(
 # --------------------------------------------------------------------------- registry
 
 
+def _saddle_theta(logs: Sequence[tuple[F64, F64, int]], score: int) -> float:
+    """The tilt ``theta >= 0`` that puts the mean of the sum of ``c`` copies of each law
+    (``log_law``, its support ``x``) near ``score`` (0 when the mean is already above).
+
+    Any ``theta`` makes :func:`mixed_upper_log_sf` exact (tilting is an identity); the
+    saddle point only keeps the FFT's relative precision where the tail starts, so the
+    mean need only come within half a unit. Newton steps (the derivative of the mean is
+    the variance), kept inside a bracket by bisection, on all laws at once."""
+    width = max(len(x) for _, x, _ in logs)
+    table = np.full((len(logs), width), -np.inf)
+    for row, (log_law, _, _) in enumerate(logs):
+        table[row, : len(log_law)] = log_law
+    x = np.arange(width, dtype=np.float64)
+    counts = np.array([c for _, _, c in logs], dtype=np.float64)
+
+    def moments(theta: float) -> tuple[float, float]:
+        z = table + theta * x
+        w = np.exp(z - z.max(axis=1, keepdims=True))
+        mass = w.sum(axis=1)
+        m1 = (w @ x) / mass
+        m2 = (w @ (x * x)) / mass
+        return float(counts @ m1), float(counts @ np.maximum(m2 - m1 * m1, 0.0))
+
+    mean, var = moments(0.0)
+    if mean >= score:
+        return 0.0
+    lo, hi, theta = 0.0, math.inf, 0.0
+    for _ in range(200):
+        if abs(mean - score) < 0.5:
+            break
+        if mean < score:
+            lo = theta
+        else:
+            hi = theta
+        step = theta + (score - mean) / var if var > 0 else math.inf
+        if lo < step < hi:
+            theta = step
+        elif math.isfinite(hi):
+            theta = (lo + hi) / 2.0
+        else:
+            theta = max(2.0 * theta, 1.0)
+        mean, var = moments(theta)
+    return theta
+
+
 def mixed_upper_log_sf(laws: Sequence[F64], counts: Sequence[int], score: int) -> float:
     """``log P(A >= score)`` for ``A`` the sum of ``counts[i]`` independent copies of each
     law ``laws[i]`` (over 0..len-1), exact to floating point at any depth.
@@ -430,24 +475,7 @@ def mixed_upper_log_sf(laws: Sequence[F64], counts: Sequence[int], score: int) -
         return sum(c * math.log(law[-1]) for law, c in parts)
     with np.errstate(divide="ignore"):  # a law may have gaps (values no token reaches)
         logs = [(np.log(law), np.arange(len(law), dtype=np.float64), c) for law, c in parts]
-
-    def mean(theta: float) -> float:
-        total = 0.0
-        for log_law, x, c in logs:
-            z = log_law + theta * x
-            w = np.exp(z - z.max())
-            total += c * float((w * x).sum() / w.sum())
-        return total
-
-    theta = 0.0
-    if score > mean(0.0):
-        lo, hi = 0.0, 1.0
-        while mean(hi) < score:
-            hi *= 2.0
-        for _ in range(80):
-            mid = (lo + hi) / 2.0
-            lo, hi = (mid, hi) if mean(mid) < score else (lo, mid)
-        theta = lo
+    theta = _saddle_theta(logs, score)
     size = 1 << int(math.ceil(math.log2(top + 1)))
     spectrum = np.ones(size // 2 + 1, dtype=np.complex128)
     log_m = 0.0
