@@ -75,7 +75,7 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
     for model, field in (("GenerateRequest", "prompt"), ("ChatMessage", "content")):
         if (prop := _property(schema, model, field)) is not None:
             prop["maxLength"] = prompt_chars_limit(settings)
-    for model in ("DecodeBatchRequest", "DetectBatchRequest"):
+    for model in ("DecodeBatchRequest", "DetectBatchRequest", "CollectionRequest"):
         if (prop := _property(schema, model, "texts")) is not None:
             prop["maxItems"] = settings.max_batch_texts
     for field in ("max_new_tokens", "min_new_tokens"):
