@@ -110,6 +110,7 @@ def test_human_texts_are_not_watermarked_and_name_nobody(
     assert body["verdict"] != "watermarked" and not body["found"]
     assert body["tenant_id"] is None and body["key_version"] is None
     assert body["group"]["value"] is None and not body["group"]["may_name"]
+    assert "not searched" in body["group"]["message"]  # no value named, so none searched
     assert all(t["verdict"] != "watermarked" for t in body["texts"])
 
 
@@ -174,3 +175,50 @@ def test_each_text_counts_against_the_probe_budget(
     assert _read(client, [world["human"][1]], headers=auth)["num_texts"] == 1
     audit = client.get("/admin/audit?limit=20", headers=ADMIN).json()["entries"]
     assert any(e["outcome"].get("collection") for e in audit)
+
+
+# --------------------------------------------------------------------------- scan --group-by
+def test_scan_group_by_reads_each_group_together(
+    tmp_path: Path, smollm2_tokenizer: Any, world: dict[str, Any]
+) -> None:
+    """``worldcup scan --group-by user``: one joint row per value. Four short texts of one
+    account, each inconclusive alone, are watermarked together (model-free); four human
+    texts are not; a row without a value and a bad row are counted, not scored."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from worldcup_cli.main import app as cli_app
+    from worldcup_core import Payload, WatermarkKey
+    from worldcup_scan.bench import watermarked_ids, word_tokens
+    from worldcup_scan.keys import keys_from_files
+
+    key_file = tmp_path / "acme.key"
+    key_file.write_text(WatermarkKey(bytes(range(32))).secret.hex(), encoding="ascii")
+    scheme = keys_from_files([key_file]).keys[0].worldcup()
+    rng = np.random.default_rng(7)
+    vocab = word_tokens(smollm2_tokenizer)
+    rows = []
+    for j in range(4):
+        ids = watermarked_ids(scheme, Payload.random(16, rng), 28, vocab, rng)
+        rows.append({"id": f"a{j}", "user": "acct-a", "text": smollm2_tokenizer.decode(ids)})
+    rows += [{"id": f"h{j}", "user": "acct-h", "text": t} for j, t in enumerate(world["human"])]
+    rows += [{"id": "loose", "text": world["human"][0]}, {"id": "bad", "user": "acct-a"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "groups.jsonl"
+    args = ["scan", str(src), "--out", str(out), "--key-file", str(key_file), "--id-field", "id"]
+    result = CliRunner().invoke(cli_app, [*args, "--group-by", "user", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary == {
+        "groups": 2, "rows": 10, "rows_without_group": 1, "bad_rows": 1, "watermarked_groups": 1,
+    }  # fmt: skip
+    found = {r["group"]: r for r in map(json.loads, out.read_text().splitlines())}
+    a, h = found["acct-a"], found["acct-h"]
+    assert a["verdict"] == "watermarked" and a["tenant_id"] == "acme.key" and a["num_texts"] == 4
+    assert a["texts_watermarked_alone"] < 4  # the group, not each text, decides
+    assert a["statistic"] == "model_free" and json.loads(a["row_ids"]) == ["a0", "a1", "a2", "a3"]
+    assert h["verdict"] != "watermarked" and h["tenant_id"] is None
+    # an unknown column is a clear error (exit 2), as --text-field's
+    bad = CliRunner().invoke(cli_app, [*args, "--group-by", "nope"])
+    assert bad.exit_code == 2 and "--group-by" in bad.output

@@ -28,6 +28,7 @@ distinct values searched. A value is named only when the joint verdict is
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ GROUP_ENTRIES_LIMIT = 200_000  # registry entries read for a group search, at mo
 
 
 @dataclass(frozen=True)
-class _Chosen:
+class Chosen:
     """The key the set chose and its joint test (log p, uncorrected for the search)."""
 
     index: int
@@ -77,15 +78,15 @@ class _Chosen:
     kept: tuple[int, ...]  # per text: its scored units the joint test kept
 
 
-def _choose_key(
+def choose_key(
     bank: KeyBank, ids: list[list[int]], weights: list[F64] | None
-) -> tuple[_Chosen | None, int]:
+) -> tuple[Chosen | None, int]:
     """Screen the bank on the texts concatenated (the screen only ranks keys: the
     correction counts every key), then the exact joint test under the best few
     ``worldcup-v2`` keys; (the best of them or None, the number of keys searched)."""
     concat = [t for text in ids for t in text]
     screen = bank.search(concat, top=SCREEN_TOP)
-    best: _Chosen | None = None
+    best: Chosen | None = None
     for cand in screen.top:
         scheme = bank.schemes[cand.index]
         if not model_applies(scheme.config):
@@ -93,7 +94,7 @@ def _choose_key(
         units = collection_units(scheme.config, ids, weights)
         log_p = joint_log_p(scheme.key, scheme.config, units)
         if best is None or log_p < best.log_p:
-            best = _Chosen(cand.index, log_p, tuple(len(it) for it in units.items))
+            best = Chosen(cand.index, log_p, tuple(len(it) for it in units.items))
     return best, screen.num_keys
 
 
@@ -192,7 +193,7 @@ async def read_together(
     watermark = runtime.watermark
     bank, refs = await watermark.key_bank()
     weights = await watermark.weights.of(ids)
-    chosen, num_keys = await watermark.offload(lambda: _choose_key(bank, ids, weights))
+    chosen, num_keys = await watermark.offload(lambda: choose_key(bank, ids, weights))
     num_tenants = len({t for t, _ in refs})
     keys = f"every tenant's key versions ({num_keys} keys, {num_tenants} tenants)"
     tried = max(num_keys, 1)
@@ -204,7 +205,13 @@ async def read_together(
         scheme = bank.schemes[chosen.index]
         tenant_id, version = refs[chosen.index]
         groups = None
-        if body.group_by is not None:
+        # a value is named only under a watermarked joint verdict: the group search (its
+        # exact sign-flip guard is costly on sets with no watermark) runs only then
+        chosen_p = math.exp(chosen.log_p)
+        named_possible = assess([TestP("detect", chosen_p)], tried, keys).is_watermarked
+        if body.group_by is not None and not named_possible:
+            why = "not searched: the joint verdict is not watermarked, so no value is named"
+        elif body.group_by is not None:
             found_groups, entries, why = await registry_groups(
                 runtime.store, scheme, tenant_id, version, body.group_by
             )
@@ -284,7 +291,7 @@ def _per_text(
     errors: dict[int, BatchItemError],
     result: CollectionResult | None,
     bank: KeyBank,
-    chosen: _Chosen | None,
+    chosen: Chosen | None,
     tried: int,
     keys: str,
 ) -> list[CollectionText]:
