@@ -175,6 +175,19 @@ def test_each_text_counts_against_the_probe_budget(
     assert _read(client, [world["human"][1]], headers=auth)["num_texts"] == 1
     audit = client.get("/admin/audit?limit=20", headers=ADMIN).json()["entries"]
     assert any(e["outcome"].get("collection") for e in audit)
+    # a verdict key of that tenant: the joint verdict, whose key and the value, nothing else
+    body = {"name": "v", "scopes": ["provenance"], "detail": "verdict"}
+    tenant_id = r.json()["tenant_id"]
+    made = client.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
+    assert made.status_code == 201, made.text
+    verdict_key = {"Authorization": f"Bearer {made.json()['api_key']}"}
+    answer = _read(client, world["texts"][TARGET], group_by="user_id", headers=verdict_key)
+    assert answer == {
+        "detail": "verdict",
+        "verdict": "watermarked",
+        "tenant_id": world["owner_id"],
+        "group_value": TARGET,
+    }
 
 
 # --------------------------------------------------------------------------- scan --group-by
