@@ -11,6 +11,7 @@ when ``WORLDCUP_CONSOLE_SCREENSHOTS`` names a folder (``docs/console``), there t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -555,3 +556,25 @@ def test_inconclusive_and_clean_pages_agree_with_their_headline(
     check(page, HUMAN_A + HUMAN_B)
     _agrees(page, "No watermark found")
     assert page.get_by_test_id("help-terms").count() == 1  # the terms, in plain words
+
+
+def test_read_these_together_shows_the_joint_answer(
+    page: Any, live: LiveServer, acme: dict[str, Any], tmp_path: Path
+) -> None:
+    """The batch view's "read these together": the file's texts go to
+    POST /provenance/collection and the joint verdict, the tenant and the group
+    (metadata field ``user``) show; a copied row adds nothing."""
+    texts = [_generate(live.url, acme["auth"], seed=40 + i, tokens=24)["text"] for i in range(3)]
+    upload = tmp_path / "account.jsonl"
+    rows = [{"post": t} for t in [*texts, texts[0]]]  # the first post repeated
+    upload.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    sign_in(page, ADMIN_TOKEN)
+    page.get_by_test_id("batch-file").set_input_files(str(upload))
+    page.get_by_test_id("batch-status").filter(has_text="choose the column").wait_for()
+    page.get_by_test_id("together-group").fill("user")
+    page.get_by_test_id("together-run").click()
+    page.get_by_test_id("together").wait_for(state="visible", timeout=60_000)
+    verdict = page.get_by_test_id("together-verdict").inner_text()
+    assert verdict.startswith("Read together: Watermarked"), verdict
+    facts = page.get_by_test_id("together").inner_text()
+    assert "acme" in facts and "u-7" in facts and "Texts read together\t4" in facts, facts

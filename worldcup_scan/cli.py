@@ -123,8 +123,18 @@ def scan(
         str | None, typer.Option("--actor", help="Who runs the scan (audit log).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            "--group-by",
+            help="A column whose value groups rows (an account): each group is read "
+            "together (one exact joint test, a repeated (context, token) counted once, "
+            "model-free) and written as one row per group.",
+        ),
+    ] = None,
 ) -> None:
-    """Scan a corpus for watermarked texts: one result row per document."""
+    """Scan a corpus for watermarked texts: one result row per document (per group with
+    --group-by)."""
     try:
         output_format(out)
     except InputError as exc:
@@ -167,7 +177,7 @@ def scan(
         spec = ScanSpec(
             keys,
             mode,
-            Fields(text_field, id_field, max_chars),
+            Fields(text_field, id_field, max_chars, group_by),
             significance,
             short_tokens=short_tokens,
             model=model,
@@ -186,6 +196,12 @@ def scan(
         )
         if with_registry and session is None:
             typer.echo("warning: --with-registry needs the store; no metadata columns", err=True)
+        if group_by is not None:
+            from worldcup_scan.groups import scan_groups
+
+            grouped = scan_groups(tuple(inputs), out, spec)
+            typer.echo(json.dumps(grouped.as_dict()) if as_json else grouped.format())
+            return
         summary = run_scan(options, spec, session)
     except (KeySourceError, InputError, ScanStateError, ValueError) as exc:
         _fail(str(exc))

@@ -71,12 +71,14 @@ class SingleAuthorization:
 class BodySizeLimit:
     """413 before the app reads a body larger than ``max_bytes``.
 
-    Bulk routes (paths ending in ``/batch``) get their own, larger limit. The 413 says
-    what to do instead: on a route that scores one text, split it (``text_chars``, the
-    per-text limit) or use the bulk routes; on a bulk route, send several batches.
+    Bulk routes (paths ending in ``/batch``, and ``/provenance/collection``) get their
+    own, larger limit. The 413 says what to do instead: on a route that scores one
+    text, split it (``text_chars``, the per-text limit) or use the bulk routes; on a
+    bulk route, send several batches.
     """
 
     SCORING = ("/decode", "/detect", "/provenance")
+    BULK = ("/batch", "/provenance/collection")  # paths that take many texts
 
     def __init__(
         self,
@@ -94,7 +96,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         limit = (
-            self.batch_max if str(scope.get("path", "")).endswith("/batch") else self.default_max
+            self.batch_max if str(scope.get("path", "")).endswith(self.BULK) else self.default_max
         )
         await self._limited(scope, receive, send, limit)
 
@@ -145,7 +147,9 @@ class BodySizeLimit:
 
     def _message(self, limit: int, path: str) -> str:
         said = f"request body exceeds {limit} bytes"
-        if path.endswith("/batch"):
+        if path.endswith("/collection"):
+            return f"{said} (the bulk routes' limit): read fewer texts together"
+        if path.endswith(self.BULK):
             return f"{said}: send the texts in several batches"
         if path in self.SCORING and self.text_chars is not None:
             return (

@@ -75,9 +75,12 @@ def apply_limits(schema: dict[str, Any], settings: Settings) -> None:
     for model, field in (("GenerateRequest", "prompt"), ("ChatMessage", "content")):
         if (prop := _property(schema, model, field)) is not None:
             prop["maxLength"] = prompt_chars_limit(settings)
-    for model in ("DecodeBatchRequest", "DetectBatchRequest"):
+    for model in ("DecodeBatchRequest", "DetectBatchRequest", "CollectionRequest"):
         if (prop := _property(schema, model, "texts")) is not None:
             prop["maxItems"] = settings.max_batch_texts
+    if (prop := _property(schema, "CollectionRequest", "texts")) is not None:
+        # one text over the limit refuses the whole collection (a batch fails that item)
+        prop.setdefault("items", {})["maxLength"] = settings.text_chars_limit
     for field in ("max_new_tokens", "min_new_tokens"):
         if (prop := _property(schema, "GenerateRequest", field)) is not None:
             prop["maximum"] = min(prop.get("maximum", 2**31), settings.max_new_tokens_limit)

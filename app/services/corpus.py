@@ -61,6 +61,7 @@ class RawRow:
     row: int
     text: str | None  # None when the row is bad
     error: str | None
+    group: str | None = None  # the --group-by column's value (Fields.group), if any
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Fields:
     text: str = "text"
     id: str | None = None
     max_chars: int = 1_000_000
+    group: str | None = None  # a column whose value groups rows (``worldcup scan --group-by``)
 
 
 def discover(inputs: Sequence[str]) -> list[tuple[str, str]]:
@@ -211,6 +213,7 @@ def _check_columns(path: str, columns: dict[str, None] | None, fields: Fields) -
     if columns is None:  # empty, or no JSON object among the first rows
         return
     wanted = [(fields.text, "--text-field"), *([(fields.id, "--id-field")] if fields.id else [])]
+    wanted += [(fields.group, "--group-by")] if fields.group else []
     for name, flag in wanted:
         if name not in columns:
             shown = ", ".join(repr(c) for c in list(columns)[:20]) or "none"
@@ -276,6 +279,11 @@ def _row(part: Part, row: int, record: Any, fields: Fields) -> RawRow:
         value = record.get(fields.id)
         if value is not None and not isinstance(value, dict | list):
             rid = str(value)
+    group = None
+    if fields.group is not None:
+        value = record.get(fields.group)
+        if value is not None and not isinstance(value, dict | list) and str(value) != "":
+            group = str(value)
     if fields.text not in record or record[fields.text] is None:
         return RawRow(rid, part.path, row, None, f"missing_field: no {fields.text!r}")
     text = record[fields.text]
@@ -294,7 +302,7 @@ def _row(part: Part, row: int, record: Any, fields: Fields) -> RawRow:
         return RawRow(rid, part.path, row, None, "empty: the text is empty")
     if len(text) > fields.max_chars:
         return RawRow(rid, part.path, row, None, f"too_long: over {fields.max_chars} characters")
-    return RawRow(rid, part.path, row, text, None)
+    return RawRow(rid, part.path, row, text, None, group)
 
 
 def _read_jsonl(f: IO[bytes], part: Part, fields: Fields) -> Iterator[RawRow]:
@@ -364,7 +372,8 @@ def _read_parquet(part: Part, fields: Fields) -> list[RawRow]:
 
     pf = pq.ParquetFile(part.path)
     names = pf.schema_arrow.names
-    columns = [c for c in (fields.text, fields.id) if c is not None and c in names]
+    wanted = (fields.text, fields.id, fields.group)
+    columns = [c for c in dict.fromkeys(wanted) if c is not None and c in names]
     table = pf.read_row_group(part.offset, columns=columns)
     lo = part.start - part.group_start
     table = table.slice(lo, len(part))

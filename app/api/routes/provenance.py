@@ -11,9 +11,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app.api.deps import InvestigatorDep, RuntimeDep
+from app.schemas.collection import CollectionRequest, CollectionResponse, CollectionVerdict
 from app.schemas.common import ERROR_RESPONSES
 from app.schemas.exposure import ProvenanceVerdict
 from app.schemas.watermark import ProvenanceRequest, ProvenanceResponse
+from app.services import collection
 from app.services import provenance as search
 
 router = APIRouter(tags=["trust and safety"])
@@ -32,3 +34,20 @@ async def provenance(
     ``verdict`` key gets one word (see VERDICT_LEVELS); a tenant key's queries
     count against its tenant's probe budget."""
     return await search.provenance(runtime, who, body)
+
+
+@router.post(
+    "/provenance/collection",
+    response_model=CollectionResponse | CollectionVerdict,
+    responses=ERROR_RESPONSES,
+)
+async def provenance_collection(
+    body: CollectionRequest, runtime: RuntimeDep, who: InvestigatorDep
+) -> CollectionResponse | CollectionVerdict:
+    """Many texts declared to share a source (an account's posts), read together: one
+    joint verdict from an exact joint test (a (context, token) repeated across the set
+    counts once), the tenant and key that decided, with ``group_by`` the metadata value
+    that best explains the set (corrected for the distinct values searched), and each
+    text's own answer. Same scopes as /provenance; each text counts against the probe
+    budget."""
+    return await collection.read_together(runtime, who, body)

@@ -2,7 +2,7 @@
 // case; the results table (filter, sort, export).
 import { api, download } from "./api.js";
 import { caseLink, loadHistory } from "./cases.js";
-import { $, HEADLINES, addCells, clear, el, fmtP } from "./dom.js";
+import { $, HEADLINES, addCells, addRow, clear, el, fmtP } from "./dom.js";
 
 let batch = null; // {batch_id, file, rows}
 let batchFile = null;
@@ -57,6 +57,7 @@ export async function loadBatchFile() {
   if (guess) select.value = guess;
   batchFile = { name: file.name, content };
   $("batch-run").disabled = !columns.length;
+  $("together-run").disabled = !columns.length;
   $("batch-status").textContent = columns.length
     ? `Loaded ${file.name}: choose the column that holds the texts.`
     : "";
@@ -166,3 +167,82 @@ export async function exportBatch(fmt) {
   }
 }
 
+
+// The CSV file's records (quoted fields may hold commas, quotes and newlines).
+function csvRecords(content) {
+  const rows = [];
+  let row = [], cell = "", quoted = false;
+  for (let i = 0; i < content.length; i++) {
+    const ch = content[i];
+    if (quoted) {
+      if (ch === '"' && content[i + 1] === '"') { cell += '"'; i++; } else if (ch === '"') quoted = false; else cell += ch;
+    } else if (ch === '"') quoted = true;
+    else if (ch === ",") { row.push(cell); cell = ""; } else if (ch === "\n") {
+      row.push(cell.replace(/\r$/, "")); rows.push(row); row = []; cell = "";
+    } else cell += ch;
+  }
+  if (cell || row.length) { row.push(cell.replace(/\r$/, "")); rows.push(row); }
+  return rows;
+}
+
+// The chosen column's non-blank texts, in file order.
+export function textsOf(name, content, column) {
+  const out = [];
+  if (/\.csv$/i.test(name)) {
+    const [header, ...rows] = csvRecords(content);
+    const at = (header || []).indexOf(column);
+    for (const r of rows) if (at >= 0 && r[at] && r[at].trim()) out.push(r[at]);
+    return out;
+  }
+  for (const line of content.split("\n")) {
+    try {
+      const obj = JSON.parse(line);
+      const v = obj && typeof obj === "object" ? obj[column] : null;
+      if (typeof v === "string" && v.trim()) out.push(v);
+    } catch (err) { /* a bad line is left out of the set */ }
+  }
+  return out;
+}
+
+export async function readTogether() {
+  if (!batchFile) return;
+  const texts = textsOf(batchFile.name, batchFile.content, $("batch-column").value);
+  const field = $("together-group").value.trim();
+  const button = $("together-run");
+  const box = $("together");
+  const facts = $("together-facts");
+  $("batch-error").textContent = "";
+  if (!texts.length) {
+    $("batch-error").textContent = "No texts in that column to read together.";
+    return;
+  }
+  button.disabled = true;
+  $("batch-status").textContent = `Reading ${texts.length} texts together…`;
+  try {
+    const body = field ? { texts, group_by: field } : { texts };
+    const a = await api("POST", "/provenance/collection", body);
+    clear(facts);
+    $("together-verdict").textContent = `Read together: ${HEADLINES[a.verdict]} (p ${fmtP(a.p_value)})`;
+    if (a.detail !== "verdict") {
+      addRow(facts, "Texts read together", `${a.num_texts} (${a.num_units} scored tokens after removing repeats)`);
+      addRow(facts, "Statistic", a.statistic === "model" ? "model-weighted" : "model-free");
+      addRow(facts, "Tenant", a.tenant_name || a.tenant_id || "none named");
+      const alone = a.texts.filter((t) => t.verdict === "watermarked").length;
+      addRow(facts, "Watermarked alone", `${alone} of ${a.texts.length} texts`);
+    }
+    const g = a.group;
+    if (g) {
+      addRow(facts, `Group (${g.field})`, g.may_name ? g.value : "none named");
+      addRow(facts, "Group search", `${g.message}; p ${fmtP(g.p_value)} over ${g.values_searched} values`);
+    } else if (a.group_value) {
+      addRow(facts, "Group", a.group_value);
+    }
+    box.hidden = false;
+    $("batch-status").textContent = "";
+  } catch (err) {
+    $("batch-status").textContent = "";
+    $("batch-error").textContent = err.message;
+  } finally {
+    button.disabled = false;
+  }
+}

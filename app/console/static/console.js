@@ -4,7 +4,7 @@
 // sessionStorage. This module signs in and out, runs a check and wires the page;
 // check.js and evidence.js render a result, cases.js the saved cases, batch.js batches.
 import { STORE, api, credential, forget, state } from "./api.js";
-import { exportBatch, loadBatchFile, renderBatch, resetBatch, runBatch, sortBy } from "./batch.js";
+import { exportBatch, loadBatchFile, readTogether, renderBatch, resetBatch, runBatch, sortBy } from "./batch.js";
 import { show } from "./check.js";
 import { deleteCase, exportCase, loadHistory, openCase, showCase } from "./cases.js";
 import { $, addCells, clear, el, fmtP, fmtTime } from "./dom.js";
@@ -83,6 +83,7 @@ function signOut() {
   $("audit").hidden = true;
   $("case-report").hidden = true;
   $("batch-results").hidden = true;
+  $("together").hidden = true;
   resetBatch();
   clear($("history-table").querySelector("tbody"));
   clear($("batch-table").querySelector("tbody"));
@@ -168,6 +169,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("history-refresh").addEventListener("click", loadHistory);
   $("batch-file").addEventListener("change", loadBatchFile);
   $("batch-run").addEventListener("click", runBatch);
+  $("together-run").addEventListener("click", readTogether);
   $("batch-filter-verdict").addEventListener("change", renderBatch);
   $("batch-filter-text").addEventListener("input", renderBatch);
   $("batch-table").querySelector("thead").addEventListener("click", sortBy);
