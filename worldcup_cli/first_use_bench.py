@@ -391,10 +391,12 @@ def run(
     progress: Callable[[str], None] = _log,
     prompt_set_name: str = "eli5",
     out_dir: Path | None = None,
+    generate: bool = True,
     **settings_overrides: Any,
 ) -> dict[str, Any]:
     """Generate (or resume), then measure under both statistics at both registry sizes
-    (``settings_overrides``: for the service's settings, e.g. another model)."""
+    (``settings_overrides``: for the service's settings, e.g. another model). With
+    ``generate`` false, only the answers already kept under ``out_dir`` are measured."""
     chosen, info = prompt_set(prompt_set_name, count)
     with tempfile.TemporaryDirectory() as tmp:  # the store, where no out_dir keeps it
         where = Path(tmp) if out_dir is None else out_dir
@@ -408,6 +410,7 @@ def run(
             concurrency,
             progress,
             where,
+            generate,
             settings_overrides,
         )
 
@@ -422,6 +425,7 @@ def _run(
     concurrency: int,
     progress: Callable[[str], None],
     out_dir: Path,
+    generate: bool,
     overrides: dict[str, Any],
 ) -> dict[str, Any]:
     from contextlib import ExitStack
@@ -459,7 +463,7 @@ def _run(
             state.state["tenants"] = [dict(t) for t in tenants]
             state.save()
         cached = state.answers()
-        if cached and state.state.get("filled") is None:
+        if cached and generate and state.state.get("filled") is None:
             progress(f"resuming: {len(cached)} answers already generated")
         started = time.perf_counter()
 
@@ -474,11 +478,30 @@ def _run(
                 for j in range(len(t["prompts"]))
                 if (t["id"], j) not in cached
             ]
-            if missing:
+            if missing and generate:
                 raise RuntimeError(f"{out_dir}: registries filled with answers missing")
-        made = generate_answers(
-            client, tenants, max_new_tokens, temperature, concurrency, done, cached, state.record
-        )
+        if generate and not state.state.get("filled"):
+            made = generate_answers(
+                client,
+                tenants,
+                max_new_tokens,
+                temperature,
+                concurrency,
+                done,
+                cached,
+                state.record,
+            )
+        else:  # the answers kept (a run stopped early is measured on those: n says how many)
+            made = []
+            for t in tenants:
+                kept = [j for j in range(len(t["prompts"])) if (t["id"], j) in cached]
+                t["prompts"] = [t["prompts"][j] for j in kept]
+                t["generated"] = [cached[(t["id"], j)] for j in kept]
+                made += t["generated"]
+            tenants = [t for t in tenants if t["generated"]]
+            if not made:
+                raise RuntimeError(f"{out_dir}: no answers kept to measure")
+            progress(f"measuring the {len(made)} answers kept in {out_dir}")
         seconds = time.perf_counter() - started
         progress(f"generated {len(made)} answers in {seconds:.0f} s")
         measured: dict[str, Any] = state.state.setdefault("measured", {})
@@ -516,7 +539,7 @@ def _run(
         **{f"{size}:{s}": measured[f"{size}:{s}"] for size in ("small", "big") for s in STATISTICS},
         "statistics": measured["statistics"],
         "big_registry": big_registry,
-        "prompts": chosen,
+        "prompts": [p for t in tenants for p in t["prompts"]],
         "answers": made,
     }
     return dict(json.loads(json.dumps(result, default=_plain)))

@@ -726,6 +726,9 @@ def bench_first_use(
         Path | None,
         typer.Option(help="Keep the store and answers here; a rerun resumes from them."),
     ] = None,
+    generate: Annotated[
+        bool, typer.Option(help="--no-generate: measure only the answers kept in --out-dir.")
+    ] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """What a new user's chat answers get from the service: the embedded model, the
@@ -734,6 +737,8 @@ def bench_first_use(
     binomial SE."""
     from worldcup_cli.first_use_bench import COLUMNS, PROMPT_SETS, run, table
 
+    if not generate and out_dir is None:
+        fail("--no-generate measures the answers kept in --out-dir: give --out-dir")
     if prompt_set not in PROMPT_SETS:
         fail(f"--prompt-set: one of {', '.join(PROMPT_SETS)}, got {prompt_set!r}")
     result = run(
@@ -744,6 +749,7 @@ def bench_first_use(
         big_registry,
         prompt_set_name=prompt_set,
         out_dir=out_dir,
+        generate=generate,
     )
     if out_dir is not None:  # the full result beside the answers, rows included
         (out_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
