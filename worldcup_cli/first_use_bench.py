@@ -1,9 +1,9 @@
 """``worldcup bench first-use``: what a new user's chat answers get, through the service.
 
-100 committed chat prompts (``data/first_use_prompts.txt``, ELI5 questions) are
-answered by the embedded model under the service default, at the settings people
-use (temperature 0.7, 128 new tokens), through ``POST /generate`` with metadata,
-so every answer is a registry entry. The tenants' texts then go through
+Chat prompts (``--prompt-set``) are answered by the embedded model under the service
+default, at the settings people use (temperature 0.7, 128 new tokens), through
+``POST /generate`` with metadata, so every answer is a registry entry. The tenants' texts
+then go through
 ``/detect/batch`` and ``/decode/batch`` (the same verdict as the single routes,
 ``tests/test_one_verdict.py``) twice: with each tenant's registry at its natural
 size (``per_tenant`` entries), and after filling it to ``big_registry`` entries as
@@ -12,14 +12,34 @@ transaction). Printed per registry size, with binomial standard errors: the
 share of answers whose verdict is "watermarked" (p < 1e-6, every correction), the
 share whose registry entry is named, the median p of each test, and the number
 of answers that contradict each other.
+
+Prompt sets: ``eli5``, ELI5 questions held out from the tuning of the model-assisted
+statistic (``worldcup_eval.model_weights_study``: the committed prompts of
+``data/first_use_prompts.txt`` that did not tune it, then the data file's other ELI5
+questions that did not; the overlap with the tuning prompts is counted in the result
+and is 0 by construction), and ``everyday`` (``data/everyday_prompts.txt``: notes,
+emails, how-tos, short explanations, lists, rewrites, short messages).
+
+The same answers are scored under both statistics side by side: the model-assisted
+one (the service with the model's token weights, ``detect_with_model``) and the
+model-free one (a second app over the same store with ``detect_with_model=False``).
+Each answer states the statistic it took; the table counts answers whose statistic is
+not the one its app should take.
+
+With ``out_dir`` the store, the tenants and each answer (``answers.jsonl``, appended
+as it finishes) are kept there, and a rerun with the same arguments resumes: it
+generates only the missing answers, and reuses the measurements already made.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 import statistics
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 PROMPTS = Path(__file__).parent / "data" / "first_use_prompts.txt"
+EVERYDAY = Path(__file__).parent / "data" / "everyday_prompts.txt"
+PROMPT_SETS = ("eli5", "everyday")
+STATISTICS = ("model", "model_free")
 ADMIN_TOKEN = "bench-first-use-admin-token-0123"
 MASTER_KEY = "cd" * 32
 
@@ -40,6 +63,42 @@ def component_p(answer: dict[str, Any], test: str) -> float:
 
 def prompts() -> list[str]:
     return [p for p in PROMPTS.read_text(encoding="utf-8").splitlines() if p.strip()]
+
+
+def everyday_prompts() -> list[str]:
+    return [p for p in EVERYDAY.read_text(encoding="utf-8").splitlines() if p.strip()]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def prompt_set(name: str, count: int) -> tuple[list[str], dict[str, Any]]:
+    """The first ``count`` prompts of a set, and how they stand against the prompts that
+    tuned the model-assisted statistic (``overlap``: among those chosen, always 0;
+    ``excluded``: tuning prompts of the committed file left out)."""
+    from worldcup_eval.model_weights_study import prompts as study_prompts
+    from worldcup_eval.model_weights_study import tuning_prompts
+
+    tuning = {_norm(p) for p in tuning_prompts()}
+    if name == "eli5":
+        # the committed prompts first, then the other ELI5 questions (the study's order)
+        pool = study_prompts()
+    elif name == "everyday":
+        pool = everyday_prompts()
+    else:
+        raise ValueError(f"prompt set: one of {', '.join(PROMPT_SETS)}, got {name!r}")
+    chosen = [p for p in pool if _norm(p) not in tuning][:count]
+    info = {
+        "prompt_set": name,
+        "tuning_prompts": len(tuning),
+        "excluded": sum(_norm(p) in tuning for p in prompts()) if name == "eli5" else 0,
+        "overlap": sum(_norm(p) in tuning for p in chosen),
+        "from_committed_file": sum(
+            _norm(p) in {_norm(q) for q in (prompts() if name == "eli5" else pool)} for p in chosen
+        ),
+    }
+    return chosen, info
 
 
 def _share(hits: int, n: int) -> str:
@@ -67,6 +126,7 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
                         "verdict": "error",
                         "error": error["code"],
                         "statistic": None,
+                        "took": None,
                         "verdict_p": 1.0,
                         "detect_p": 1.0,
                         "decode_p": 1.0,
@@ -82,6 +142,7 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
                 {
                     "verdict": d["verdict"],
                     "statistic": d["verdict_statistic"],
+                    "took": d.get("statistic"),
                     "verdict_p": d["p_value"],
                     "detect_p": component_p(d, "detect"),
                     "decode_p": component_p(c, "decode"),
@@ -106,6 +167,7 @@ def measure(client: Any, tenants: list[dict[str, Any]]) -> dict[str, Any]:
         "deciding": {
             s: sum(r["statistic"] == s for r in rows) for s in ("detect", "decode", "registry")
         },
+        "took": {s: sum(r["took"] == s for r in rows) for s in STATISTICS},
         "rows": rows,
     }
 
@@ -175,12 +237,14 @@ def fill_registry(db: Path, tenant_id: str, version: int, num_bits: int, upto: i
 def bench_settings(db: Path, **overrides: Any) -> Any:
     """The service's settings for a benchmark: the default preset unless ``overrides``
     name another, an SQLite store at ``db``, no Redis, the CPU."""
+    from pydantic import SecretStr
+
     from app.core.config import Settings
 
     return Settings(
         _env_file=None,  # type: ignore[call-arg]
-        master_key=MASTER_KEY,
-        admin_token=ADMIN_TOKEN,
+        master_key=SecretStr(MASTER_KEY),
+        admin_token=SecretStr(ADMIN_TOKEN),
         redis_url=None,
         sqlite_path=db,
         device="cpu",
@@ -217,16 +281,23 @@ def generate_answers(
     temperature: float,
     concurrency: int = 8,
     done: Callable[[int, int], None] | None = None,
+    cached: dict[tuple[str, int], dict[str, Any]] | None = None,
+    record: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Each tenant's prompts answered through ``POST /generate`` (chat messages, seed =
     the prompt's place in its tenant, metadata: every answer is a registry entry); the
     answers land in ``tenant["generated"]`` and are returned in order. ``done(i, n)``
-    is called as answers finish."""
+    is called as answers finish, ``record(tenant id, j, answer)`` with each new answer;
+    answers in ``cached`` (by tenant id and j) are not generated again."""
     finished = 0
+    lock = threading.Lock()
+    cached = cached or {}
 
     def generate(job: tuple[dict[str, Any], int, str]) -> dict[str, Any]:
         nonlocal finished
         tenant, j, prompt = job
+        if (tenant["id"], j) in cached:
+            return cached[(tenant["id"], j)]
         body = {
             "messages": [{"role": "user", "content": prompt}],
             "max_new_tokens": max_new_tokens,
@@ -238,16 +309,20 @@ def generate_answers(
         out = r.json()
         if r.status_code != 200:
             raise RuntimeError(f"/generate failed: {r.status_code} {r.text[:200]}")
-        finished += 1
-        if done is not None:
-            done(finished, len(jobs))
-        return {
+        answer = {
             "text": out["text"],
             "message_id": out["message_id"],
             "tokens": out["num_tokens"],
             "finish_reason": out["finish_reason"],
             "payload": out["payload"]["bits"],
         }
+        with lock:
+            finished += 1
+            if record is not None:
+                record(tenant["id"], j, answer)
+            if done is not None:
+                done(finished, len(jobs) - len(cached))
+        return answer
 
     jobs = [(t, j, p) for t in tenants for j, p in enumerate(t["prompts"])]
     with ThreadPoolExecutor(concurrency) as pool:
@@ -257,6 +332,55 @@ def generate_answers(
     return made
 
 
+def _log(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (counts and p's from the core) as JSON numbers."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+class _State:
+    """What a run keeps under ``out_dir`` to resume: the tenants (with their API keys:
+    a benchmark's own store, never committed), the answers as they finish, and the
+    measurements made."""
+
+    def __init__(self, out_dir: Path, signature: dict[str, Any]) -> None:
+        self.dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = out_dir / "state.json"
+        self.answers_path = out_dir / "answers.jsonl"
+        self.state: dict[str, Any] = {}
+        if self.state_path.is_file():
+            self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            if self.state.get("signature") != signature:
+                raise ValueError(
+                    f"{out_dir} holds a run with other arguments ({self.state.get('signature')});"
+                    " use another --out-dir"
+                )
+        self.state["signature"] = signature
+
+    def save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, default=_plain), encoding="utf-8")
+        tmp.replace(self.state_path)
+
+    def answers(self) -> dict[tuple[str, int], dict[str, Any]]:
+        if not self.answers_path.is_file():
+            return {}
+        with self.answers_path.open(encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        return {(r["tenant"], r["j"]): r["answer"] for r in rows}
+
+    def record(self, tenant: str, j: int, answer: dict[str, Any]) -> None:
+        with self.answers_path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"tenant": tenant, "j": j, "answer": answer}) + "\n")
+
+
 def run(
     count: int = 100,
     per_tenant: int = 20,
@@ -264,32 +388,146 @@ def run(
     temperature: float = 0.7,
     big_registry: int = 100_000,
     concurrency: int = 8,
-    progress: Callable[[str], None] = print,
+    progress: Callable[[str], None] = _log,
+    prompt_set_name: str = "eli5",
+    out_dir: Path | None = None,
+    generate: bool = True,
+    **settings_overrides: Any,
 ) -> dict[str, Any]:
+    """Generate (or resume), then measure under both statistics at both registry sizes
+    (``settings_overrides``: for the service's settings, e.g. another model). With
+    ``generate`` false, only the answers already kept under ``out_dir`` are measured."""
+    chosen, info = prompt_set(prompt_set_name, count)
+    with tempfile.TemporaryDirectory() as tmp:  # the store, where no out_dir keeps it
+        where = Path(tmp) if out_dir is None else out_dir
+        return _run(
+            chosen,
+            info,
+            per_tenant,
+            max_new_tokens,
+            temperature,
+            big_registry,
+            concurrency,
+            progress,
+            where,
+            generate,
+            settings_overrides,
+        )
+
+
+def _run(
+    chosen: list[str],
+    info: dict[str, Any],
+    per_tenant: int,
+    max_new_tokens: int,
+    temperature: float,
+    big_registry: int,
+    concurrency: int,
+    progress: Callable[[str], None],
+    out_dir: Path,
+    generate: bool,
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    from contextlib import ExitStack
+
     from fastapi.testclient import TestClient
 
     from app.main import create_app
 
-    chosen = prompts()[:count]
-    with tempfile.TemporaryDirectory() as tmp:
-        db = Path(tmp) / "db.sqlite3"
-        settings = bench_settings(db)
-        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    signature = {
+        "prompts": chosen,
+        "per_tenant": per_tenant,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "big_registry": big_registry,
+    }
+    state = _State(out_dir, signature)
+    db = out_dir / "db.sqlite3"
+    settings = {
+        s: bench_settings(db, detect_with_model=s == "model", **overrides) for s in STATISTICS
+    }
+    with ExitStack() as stack:
+        clients = {
+            s: stack.enter_context(
+                TestClient(create_app(settings[s]), raise_server_exceptions=False)
+            )
+            for s in STATISTICS
+        }
+        client = clients["model"]
+        if "tenants" in state.state:
+            tenants = [
+                {k: v for k, v in t.items() if k != "generated"} for t in state.state["tenants"]
+            ]
+        else:
             tenants = make_tenants(client, chosen, per_tenant)
-            started = time.perf_counter()
-            made = generate_answers(client, tenants, max_new_tokens, temperature, concurrency)
-            seconds = time.perf_counter() - started
-            progress(f"generated {len(made)} answers in {seconds:.0f} s")
-            statistics_compared = compare_statistics(client, db, tenants)
-            small = measure(client, tenants)
-            progress(f"measured at {per_tenant} entries per tenant")
+            state.state["tenants"] = [dict(t) for t in tenants]
+            state.save()
+        cached = state.answers()
+        if cached and generate and state.state.get("filled") is None:
+            progress(f"resuming: {len(cached)} answers already generated")
+        started = time.perf_counter()
+
+        def done(i: int, n: int) -> None:
+            elapsed = time.perf_counter() - started
+            progress(f"generated {i}/{n} answers ({elapsed:.0f} s)")
+
+        if state.state.get("filled"):
+            missing = [
+                (t["id"], j)
+                for t in tenants
+                for j in range(len(t["prompts"]))
+                if (t["id"], j) not in cached
+            ]
+            if missing and generate:
+                raise RuntimeError(f"{out_dir}: registries filled with answers missing")
+        if generate and not state.state.get("filled"):
+            made = generate_answers(
+                client,
+                tenants,
+                max_new_tokens,
+                temperature,
+                concurrency,
+                done,
+                cached,
+                state.record,
+            )
+        else:  # the answers kept (a run stopped early is measured on those: n says how many)
+            made = []
+            for t in tenants:
+                kept = [j for j in range(len(t["prompts"])) if (t["id"], j) in cached]
+                t["prompts"] = [t["prompts"][j] for j in kept]
+                t["generated"] = [cached[(t["id"], j)] for j in kept]
+                made += t["generated"]
+            tenants = [t for t in tenants if t["generated"]]
+            if not made:
+                raise RuntimeError(f"{out_dir}: no answers kept to measure")
+            progress(f"measuring the {len(made)} answers kept in {out_dir}")
+        seconds = time.perf_counter() - started
+        progress(f"generated {len(made)} answers in {seconds:.0f} s")
+        measured: dict[str, Any] = state.state.setdefault("measured", {})
+        if "statistics" not in measured:
+            measured["statistics"] = compare_statistics(client, db, tenants)
+            state.save()
+        if state.state.get("filled") is None:
+            for s in STATISTICS:
+                if f"small:{s}" not in measured:
+                    measured[f"small:{s}"] = measure(clients[s], tenants)
+                    state.save()
+                    progress(f"measured at {per_tenant} entries per tenant ({s})")
             key_version = 1
-            num_bits = settings.default_num_bits
+            num_bits = settings["model"].default_num_bits
             for t in tenants:
                 fill_registry(db, t["id"], key_version, num_bits, big_registry)
+            state.state["filled"] = big_registry
+            state.save()
             progress(f"filled every registry to {big_registry} entries")
-            big = measure(client, tenants)
-    return {
+        for s in STATISTICS:
+            if f"big:{s}" not in measured:
+                measured[f"big:{s}"] = measure(clients[s], tenants)
+                state.save()
+                progress(f"measured at {big_registry} entries per tenant ({s})")
+    result = {
+        **info,
         "texts": len(made),
         "median_tokens": statistics.median(g["tokens"] for g in made),
         "generate_seconds": round(seconds, 1),
@@ -298,51 +536,71 @@ def run(
             "max_new_tokens": max_new_tokens,
             "per_tenant": per_tenant,
         },
-        "small": small,
-        "big": big,
-        "statistics": statistics_compared,
+        **{f"{size}:{s}": measured[f"{size}:{s}"] for size in ("small", "big") for s in STATISTICS},
+        "statistics": measured["statistics"],
         "big_registry": big_registry,
+        "prompts": [p for t in tenants for p in t["prompts"]],
+        "answers": made,
     }
+    return dict(json.loads(json.dumps(result, default=_plain)))
+
+
+COLUMNS = ("small:model", "small:model_free", "big:model", "big:model_free")
 
 
 def table(result: dict[str, Any]) -> str:
-    small, big = result["small"], result["big"]
     n = result["texts"]
+    cols = [result[c] for c in COLUMNS]
     head = (
-        f"{n} chat answers (median {result['median_tokens']} tokens), temperature "
-        f"{result['settings']['temperature']}, {result['settings']['max_new_tokens']} new tokens, "
-        "service default; ± one binomial SE\n"
+        f"{n} chat answers, prompt set {result['prompt_set']} (overlap with the "
+        f"statistic's {result['tuning_prompts']} tuning prompts: {result['overlap']}; "
+        f"{result['excluded']} tuning prompts of the committed file left out), median "
+        f"{result['median_tokens']} tokens, temperature {result['settings']['temperature']}, "
+        f"{result['settings']['max_new_tokens']} new tokens, service default; the same "
+        "answers under both statistics; ± one binomial SE\n"
     )
-    sizes = (
-        f"registry {result['settings']['per_tenant']} entries",
-        f"registry {result['big_registry']} entries",
-    )
-    lines = ["| measured | " + " | ".join(sizes) + " |", "|---|---|---|"]
+    small = f"{result['settings']['per_tenant']} entries"
+    big = f"{result['big_registry']} entries"
+    lines = [
+        f"| measured | {small}: model | {small}: model-free | {big}: model | {big}: model-free |",
+        "|---|---|---|---|---|",
+    ]
     for label, key in (
         ('verdict "watermarked" (p < 1e-6, every correction)', "watermarked"),
         ('verdict "inconclusive"', "inconclusive"),
         ("/decode names the issued registry entry", "named"),
     ):
-        lines.append(f"| {label} | {_share(small[key], n)} | {_share(big[key], n)} |")
+        lines.append(f"| {label} | " + " | ".join(_share(c[key], n) for c in cols) + " |")
     for label, key in (
         ("median verdict p", "median_verdict_p"),
         ("median /detect p (message-free)", "median_detect_p"),
         ("median /decode p (length known)", "median_decode_p"),
     ):
-        lines.append(f"| {label} | {small[key]:.2g} | {big[key]:.2g} |")
-    deciding = f"{_fmt(small['deciding'])} | {_fmt(big['deciding'])}"
+        lines.append(f"| {label} | " + " | ".join(f"{c[key]:.2g}" for c in cols) + " |")
+    lines.append(
+        "| deciding test (detect/decode/registry) | "
+        + " | ".join(_fmt(c["deciding"]) for c in cols)
+        + " |"
+    )
+    lines.append(
+        "| statistic the answers state (model/model_free) | "
+        + " | ".join(f"{c['took']['model']}/{c['took']['model_free']}" for c in cols)
+        + " |"
+    )
+    lines.append(
+        "| answers that contradict each other | "
+        + " | ".join(str(c["contradictions"]) for c in cols)
+        + " |"
+    )
+    lines.append("| errors | " + " | ".join(str(c["errors"]) for c in cols) + " |")
     stats_lines = [
         f"| {name} | median p {v['median_p']:.2g}; p < 1e-3: {v['below_1e-3']}/{n}; "
         f"p < 1e-6: {v['below_1e-6']}/{n} |"
         for name, v in result["statistics"].items()
     ]
-    lines.append(f"| deciding test (detect/decode/registry) | {deciding} |")
-    lines.append(
-        "| answers that contradict each other | "
-        f"{small['contradictions']} | {big['contradictions']} |"
-    )
     same = (
-        "\n\nOn the same answers, each test alone (uncorrected), unweighted and layer-weighted:\n"
+        "\n\nOn the same answers, each test alone (uncorrected, model-free), unweighted and"
+        " layer-weighted:\n"
     )
     return (
         head + "\n".join(lines) + same + "| test | figures |\n|---|---|\n" + "\n".join(stats_lines)

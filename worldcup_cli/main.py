@@ -840,16 +840,42 @@ def bench_first_use(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
     big_registry: Annotated[int, typer.Option(min=1, help="The large registry's size.")] = 100_000,
+    prompt_set: Annotated[
+        str, typer.Option(help="eli5 (held out from the statistic's tuning) or everyday.")
+    ] = "eli5",
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(help="Keep the store and answers here; a rerun resumes from them."),
+    ] = None,
+    generate: Annotated[
+        bool, typer.Option(help="--no-generate: measure only the answers kept in --out-dir.")
+    ] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """What a new user's chat answers get from the service: the embedded model, the
     service default, through /generate and the bulk routes, at two registry sizes,
-    with binomial SE."""
-    from worldcup_cli.first_use_bench import run, table
+    the same answers under the model-assisted and the model-free statistic, with
+    binomial SE."""
+    from worldcup_cli.first_use_bench import COLUMNS, PROMPT_SETS, run, table
 
-    result = run(texts, per_tenant, max_new_tokens, temperature, big_registry)
-    for size in ("small", "big"):
-        result[size].pop("rows")
+    if not generate and out_dir is None:
+        fail("--no-generate measures the answers kept in --out-dir: give --out-dir")
+    if prompt_set not in PROMPT_SETS:
+        fail(f"--prompt-set: one of {', '.join(PROMPT_SETS)}, got {prompt_set!r}")
+    result = run(
+        texts,
+        per_tenant,
+        max_new_tokens,
+        temperature,
+        big_registry,
+        prompt_set_name=prompt_set,
+        out_dir=out_dir,
+        generate=generate,
+    )
+    if out_dir is not None:  # the full result beside the answers, rows included
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    for column in COLUMNS:
+        result[column].pop("rows")
     _emit(as_json, result, table(result))
 
 

@@ -87,6 +87,8 @@ def _norm(text: str) -> str:
 
 
 FIRST_USE = 100  # prompts 0..99 are the committed ones; the extra tuning prompts follow
+TUNING = 20  # the committed prompts 0..TUNING-1 tune the variant (--tuning)
+EXTRA_TUNING = 40  # and this many of the other ELI5 questions (--extra-tuning)
 
 
 def plan(tuning: int, heldout: int, null: int, extra: int = 0) -> list[tuple[str, int]]:
@@ -98,6 +100,12 @@ def plan(tuning: int, heldout: int, null: int, extra: int = 0) -> list[tuple[str
     out += [("null", tuning + heldout + i) for i in range(null)]
     out += [("tuning", FIRST_USE + i) for i in range(extra)]
     return out
+
+
+def tuning_prompts(tuning: int = TUNING, extra: int = EXTRA_TUNING) -> list[str]:
+    """The prompts whose answers chose the variant (the defaults: the study's run)."""
+    texts = prompts()
+    return [texts[i] for split, i in plan(tuning, 0, 0, extra) if split == "tuning"]
 
 
 def answer_key(index: int) -> tuple[Any, str]:
@@ -193,10 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     score = sub.add_parser("score", help="token weights (resumable) and the tables")
     for p in (gen, score):
         p.add_argument("--out", type=Path, default=Path("/work/scratch-stat"))
-        p.add_argument("--tuning", type=int, default=20)
+        p.add_argument("--tuning", type=int, default=TUNING)
         p.add_argument("--heldout", type=int, default=40)
         p.add_argument("--null", type=int, default=40)
-        p.add_argument("--extra-tuning", type=int, default=40)
+        p.add_argument("--extra-tuning", type=int, default=EXTRA_TUNING)
     gen.add_argument("--tokens", type=int, default=128)
     gen.add_argument("--batch", type=int, default=10)
     score.add_argument("--keys", type=int, default=50, help="random keys per null text")
