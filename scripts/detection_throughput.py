@@ -25,12 +25,13 @@ the weights and p-values move.
 Texts are the tokenizer's word tokens drawn at random (the cost does not depend on
 what the text says). Usage::
 
-    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python scripts/detection_throughput.py \\
-        --texts 64 --threads 2 [--answers /tmp/gen/answers.jsonl]
+    PYTHONPATH=. python scripts/detection_throughput.py --texts 32 --threads 2 \\
+        [--answers /tmp/gen/answers.jsonl]
 
-``OMP_WAIT_POLICY`` must be set before torch loads (the script reports it): on a
-shared machine the default (spinning) OpenMP threads lose much of their time waiting
-for each other. Quote the figures with the load averages the script prints.
+The script reports ``OMP_WAIT_POLICY`` (set it before torch loads to compare: on an
+oversubscribed machine spinning OpenMP threads can lose time waiting for each other;
+PASSIVE and the default measured alike here). Quote the figures with the load
+averages the script prints.
 """
 
 from __future__ import annotations
