@@ -1,24 +1,37 @@
 """Detection throughput with and without the served model, per process (issue #44).
 
-Prints one JSON object:
+Prints one JSON object. For each precision of detection's forward passes
+(``--dtypes``, default ``float32,bfloat16``: ``WORLDCUP_WEIGHTS_DTYPE``), side by side:
 
-* ``model_free_texts_per_s``: the verdict's tests (message-free and at one payload
-  length, :func:`app.services.watermark.verdict_stats`) and the decoder's reading
-  (:func:`app.services.watermark.decode_one`) of texts of ``--tokens`` tokens;
-* ``weights_texts_per_s``: the hf engine's batched forward passes alone
+* ``weights``: the hf engine's batched forward passes alone
   (:meth:`app.engines.hf.HFEngine.token_weights`, its own batching policy);
-* ``model_texts_per_s``: both together, as a /decode of the model-assisted statistic
-  costs (weights, then the same tests weighted);
-* ``generation_tokens_per_s`` alone and ``beside_detection`` (generation while the
-  engine runs detection batches between its steps), with the detection rate then.
+* ``model``: weights, then the tests weighted, as a /decode of the model-assisted
+  statistic costs (the verdict's tests, :func:`app.services.watermark.verdict_stats`,
+  and the decoder's reading, :func:`app.services.watermark.decode_one`);
+* ``beside_generation``: generation and detection at once on the engine's thread
+  (its time share), each one's rate then;
+
+and once: ``model_free`` (the same tests without weights) and ``generation alone``.
+Every rate is wall-clock texts (or tokens) per second of this process, with the
+process's CPU seconds per text beside it (``cpu_s_per_text``: all its threads; on a
+shared machine the wall rate mostly measures the neighbours, the CPU time less so).
+``bf16_vs_fp32`` says how far the bfloat16 weights are from the float32 ones.
+
+``--answers FILE`` (``answers.jsonl`` of ``python -m worldcup_eval.model_weights_study
+generate``: watermarked chat answers with their keys) adds ``power``: the message-free
+test's median log10 p over those answers with each precision's weights, and how far
+the weights and p-values move.
 
 Texts are the tokenizer's word tokens drawn at random (the cost does not depend on
 what the text says). Usage::
 
-    PYTHONPATH=. python scripts/detection_throughput.py --texts 64 --threads 2
+    PYTHONPATH=. python scripts/detection_throughput.py --texts 32 --threads 2 \\
+        [--answers /tmp/gen/answers.jsonl]
 
-The figures depend on the machine and on what else runs on it: quote them with the
-load average the script prints.
+The script reports ``OMP_WAIT_POLICY`` (set it before torch loads to compare: on an
+oversubscribed machine spinning OpenMP threads can lose time waiting for each other;
+PASSIVE and the default measured alike here). Quote the figures with the load
+averages the script prints.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import json
 import os
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,10 +53,29 @@ from app.engines.hf import HFEngine
 from app.services.watermark import decode_one, verdict_stats
 from worldcup_core import SamplingConfig, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.generation import GenerationRequest, GenerationResult
+from worldcup_core.model_weights import weights_model
 from worldcup_core.models import load_model
 from worldcup_scan.bench import word_tokens
 
 NUM_BITS = 32
+
+
+class Clock:
+    """Wall and process CPU time of a block."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+    def rate(self, n: int) -> dict[str, float]:
+        return {
+            "texts_per_s": round(n / self.wall, 2),
+            "cpu_s_per_text": round(self.cpu / n, 4),
+        }
 
 
 def _score(scheme: WorldCup, texts: list[list[int]], weights: Any) -> None:
@@ -66,14 +99,8 @@ async def _generate(engine: HFEngine, rows: int, tokens: int) -> tuple[int, floa
     return made, time.perf_counter() - started
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
-    rng = np.random.default_rng(0)
-    vocab = np.asarray(word_tokens(lm.tokenizer))
-    texts = [rng.choice(vocab, size=args.tokens).tolist() for _ in range(args.texts)]
-    scheme = WorldCup(WatermarkKey(secrets.token_bytes(32)), WatermarkConfig())
-    engine = HFEngine(
+def _engine(lm: Any, weigher: Any, args: argparse.Namespace) -> HFEngine:
+    return HFEngine(
         lm.model,
         lm.eos_token_ids,
         lm.pad_token_id,
@@ -82,43 +109,134 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         max_queue=64,
         weights_batch_texts=args.batch,
         weights_batch_tokens=args.batch * args.tokens,
+        weights_model=weigher,
     )
+
+
+async def _one_dtype(
+    lm: Any, weigher: Any, scheme: WorldCup, texts: list[list[int]], args: argparse.Namespace
+) -> tuple[dict[str, Any], list[Any]]:
+    engine = _engine(lm, weigher, args)
     engine.start()
+    n = len(texts)
     try:
-        await engine.token_weights(texts[:2])  # warm
-        started = time.perf_counter()
-        _score(scheme, texts, None)
-        free_s = time.perf_counter() - started
-        started = time.perf_counter()
-        weights = await engine.token_weights(texts)
-        weights_s = time.perf_counter() - started
-        _score(scheme, texts, weights)
-        model_s = time.perf_counter() - started
-        made, alone_s = await _generate(engine, args.rows, args.gen_tokens)
+        await engine.token_weights(texts[: args.batch])  # warm
+        with Clock() as weights_clock:
+            weights = await engine.token_weights(texts)
+        with Clock() as model_clock:
+            weights = await engine.token_weights(texts)
+            _score(scheme, texts, weights)
         detection = asyncio.ensure_future(engine.token_weights(texts))
-        started = time.perf_counter()
-        made_beside, beside_s = await _generate(engine, args.rows, args.gen_tokens)
-        await detection
-        both_s = time.perf_counter() - started
+        with Clock() as both:
+            made, gen_s = await _generate(engine, args.rows, args.gen_tokens)
+            await detection
     finally:
         engine.stop()
     return {
+        "weights": weights_clock.rate(n),
+        "model": model_clock.rate(n),
+        "beside_generation": {
+            "generation_tokens_per_s": round(made / gen_s, 2),
+            "detection_texts_per_s": round(n / both.wall, 2),
+        },
+    }, weights
+
+
+def _power(
+    answers: Path, lm: Any, weighers: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Median log10 p of the message-free test over watermarked answers, per precision."""
+    from worldcup_core.detector_model import model_log_p_many
+    from worldcup_core.model_weights import model_token_weights
+    from worldcup_eval.model_weights_study import read_jsonl, service_config
+
+    def key_of(row: dict[str, Any]) -> WatermarkKey:
+        return WatermarkKey(bytes.fromhex(row["key"]))
+
+    rows = [r for r in read_jsonl(answers) if r.get("key")][: args.answers_count]
+    config = service_config()
+    texts = [[int(t) for t in r["ids"]] for r in rows]
+    lengths = [len(t) for t in texts]
+    out: dict[str, Any] = {"answers": len(rows), "tokens_mean": round(float(np.mean(lengths)), 1)}
+    logs: dict[str, np.ndarray] = {}
+    got: dict[str, list[Any]] = {}
+    for name, weigher in weighers.items():
+        got[name] = model_token_weights(weigher, texts, pad_token_id=lm.pad_token_id)
+        lp = [
+            float(model_log_p_many(key_of(r), config, [t], None, [w])[0])
+            for r, t, w in zip(rows, texts, got[name], strict=True)
+        ]
+        logs[name] = np.asarray(lp) / np.log(10)
+        out[f"median_log10_p_{name}"] = round(float(np.median(logs[name])), 3)
+    if {"float32", "bfloat16"} <= set(got):
+        diff = np.concatenate(
+            [np.abs(a - b)[1:] for a, b in zip(got["float32"], got["bfloat16"], strict=True)]
+        )
+        delta = logs["bfloat16"] - logs["float32"]
+        out["weights_abs_diff"] = {
+            "mean": round(float(diff.mean()), 4),
+            "p99": round(float(np.quantile(diff, 0.99)), 4),
+            "max": round(float(diff.max()), 4),
+        }
+        out["log10_p_bf16_minus_fp32"] = {
+            "median": round(float(np.median(delta)), 3),
+            "mean": round(float(delta.mean()), 3),
+            "sd": round(float(delta.std(ddof=1)), 3) if len(delta) > 1 else None,
+            "max_abs": round(float(np.abs(delta).max()), 3),
+        }
+    return out
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    lm = load_model(args.model)
+    rng = np.random.default_rng(0)
+    vocab = np.asarray(word_tokens(lm.tokenizer))
+    texts = [rng.choice(vocab, size=args.tokens).tolist() for _ in range(args.texts)]
+    scheme = WorldCup(WatermarkKey(secrets.token_bytes(32)), WatermarkConfig())
+    _score(scheme, texts[:2], None)  # warm
+    with Clock() as free:
+        _score(scheme, texts, None)
+    result: dict[str, Any] = {
         "model": lm.model_id,
         "tokens_per_text": args.tokens,
         "texts": args.texts,
         "torch_threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "weights_batch_texts": args.batch,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
-        "model_free_texts_per_s": round(args.texts / free_s, 2),
-        "weights_texts_per_s": round(args.texts / weights_s, 2),
-        "model_texts_per_s": round(args.texts / model_s, 2),
-        "generation_tokens_per_s": round(made / alone_s, 2),
-        "beside_detection": {
-            "generation_tokens_per_s": round(made_beside / beside_s, 2),
-            "detection_texts_per_s": round(args.texts / both_s, 2),
-        },
+        "model_free": free.rate(args.texts),
     }
+    engine = _engine(lm, lm.model, args)
+    engine.start()
+    try:
+        made, alone_s = await _generate(engine, args.rows, args.gen_tokens)
+    finally:
+        engine.stop()
+    result["generation_alone_tokens_per_s"] = round(made / alone_s, 2)
+    weighers = {name: weights_model(lm.model, name) for name in args.dtypes.split(",")}
+    found: dict[str, list[Any]] = {}
+    for name, weigher in weighers.items():
+        result[name], found[name] = await _one_dtype(lm, weigher, scheme, texts, args)
+    if {"float32", "bfloat16"} <= set(found):
+        diff = np.concatenate(
+            [np.abs(a - b)[1:] for a, b in zip(found["float32"], found["bfloat16"], strict=True)]
+        )
+        result["bf16_vs_fp32"] = {
+            "speedup_weights": round(
+                result["bfloat16"]["weights"]["texts_per_s"]
+                / result["float32"]["weights"]["texts_per_s"],
+                2,
+            ),
+            "weights_abs_diff_mean": round(float(diff.mean()), 4),
+            "weights_abs_diff_max": round(float(diff.max()), 4),
+        }
+    if args.answers is not None:
+        result["power"] = _power(args.answers, lm, weighers, args)
+    load_after = [round(x, 2) for x in os.getloadavg()]
+    result["load_average"] = {"before": load_before, "after": load_after}
+    return result
 
 
 if __name__ == "__main__":
@@ -130,4 +248,7 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--rows", type=int, default=4, help="generation rows")
     parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="weights dtypes compared")
+    parser.add_argument("--answers", type=Path, default=None, help="watermarked answers.jsonl")
+    parser.add_argument("--answers-count", type=int, default=30)
     print(json.dumps(asyncio.run(main(parser.parse_args())), indent=2))  # noqa: T201

@@ -60,7 +60,7 @@ def _ids(app: FastAPI, text: str) -> list[int]:
 
 def _direct_weights(app: FastAPI, ids: list[int]) -> Any:
     engine = app.state.runtime.engine
-    return model_token_weights(engine._batch.model, [ids], pad_token_id=engine._batch.pad)[0]  # noqa: SLF001
+    return model_token_weights(engine.weights_model, [ids], pad_token_id=engine._batch.pad)[0]  # noqa: SLF001
 
 
 def _tests(answer: dict[str, Any]) -> dict[str, float | None]:

@@ -293,3 +293,51 @@ def test_batched_model_weights_are_the_numpy_function_on_each_text() -> None:
     banned = model_token_weights(model, [texts[1]], sampling)[0]
     free = model_token_weights(model, [texts[1]], SamplingConfig(temperature=0.7))[0]
     assert not np.allclose(banned[8:], free[8:])
+
+
+def test_top_values_and_informativeness_are_the_full_filters() -> None:
+    """The block-maxima top-k is torch.topk's values exactly (ties, -inf, a vocabulary not
+    a multiple of the block), and a_t from it is the sampler's filter's, bit for bit."""
+    from worldcup_core.model_weights import informativeness_torch, top_values
+    from worldcup_core.sampling import filter_logits_torch
+
+    gen = torch.Generator().manual_seed(5)
+    sampling = SamplingConfig(temperature=0.7, top_k=50, top_p=0.95)
+    for vocab in (49152, 8000, 6401):
+        tied = torch.randint(-20, 20, (40, vocab), generator=gen).float()  # many ties
+        smooth = torch.randn((40, vocab), generator=gen) * 4
+        smooth[:, :300] = -torch.inf  # banned ids
+        for x in (tied, smooth, smooth.bfloat16()):
+            assert torch.equal(top_values(x, 50), torch.topk(x, 50).values)
+        _, probs = filter_logits_torch(smooth, [0.7] * 40, [50] * 40, [0.95] * 40)
+        want = (1.0 - (probs * probs).sum(dim=1)).clamp(0.0, 1.0)
+        assert torch.equal(informativeness_torch(smooth, sampling), want)
+
+
+def test_bfloat16_weights_are_near_float32_and_keep_the_null_exact() -> None:
+    """A bfloat16 copy (WORLDCUP_WEIGHTS_DTYPE=bfloat16) gives weights within a few
+    hundredths of float32's, the served model untouched; weighted by them, null text
+    under 60 random keys gets uniform p-values (they depend on the text alone)."""
+    from worldcup_core.model_weights import model_token_weights, weights_dtype, weights_model
+
+    torch.set_num_threads(1)
+    model = _tiny_lm(vocab=8192)  # wide enough for top_values' block path
+    half = weights_model(model, "bfloat16")
+    assert half is not model and next(model.parameters()).dtype == torch.float32
+    assert weights_model(model, "float32") is model
+    assert weights_dtype("auto", half) == torch.bfloat16
+    with pytest.raises(ValueError, match="weights dtype"):
+        weights_dtype("int8", model)
+    rng = np.random.default_rng(6)
+    texts = [rng.integers(0, 8192, size=int(rng.integers(30, 120))).tolist() for _ in range(12)]
+    full = model_token_weights(model, texts)
+    got = model_token_weights(half, texts)
+    diff = np.concatenate([np.abs(a - b)[1:] for a, b in zip(full, got, strict=True)])
+    assert np.mean(diff) < 0.02 and np.quantile(diff, 0.99) < 0.1, (diff.mean(), diff.max())
+    assert np.std(np.concatenate([w[1:] for w in got])) > 0.05  # not constant weights
+    p = []
+    for _ in range(60):
+        key = WatermarkKey(rng.bytes(32))
+        p.extend(np.exp(model_log_p_many(key, CONFIG, texts, None, got)).tolist())
+    assert stats.kstest(p, "uniform").pvalue > 1e-3
+    assert abs(np.mean(np.array(p) < 0.05) - 0.05) <= 4 * math.sqrt(0.05 * 0.95 / len(p))

@@ -243,15 +243,17 @@ WithModelOpt = Annotated[
 
 
 def _token_weights(ids: list[int], model: str | None) -> Any:
-    """The text's token weights under the model (one forward pass), as the service's."""
-    from worldcup_core.model_weights import model_token_weights
+    """The text's token weights under the model (one forward pass), as the service's (in
+    its precision: ``WORLDCUP_WEIGHTS_DTYPE``, default ``auto``)."""
+    from worldcup_core.model_weights import model_token_weights, weights_model
     from worldcup_core.models import ModelLoadError, load_model
 
     try:
         lm = load_model(model)
-    except ModelLoadError as exc:
+        weigher = weights_model(lm.model, os.environ.get("WORLDCUP_WEIGHTS_DTYPE", "auto"))
+    except (ModelLoadError, ValueError) as exc:
         fail(str(exc))
-    return model_token_weights(lm.model, [ids], pad_token_id=lm.pad_token_id)[0]
+    return model_token_weights(weigher, [ids], pad_token_id=lm.pad_token_id)[0]
 
 
 def _tokenize(text: str, model: str | None) -> list[int]:

@@ -13,18 +13,56 @@ vocabulary-wide rows, not B x T of them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from worldcup_core.config import SamplingConfig
-from worldcup_core.sampling import filter_logits_torch
 from worldcup_core.token_weights import DETECTION_SAMPLING, F64, ngram_bans
 
 DEFAULT_BATCH = 8
-DEFAULT_CHUNK = 512  # vocabulary-wide logit rows filtered at once
+DEFAULT_CHUNK = 256  # vocabulary-wide logit rows filtered at once
+BLOCK = 64  # vocabulary block of top_values' first pass
+
+WeightsDtype = Literal["auto", "float32", "bfloat16"]
+WEIGHTS_DTYPES: tuple[WeightsDtype, ...] = ("auto", "float32", "bfloat16")
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively (AMX or AVX512-BF16 on a
+    CPU, a CUDA GPU that supports it), i.e. faster than float32."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    cpu: Any = torch.cpu
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def weights_dtype(name: str, model: Any) -> torch.dtype:
+    """The dtype detection's forward passes run in: ``float32`` or ``bfloat16`` as named;
+    ``auto`` is bfloat16 where the model's device computes it natively
+    (:func:`native_bfloat16`), else the model's own dtype."""
+    if name not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {name!r}")
+    param = next(model.parameters())
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(param.device) else param.dtype
+    return torch.float32 if name == "float32" else torch.bfloat16
+
+
+def weights_model(model: Any, name: str = "auto") -> Any:
+    """The model detection's forward passes use: ``model`` itself when it already is in
+    :func:`weights_dtype`, else a copy in that dtype (the served model, which generation
+    uses, is left as it is). A bfloat16 copy of SmolLM2-135M holds 270 MB."""
+    dtype = weights_dtype(name, model)
+    if next(model.parameters()).dtype == dtype:
+        return model
+    return copy.deepcopy(model).to(dtype).eval()
 
 
 @torch.inference_mode()
@@ -78,36 +116,85 @@ def _batch_weights(
     hidden, head = _hidden_and_head(model, ids.to(device), mask.to(device))
     # position j of row i predicts token j + 1 of the row: text token t = j + 1 - len(prefix)
     off = len(prefix)
-    where: list[tuple[int, int, int]] = []  # (row, position in the forward, text token)
-    bans: list[tuple[int, ...]] = []
-    for i, text in enumerate(batch):
-        banned = ngram_bans(text, sampling.no_repeat_ngram_size)
-        for t in range(max(0, 1 - off), len(text)):
-            where.append((i, t + off - 1, t))
-            bans.append(banned[t] if sampling.no_repeat_ngram_size else ())
-    for s in range(0, len(where), chunk):
-        part = where[s : s + chunk]
-        r_idx = torch.tensor([w[0] for w in part], device=device)
-        p_idx = torch.tensor([w[1] for w in part], device=device)
-        logits = head(hidden[r_idx, p_idx]).float()
-        flat_r = [j for j, b in enumerate(bans[s : s + chunk]) for _ in b]
-        flat_c = [c for b in bans[s : s + chunk] for c in b]
-        if flat_r:
-            rows_t = torch.tensor(flat_r, device=device)
-            banned = torch.unique(rows_t)
-            saved = logits[banned].clone()  # only the rows with bans (few): not all of them
-            logits[rows_t, torch.tensor(flat_c, device=device)] = -torch.inf
-            empty = ~torch.isfinite(logits[banned]).any(dim=1)
+    first = max(0, 1 - off)
+    spans = [(i, len(text) - first) for i, text in enumerate(batch) if len(text) > first]
+    if not spans:
+        return result
+    r_all = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in spans])
+    p_all = torch.cat([torch.arange(first + off - 1, len(batch[i]) + off - 1) for i, _ in spans])
+    # the n-gram bans as (row of the flat list, banned id) pairs
+    ban_r: list[int] = []
+    ban_c: list[int] = []
+    at = 0
+    for i, n in spans:
+        if sampling.no_repeat_ngram_size:
+            for j, banned in enumerate(ngram_bans(batch[i], sampling.no_repeat_ngram_size)[first:]):
+                ban_r.extend([at + j] * len(banned))
+                ban_c.extend(banned)
+        at += n
+    ban_at = np.asarray(ban_r, dtype=np.int64)
+    ban_rows = torch.tensor(ban_r, dtype=torch.long)
+    ban_cols = torch.tensor(ban_c, dtype=torch.long)
+    values = np.empty(at)
+    for s in range(0, at, chunk):
+        e = min(at, s + chunk)
+        # in the model's dtype: bfloat16 to float32 is exact and monotone, so the top-k
+        # values are the same found before the conversion (half the memory traffic)
+        logits = head(hidden[r_all[s:e].to(device), p_all[s:e].to(device)])
+        lo, hi = np.searchsorted(ban_at, [s, e]).tolist()
+        if hi > lo:
+            r_idx = (ban_rows[lo:hi] - s).to(device)
+            banned_rows = torch.unique(r_idx)
+            saved = logits[banned_rows].clone()  # only the rows with bans (few)
+            logits[r_idx, ban_cols[lo:hi].to(device)] = -torch.inf
+            empty = ~torch.isfinite(logits[banned_rows]).any(dim=1)
             if bool(empty.any()):  # bans that leave nothing are lifted (as the sampler does)
-                logits[banned[empty]] = saved[empty]
-        n = len(part)
-        _, probs = filter_logits_torch(
-            logits, [sampling.temperature] * n, [sampling.top_k] * n, [sampling.top_p] * n
-        )
-        a = (1.0 - (probs * probs).sum(dim=1)).clamp(0.0, 1.0).cpu().numpy()
-        for (i, _, t), value in zip(part, a.tolist(), strict=True):
-            result[i][t] = value
+                logits[banned_rows[empty]] = saved[empty]
+        values[s:e] = informativeness_torch(logits, sampling).cpu().numpy()
+    at = 0
+    for i, n in spans:
+        result[i][first:] = values[at : at + n]
+        at += n
     return result
+
+
+def top_values(x: torch.Tensor, k: int, block: int = BLOCK) -> torch.Tensor:
+    """``torch.topk(x, k).values`` of each row of (R, V), exactly, at a fraction of its
+    cost for k much smaller than V: the rows are cut into blocks of ``block``, and the k
+    blocks with the largest maxima hold the k largest values (ties included: every
+    block whose maximum is among the k largest values is one of them, or k others at
+    least as large are), so topk runs over k * block candidates, not V."""
+    rows, vocab = x.shape
+    blocks = -(-vocab // block)
+    if k >= vocab or blocks <= 2 * k:
+        return torch.topk(x, min(k, vocab), dim=-1).values
+    if blocks * block != vocab:
+        x = torch.cat([x, x.new_full((rows, blocks * block - vocab), -torch.inf)], dim=1)
+    cut = x.view(rows, blocks, block)
+    _, best = torch.topk(cut.amax(dim=-1), k, dim=-1)
+    picked = cut[torch.arange(rows, device=x.device)[:, None], best]
+    return torch.topk(picked.reshape(rows, k * block), k, dim=-1).values
+
+
+def informativeness_torch(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """``1 - sum p^2`` of each row of (R, V) logits (float32 or narrower) filtered as the
+    service filters (temperature, top-k, top-p; as
+    :func:`worldcup_core.sampling.filter_logits_torch`: the same operations on the same
+    values, so the same float64 result), from the top-k values alone
+    (:func:`top_values`)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    k = sampling.top_k if 0 < sampling.top_k < vocab else vocab
+    temp = torch.tensor([sampling.temperature], dtype=torch.float32, device=device)[:, None]
+    values = top_values(logits, k).float() / temp
+    probs = torch.softmax(values, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    cut = before >= torch.tensor([sampling.top_p], dtype=torch.float32, device=device)[:, None]
+    cut[:, 0] = False
+    probs64 = probs.masked_fill(cut, 0.0).double()
+    probs64 /= probs64.sum(dim=1, keepdim=True)
+    out: torch.Tensor = (1.0 - (probs64 * probs64).sum(dim=1)).clamp(0.0, 1.0)
+    return out
 
 
 def _hidden_and_head(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Any]:

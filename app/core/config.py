@@ -131,8 +131,11 @@ class Settings(BaseSettings):
     # most weights_max_pending texts queued; texts longer than weights_max_tokens are
     # read in windows of that many tokens (capped at the model's context). While both
     # wait, detection takes weights_time_share of the engine thread's time, generation
-    # the rest (app/engines/hf.py)
+    # the rest (app/engines/hf.py). weights_dtype: the forward passes' precision; auto
+    # is a bfloat16 copy of the model where the device computes bfloat16 natively (AMX
+    # or AVX512-BF16 CPUs, CUDA), else the model's own (worldcup_core/model_weights.py)
     detect_with_model: bool = True
+    weights_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     weights_batch_texts: Annotated[int, Field(ge=1, le=256)] = 8
     weights_batch_tokens: Annotated[int, Field(ge=16)] = 1024
     weights_time_share: Annotated[float, Field(gt=0, lt=1)] = 0.5

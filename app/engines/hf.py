@@ -25,6 +25,12 @@ of work wait, a detection batch runs only once generation steps have had
 * the detection queue is bounded: at most ``weights_max_pending`` texts wait; a
   request beyond that waits for room (on the event loop, holding no worker)
   instead of growing the queue.
+
+Detection's forward passes run on :func:`worldcup_core.model_weights.weights_model`
+of the served model (``weights_dtype``, default ``auto``: a bfloat16 copy where the
+device computes bfloat16 natively, several times the float32 rate on AMX CPUs), and a
+request's texts are batched by length, longest first, so that little of a batch is
+padding.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from worldcup_core.generation import (
     GenerationRequest,
 )
 from worldcup_core.generation import generate as run_generation
-from worldcup_core.model_weights import model_token_weights
+from worldcup_core.model_weights import model_token_weights, weights_model
 from worldcup_core.models import load_model
 
 logger = logging.getLogger("worldcup.engine.hf")
@@ -112,6 +118,9 @@ class HFEngine:
         )
         run_generation(lm.model, [warmup], lm.eos_token_ids, lm.pad_token_id)
         warm_up(lm.device)  # the watermark step's compiled CPU loops, before /health says ready
+        weigher = (
+            weights_model(lm.model, settings.weights_dtype) if settings.detect_with_model else None
+        )
         engine = cls(
             lm.model,
             lm.eos_token_ids,
@@ -127,10 +136,11 @@ class HFEngine:
                 settings.weights_max_tokens,
                 int(getattr(lm.model.config, "max_position_embeddings", 0) or 1 << 30),
             ),
+            weights_model=weigher,
         )
-        if settings.detect_with_model:
+        if weigher is not None:
             # the first detection batch pays no one-time cost a request would see
-            model_token_weights(lm.model, [[lm.pad_token_id] * 2], pad_token_id=lm.pad_token_id)
+            model_token_weights(weigher, [[lm.pad_token_id] * 2], pad_token_id=lm.pad_token_id)
         else:
             engine.weigh = False
         return engine, lm.tokenizer, lm.model_id
@@ -148,8 +158,11 @@ class HFEngine:
         weights_max_pending: int = 256,
         weights_max_tokens: int = 2048,
         weights_time_share: float = 0.5,
+        weights_model: Any | None = None,
     ) -> None:
         self._batch = ContinuousBatch(model, eos_token_ids, pad_token_id)
+        # detection's forward passes: the served model, or its weights_model copy
+        self.weights_model = model if weights_model is None else weights_model
         self.weigh = True  # offer detection's forward passes (WORLDCUP_DETECT_WITH_MODEL)
         self.weights_batch_texts = weights_batch_texts
         self.weights_batch_tokens = weights_batch_tokens
@@ -202,12 +215,17 @@ class HFEngine:
             self._room = asyncio.Condition()
         cut = [windows(t, self.weights_max_tokens) for t in texts]
         flat = [w for parts in cut for w in parts]
+        # longest first, so that a batch's texts have like lengths (little padding)
+        order = sorted(range(len(flat)), key=lambda i: -len(flat[i]))
+        ranked = [flat[i] for i in order]
         step = max(1, min(self.weights_batch_texts, self.weights_max_pending))
         # chunks of one batch each, queued as the bound allows (each takes its room whole)
         found = await asyncio.gather(
-            *(self._weigh_chunk(flat[i : i + step]) for i in range(0, len(flat), step))
+            *(self._weigh_chunk(ranked[i : i + step]) for i in range(0, len(ranked), step))
         )
-        out = [w for part in found for w in part]
+        out: list[F64] = [np.empty(0)] * len(flat)
+        for i, w in zip(order, (w for part in found for w in part), strict=True):
+            out[i] = w
         joined: list[F64] = []
         at = 0
         for parts in cut:
@@ -393,7 +411,7 @@ class HFEngine:
         started = time.perf_counter()
         try:
             found = model_token_weights(
-                self._batch.model,
+                self.weights_model,
                 [job.texts[i] for job, i in picked],
                 batch_size=len(picked),
                 pad_token_id=self._batch.pad,
