@@ -30,7 +30,14 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats
 
-__all__ = ["EXACT_TOKENS", "Island", "locate_islands"]
+__all__ = [
+    "EXACT_TOKENS",
+    "WHOLE_COVERAGE",
+    "Coverage",
+    "Island",
+    "island_coverage",
+    "locate_islands",
+]
 
 EXACT_TOKENS = 2048  # exact search up to this many tokens; blocks above
 MIN_TOKENS = 8  # scored tokens an island needs at least
@@ -172,3 +179,39 @@ def _island(
     n = int(counts[b] - counts[a])
     total = float(sums[b] - sums[a])
     return Island(a * block, min(b * block, length) - 1, n, total / math.sqrt(n), total / n)
+
+
+# The least share of a text's scored tokens that one island must hold for an answer to
+# say the whole text carries the watermark (``attribution: "whole"``). Derived from
+# data (SECURITY.md, Forgery and framing; ``python -m worldcup_eval.coverage``): genuine
+# answers lie above it with high probability, texts with 30 % or more rewritten below.
+WHOLE_COVERAGE = 0.85
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of a text carries the watermark: the share of its scored tokens inside
+    the islands, and whether one island spans (nearly) all of it."""
+
+    share: float
+    scored: int
+    islands: tuple[Island, ...]
+    threshold: float
+
+    @property
+    def attribution(self) -> str:
+        """``"whole"``: one island holds at least ``threshold`` of the scored tokens;
+        ``"part"``: the watermark sits in part(s) of the text only (piggybacking, a
+        genuine answer quoted inside other text)."""
+        return "whole" if len(self.islands) == 1 and self.share >= self.threshold else "part"
+
+
+def island_coverage(
+    z: Sequence[float | None], *, alpha: float = 0.01, threshold: float = WHOLE_COVERAGE
+) -> Coverage:
+    """The :class:`Coverage` of a text already judged watermarked, from its tokens' z
+    (as :func:`locate_islands`)."""
+    islands = tuple(locate_islands(z, alpha=alpha))
+    scored = sum(v is not None for v in z)
+    inside = sum(i.scored for i in islands)
+    return Coverage(inside / scored if scored else 0.0, scored, islands, threshold)
