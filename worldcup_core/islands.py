@@ -32,6 +32,7 @@ from scipy import stats
 
 __all__ = [
     "EXACT_TOKENS",
+    "GAP_ALPHA",
     "WHOLE_COVERAGE",
     "Coverage",
     "Island",
@@ -181,17 +182,17 @@ def _island(
     return Island(a * block, min(b * block, length) - 1, n, total / math.sqrt(n), total / n)
 
 
-# The least share of a text's scored tokens that one island must hold for an answer to
-# say the whole text carries the watermark (``attribution: "whole"``). Derived from
-# data (SECURITY.md, Forgery and framing; ``python -m worldcup_eval.coverage``): genuine
+# The least share of a text's scored tokens that the watermark must cover for an answer
+# to say the whole text carries it (``attribution: "whole"``). Derived from data
+# (SECURITY.md, Forgery and framing; ``python -m worldcup_eval.coverage``): genuine
 # answers lie above it with high probability, texts with 30 % or more rewritten below.
 WHOLE_COVERAGE = 0.85
+GAP_ALPHA = 0.01  # a stretch outside the islands is "not watermarked" below this level
 
 
 @dataclass(frozen=True)
 class Coverage:
-    """How much of a text carries the watermark: the share of its scored tokens inside
-    the islands, and whether one island spans (nearly) all of it."""
+    """How much of a text carries the watermark (see :func:`island_coverage`)."""
 
     share: float
     scored: int
@@ -200,18 +201,42 @@ class Coverage:
 
     @property
     def attribution(self) -> str:
-        """``"whole"``: one island holds at least ``threshold`` of the scored tokens;
-        ``"part"``: the watermark sits in part(s) of the text only (piggybacking, a
-        genuine answer quoted inside other text)."""
-        return "whole" if len(self.islands) == 1 and self.share >= self.threshold else "part"
+        """``"whole"``: the watermark covers at least ``threshold`` of the scored tokens;
+        ``"part"``: it sits in part(s) of the text only (piggybacking, a genuine answer
+        quoted inside other text)."""
+        return "whole" if self.share >= self.threshold else "part"
 
 
 def island_coverage(
-    z: Sequence[float | None], *, alpha: float = 0.01, threshold: float = WHOLE_COVERAGE
+    z: Sequence[float | None],
+    *,
+    alpha: float = 0.01,
+    gap_alpha: float = GAP_ALPHA,
+    threshold: float = WHOLE_COVERAGE,
 ) -> Coverage:
-    """The :class:`Coverage` of a text already judged watermarked, from its tokens' z
-    (as :func:`locate_islands`)."""
+    """The share of a watermarked text's scored tokens that carry the watermark.
+
+    The islands (:func:`locate_islands`) are the watermark's strongest stretches, and
+    their ends are trimmed where a few tokens happen to score low, so the islands alone
+    undercount a genuine text. So every stretch outside them (before, between, after)
+    is tested against the islands' own mean z: it counts as *not* watermarked only when
+    its tokens fall significantly short of that mean (one-sided, ``gap_alpha``):
+    ``(mean * n - sum z) / sqrt(n) > z_(1 - gap_alpha)``. A human paragraph or a
+    rewritten span of more than a few tokens does; a genuine text's trimmed ends do not.
+    ``share`` is the scored tokens not in such a stretch, over all scored tokens."""
     islands = tuple(locate_islands(z, alpha=alpha))
     scored = sum(v is not None for v in z)
+    if not islands or scored == 0:
+        return Coverage(0.0, scored, islands, threshold)
     inside = sum(i.scored for i in islands)
-    return Coverage(inside / scored if scored else 0.0, scored, islands, threshold)
+    mean = sum(i.z * math.sqrt(i.scored) for i in islands) / inside
+    bound = float(stats.norm.isf(gap_alpha))
+    values = list(z)
+    cuts = [-1] + [x for i in islands for x in (i.start, i.end)] + [len(values)]
+    unmarked = 0
+    for a, b in zip(cuts[0::2], cuts[1::2], strict=True):  # the stretch (a, b), exclusive
+        stretch = [v for v in values[a + 1 : b] if v is not None]
+        n = len(stretch)
+        if n and (mean * n - sum(stretch)) / math.sqrt(n) > bound:
+            unmarked += n
+    return Coverage(1.0 - unmarked / scored, scored, islands, threshold)

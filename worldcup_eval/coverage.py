@@ -4,7 +4,7 @@
 
 An answer that names a registry entry says how much of the text carries the watermark
 (:func:`worldcup_core.islands.island_coverage`) and claims the *whole* text only when
-one island holds at least :data:`~worldcup_core.islands.WHOLE_COVERAGE` of its scored
+its islands hold at least :data:`~worldcup_core.islands.WHOLE_COVERAGE` of its scored
 tokens. This measures, with the attack harness of :mod:`worldcup_eval.forgery` (the
 service's generation path, the tenant's key, per-request registry payloads):
 
@@ -71,7 +71,7 @@ def measure(out: Path, answers: int, budget_tokens: int, show_progress: bool) ->
     lm = load_model()
     base = ForgeryConfig(
         "per-request",
-        budget_tokens=min(budget_tokens // 3, 260 * answers),
+        budget_tokens=min(budget_tokens // 3, 220 * answers),
         piggyback=answers,
         spoof_prompts=40,
     )
@@ -121,6 +121,7 @@ def measure(out: Path, answers: int, budget_tokens: int, show_progress: bool) ->
                 "named_before": rate(len(named), len(group)),
                 "whole_after": rate(sum(c.attribution == "whole" for c in covs), len(group)),
                 "coverage_named": _quantiles([c.share for c in covs]) if covs else None,
+                "shares": [round(c.share, 4) for c in covs],
             }
         )
     (out / "coverage.json").write_text(json.dumps(summary, indent=1))
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary["genuine"].items():
         sys.stdout.write(f"{k} {json.dumps({x: y for x, y in v.items() if x != 'shares'})}\n")
     for row in summary["piggyback"]:
-        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.write(json.dumps({k: v for k, v in row.items() if k != "shares"}) + "\n")
     return 0
 
 

@@ -169,7 +169,7 @@ class EvidenceOut(StrictModel):
 COVERAGE_DESCRIPTION = (
     "How much of the text carries the watermark (computed whenever the verdict is "
     "watermarked, null otherwise): the share of the scored tokens inside the watermark's "
-    "islands (worldcup_core.islands). attribution is 'whole' when one island holds at least "
+    "islands (worldcup_core.islands). attribution is 'whole' when the islands hold at least "
     "`threshold` of them, else 'part': then only the islands' tokens are the watermarked "
     "(issued) text, and the rest was written or edited by someone else (a quoted or "
     "piggybacked answer). The threshold is measured (SECURITY.md, Forgery and framing)."
@@ -186,7 +186,7 @@ class CoverageOut(StrictModel):
     share: float = Field(description="Scored tokens inside the islands over all scored tokens.")
     scored_tokens: int
     attribution: Literal["whole", "part"]
-    threshold: float = Field(description="The least share of one island for 'whole'.")
+    threshold: float = Field(description="The least share for 'whole'.")
     islands: list[CoverageSpan]
     message: str
 

@@ -89,7 +89,7 @@ def coverage_out(cov: Coverage, named: bool) -> CoverageOut:
     client payload, which then holds for the islands only when ``part``)."""
     pct = f"{100 * cov.share:.0f} %"
     if cov.attribution == "whole":
-        message = f"the watermark spans the text ({pct} of its scored tokens in one stretch)"
+        message = f"the watermark spans the text ({pct} of its scored tokens)"
     else:
         what = "the named entry's text" if named else "watermarked"
         message = (
