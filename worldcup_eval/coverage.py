@@ -64,6 +64,57 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def measure_client_naming(
+    config: ForgeryConfig, tokenizer: Any, answers: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Genuine answers as if each had been generated under a client-chosen payload (its
+    bits) beside the tenant's ``config.bystanders`` registry entries: the entries their
+    answers name, with the payloads not recorded (before) and recorded as candidates,
+    as the service now records them (after). Any named entry is another user's."""
+    from app.services.corpus import RawRow
+    from worldcup_scan.keys import ScanKeys
+    from worldcup_scan.scanner import Scanner, ScanSpec
+
+    spec = Tenant(config).key_spec()
+    at = (spec.tenant_id, spec.version)
+    registry = {at: {config.num_bits: list(range(1, config.bystanders + 1))}}
+    chosen = {at: {config.num_bits: [int(str(a["bits"]), 2) for a in answers]}}
+    texts = [tokenizer.decode(a["tokens"], skip_special_tokens=True) for a in answers]
+    rows = [RawRow(str(i), "client", i, t, None) for i, t in enumerate(texts)]
+    out: dict[str, Any] = {"answers": len(answers), "entries": config.bystanders}
+    for label, client in (("before", {}), ("after", chosen)):
+        keys = ScanKeys((spec,), registry, config.num_bits, "coverage", client_payloads=client)
+        said = Scanner(ScanSpec(keys, mode="detect"), tokenizer=tokenizer).scan_rows(rows)
+        out[label] = {
+            "watermarked": rate(sum(r["verdict"] == "watermarked" for r in said), len(said)),
+            "named_other_entry": rate(sum(r["message_id"] is not None for r in said), len(said)),
+        }
+    return out
+
+
+def genuine_summary(
+    config: ForgeryConfig, tokenizer: Any, got: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The coverage of genuine answers, judged as the service judges them: coverage is
+    answered for "watermarked" texts only, and "whole" matters where an entry is named."""
+    tenant = Tenant(config)
+    texts = [tokenizer.decode(a["tokens"], skip_special_tokens=True) for a in got]
+    said = Judge(config, tenant, tokenizer, tenant.registry_ids(got)).judge(texts)
+    covs = [text_coverage(tenant, tokenizer, x, config.num_bits) for x in texts]
+    marked = [c for c, r in zip(covs, said, strict=True) if r["watermarked"]]
+    named = [c for c, r in zip(covs, said, strict=True) if r["named"] is not None]
+    return {
+        "answers": len(covs),
+        "watermarked": len(marked),
+        "named": len(named),
+        "coverage_watermarked": _quantiles([c.share for c in marked]) if marked else None,
+        "whole_of_watermarked": rate(sum(c.attribution == "whole" for c in marked), len(marked)),
+        "whole_of_named": rate(sum(c.attribution == "whole" for c in named), len(named)),
+        "shares_watermarked": sorted(round(c.share, 4) for c in marked),
+        "shares_named": sorted(round(c.share, 4) for c in named),
+    }
+
+
 def measure(out: Path, answers: int, budget_tokens: int, show_progress: bool) -> dict[str, Any]:
     from worldcup_core.models import load_model
     from worldcup_eval.data import default_data_dir
@@ -85,22 +136,10 @@ def measure(out: Path, answers: int, budget_tokens: int, show_progress: bool) ->
         got = collect_answers(lm, config, Tenant(config), prompts, sub, show_progress)
         got = [a for a in got if len(a["tokens"]) >= 128][:answers]
         collected[t] = got
-        covs = [
-            text_coverage(
-                Tenant(config),
-                lm.tokenizer,
-                lm.tokenizer.decode(a["tokens"], skip_special_tokens=True),
-                config.num_bits,
-            )
-            for a in got
-        ]
-        summary["genuine"][f"T{t:g}"] = {
-            "answers": len(covs),
-            "coverage": _quantiles([c.share for c in covs]),
-            "one_island": sum(len(c.islands) == 1 for c in covs),
-            "whole": rate(sum(c.attribution == "whole" for c in covs), len(covs)),
-            "shares": [round(c.share, 4) for c in covs],
-        }
+        summary["genuine"][f"T{t:g}"] = genuine_summary(config, lm.tokenizer, got)
+    summary["client_naming"] = measure_client_naming(
+        replace(base, temperature=1.0), lm.tokenizer, collected[1.0]
+    )
     # piggyback edits of the T 1.0 answers, judged with the tenant's registry
     config = replace(base, temperature=1.0)
     tenant = Tenant(config)
@@ -140,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     summary = measure(args.out, args.answers, args.budget_tokens, show_progress=True)
     for k, v in summary["genuine"].items():
-        sys.stdout.write(f"{k} {json.dumps({x: y for x, y in v.items() if x != 'shares'})}\n")
+        shown = {x: y for x, y in v.items() if not x.startswith("shares")}
+        sys.stdout.write(f"{k} {json.dumps(shown)}\n")
+    sys.stdout.write(f"client payloads {json.dumps(summary['client_naming'])}\n")
     for row in summary["piggyback"]:
         sys.stdout.write(json.dumps({k: v for k, v in row.items() if k != "shares"}) + "\n")
     return 0
