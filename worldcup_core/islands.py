@@ -186,7 +186,7 @@ def _island(
 # to say the whole text carries it (``attribution: "whole"``). Derived from data
 # (SECURITY.md, Forgery and framing; ``python -m worldcup_eval.coverage``): genuine
 # answers lie above it with high probability, texts with 30 % or more rewritten below.
-WHOLE_COVERAGE = 0.85
+WHOLE_COVERAGE = 0.8
 GAP_ALPHA = 0.01  # a stretch outside the islands is "not watermarked" below this level
 
 
