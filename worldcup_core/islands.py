@@ -33,6 +33,7 @@ from scipy import stats
 __all__ = [
     "EXACT_TOKENS",
     "GAP_ALPHA",
+    "SEGMENT_TOKENS",
     "WHOLE_COVERAGE",
     "Coverage",
     "Island",
@@ -188,6 +189,7 @@ def _island(
 # answers lie above it with high probability, texts with 30 % or more rewritten below.
 WHOLE_COVERAGE = 0.8
 GAP_ALPHA = 0.01  # a stretch outside the islands is "not watermarked" below this level
+SEGMENT_TOKENS = 60  # scored tokens per segment of the segment test (see island_coverage)
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,11 @@ def island_coverage(
     its tokens fall significantly short of that mean (one-sided, ``gap_alpha``):
     ``(mean * n - sum z) / sqrt(n) > z_(1 - gap_alpha)``. A human paragraph or a
     rewritten span of more than a few tokens does; a genuine text's trimmed ends do not.
-    ``share`` is the scored tokens not in such a stretch, over all scored tokens."""
+    An island can also span a weak stretch that the splitter's bound (every interval of
+    the text) lets through, such as a rewritten middle. So the scored tokens are also cut
+    into segments of about :data:`SEGMENT_TOKENS`, and a segment significantly below the
+    text's mean z (one-sided, ``gap_alpha`` over the segments) is not watermarked either.
+    ``share`` is the scored tokens in neither kind of stretch, over all scored tokens."""
     islands = tuple(locate_islands(z, alpha=alpha))
     scored = sum(v is not None for v in z)
     if not islands or scored == 0:
@@ -233,10 +239,20 @@ def island_coverage(
     bound = float(stats.norm.isf(gap_alpha))
     values = list(z)
     cuts = [-1] + [x for i in islands for x in (i.start, i.end)] + [len(values)]
-    unmarked = 0
+    weak = np.zeros(len(values), dtype=bool)
     for a, b in zip(cuts[0::2], cuts[1::2], strict=True):  # the stretch (a, b), exclusive
         stretch = [v for v in values[a + 1 : b] if v is not None]
         n = len(stretch)
         if n and (mean * n - sum(stretch)) / math.sqrt(n) > bound:
-            unmarked += n
+            weak[a + 1 : b] = True
+    at = np.array([i for i, v in enumerate(values) if v is not None], dtype=np.int64)
+    z_at = np.array([values[i] for i in at], dtype=np.float64)
+    segments = max(1, round(scored / SEGMENT_TOKENS))
+    overall = float(z_at.mean())
+    seg_bound = float(stats.norm.isf(gap_alpha / segments))
+    for part in np.array_split(np.arange(scored), segments):
+        n = int(part.size)
+        if n and (overall * n - float(z_at[part].sum())) / math.sqrt(n) > seg_bound:
+            weak[at[part]] = True
+    unmarked = int(weak[at].sum())
     return Coverage(1.0 - unmarked / scored, scored, islands, threshold)

@@ -168,8 +168,9 @@ class EvidenceOut(StrictModel):
 
 COVERAGE_DESCRIPTION = (
     "How much of the text carries the watermark (computed whenever the verdict is "
-    "watermarked, null otherwise): the share of the scored tokens inside the watermark's "
-    "islands (worldcup_core.islands). attribution is 'whole' when the islands hold at least "
+    "watermarked, null otherwise): the share of the scored tokens that carry it: in the "
+    "watermark's islands (worldcup_core.islands) or in stretches and segments that do not "
+    "score significantly below it. attribution is 'whole' when the islands hold at least "
     "`threshold` of them, else 'part': then only the islands' tokens are the watermarked "
     "(issued) text, and the rest was written or edited by someone else (a quoted or "
     "piggybacked answer). The threshold is measured (SECURITY.md, Forgery and framing)."
