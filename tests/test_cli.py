@@ -253,6 +253,30 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("store backup", ["--out", "{tmp}/b.json", "--redis-url", "http://x"], b"", "redis://"),
         ("store restore", ["--from", "{miss}/b.json"], b"", "no such file"),
         ("bench attack", ["--model", "{miss}"], b"", "not a local Hugging Face model"),
+        (
+            "bench forgery",
+            ["--scenario", "nosuch", "--budget-tokens", "10", "--out", "{tmp}/f"],
+            b"",
+            "--scenario",
+        ),
+        (
+            "bench forgery",
+            ["--scenario", "kgw", "--budget-tokens", "10", "--out", "{bin}"],
+            b"",
+            "not a folder",
+        ),
+        (
+            "bench forgery",
+            ["--scenario", "kgw", "--budget-tokens", "10", "--out", "{tmp}/f", "--deltas", "x"],
+            b"",
+            "--deltas",
+        ),
+        (
+            "bench forgery",
+            ["--scenario", "kgw", "--budget-tokens", "0", "--out", "{tmp}/f"],
+            b"",
+            "--budget-tokens",
+        ),
         ("bench registry", ["--sizes", "abc"], b"", "--sizes"),
         ("bench registry", ["--redis-url", "redis://127.0.0.1:1/0"], b"", "unreachable"),
         ("eval", ["--config", "{miss}/c.toml"], b"", "No such file or directory"),
@@ -408,3 +432,13 @@ def test_detect_calls_a_short_text_inconclusive_too_short(key_file: Path) -> Non
             assert said["tokens_needed"] >= 66 > said["num_scored_tokens"]
         else:
             assert out.stdout.startswith("Inconclusive: too short"), out.stdout
+
+
+def test_bench_forgery_help_names_the_attack_options(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """`worldcup bench forgery` is the attack of worldcup_eval.forgery, with its options."""
+    code, out, err = _run_main(monkeypatch, capsys, ["bench", "forgery", "--help"], b"")
+    assert code == 0 and err == "", err
+    for option in ("--scenario", "--budget-tokens", "--out", "--accounts", "--deltas"):
+        assert option in out, (option, out)

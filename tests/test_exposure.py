@@ -300,7 +300,7 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     assert set(dec) == {"detail", "verdict", "registry_match"} and dec["verdict"] == "watermarked"
     assert dec["registry_match"]["message_id"] == message_id
     assert dec["registry_match"]["metadata"] == {"who": "v"}
-    assert set(dec["registry_match"]) == {"message_id", "metadata", "issued_at"}
+    assert set(dec["registry_match"]) == {"message_id", "metadata", "issued_at", "client_payload"}
 
     too_long = "x" * 2001  # over max_text_chars: that item's error
     r = client.post("/detect/batch", json={"texts": [text, TEXT, too_long]}, headers=verdict)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from test_service_api import ADMIN, assert_error, make_settings, new_tenant
+from test_service_api import ADMIN, assert_error, fixed_watermark_keys, make_settings, new_tenant
 
 from app.main import create_app
 
@@ -135,3 +135,42 @@ def test_repeats_of_one_payload_are_capped_per_key_version(client: Any) -> None:
     # registry-issued payloads are never capped
     for i in range(4):
         assert generate(client, auth, {**BODY, "metadata": {"i": i}}).status_code == 200
+
+
+def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> None:
+    """A client-chosen payload is recorded as a registry candidate: its texts are named
+    as the client's own payload (``client_payload``), never as another user's entry,
+    by /decode and /provenance alike."""
+    with fixed_watermark_keys(71):
+        tenant_id, auth = new_tenant(client)
+    for i in range(6):  # other users' entries the text could be mistaken for
+        body = {**BODY, "max_new_tokens": 1, "metadata": {"u": i}, "num_bits": 16}
+        assert generate(client, auth, body).status_code == 200
+    bits = "0110100111000101"
+    body = {
+        "prompt": "Write about tides.",
+        "max_new_tokens": 64,
+        "min_new_tokens": 64,
+        "seed": 5,
+        "payload": {"bits": bits},
+    }
+    r = generate(client, auth, body)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    dec = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
+    assert dec["verdict"] == "watermarked", dec
+    match = dec["registry_match"]
+    assert match is not None, dec
+    assert match["client_payload"] is True and match["bits"] == bits, match
+    assert match["message_id"] is None and match["metadata"] == {}, match
+    found = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
+    entry = found["match"]["registry_entry"]
+    assert found["match"]["tenant_id"] == tenant_id and entry["client_payload"] is True, found
+    # a registry-issued text of the same tenant still names its own entry
+    body = {**body, "payload": None, "metadata": {"u": "me"}, "num_bits": 16, "seed": 6}
+    del body["payload"]
+    r = generate(client, auth, body)
+    assert r.status_code == 200, r.text
+    dec = client.post("/decode", json={"text": r.json()["text"], "num_bits": 16}, headers=auth)
+    match = dec.json()["registry_match"]
+    assert match["message_id"] == r.json()["message_id"] and not match["client_payload"], match

@@ -1006,6 +1006,87 @@ def _register_scan() -> None:
 _register_scan()
 
 
+def bench_forgery(
+    scenario: Annotated[
+        str,
+        typer.Option("--scenario", help="kgw (the anchor), per-request (the default) or fixed."),
+    ],
+    budget_tokens: Annotated[
+        int, typer.Option("--budget-tokens", min=1, help="Generated tokens the attacker collects.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Results folder (a rerun resumes from it).")],
+    accounts: Annotated[int, typer.Option(min=1, help="Colluding accounts.")] = 1,
+    deltas: Annotated[
+        str, typer.Option("--deltas", help="Comma-separated logit boosts of the spoofer.")
+    ] = "2,4",
+    best_of: Annotated[int, typer.Option(min=1, help="Oracle-filtered drafts per prompt.")] = 4,
+    spoof_prompts: Annotated[int, typer.Option(min=1, help="Held-out spoof topics.")] = 40,
+    piggyback: Annotated[int, typer.Option(min=0, help="Genuine answers edited.")] = 40,
+    human_texts: Annotated[int, typer.Option(min=1, help="Human control texts.")] = 1000,
+    batch_size: Annotated[int, typer.Option(min=1, help="Generation batch.")] = 48,
+    seed: Annotated[int, typer.Option(help="Seed of keys, payloads and sampling.")] = 0,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="Evaluation data (default: WORLDCUP_DATA_DIR)."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Local HF model directory (default: embedded).")
+    ] = None,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads.")] = 1,
+) -> None:
+    """Watermark stealing, spoofing and piggybacking against one tenant (issue #45;
+    python -m worldcup_eval.forgery): the spoofs and edits the production verdict
+    accepts and the entries it names, with Clopper-Pearson intervals; resumable."""
+    from worldcup_eval.forgery import SCENARIOS
+    from worldcup_eval.forgery import main as run
+
+    if scenario not in SCENARIOS:
+        fail(f"--scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
+    try:
+        boosts = [float(d) for d in deltas.split(",") if d.strip()]
+    except ValueError:
+        fail(f"--deltas must be comma-separated numbers, got {deltas!r}")
+    if not boosts:
+        fail("--deltas names no boost")
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} exists and is not a folder")
+    if data_dir is not None and not data_dir.is_dir():
+        fail(f"--data-dir {data_dir} is not a folder")
+    _check_model(model)
+    argv = [
+        "--scenario", scenario,
+        "--budget-tokens", str(budget_tokens),
+        "--out", str(out),
+        "--accounts", str(accounts),
+        "--deltas", *map(str, boosts),
+        "--best-of", str(best_of),
+        "--spoof-prompts", str(spoof_prompts),
+        "--piggyback", str(piggyback),
+        "--human-texts", str(human_texts),
+        "--batch-size", str(batch_size),
+        "--seed", str(seed),
+        "--threads", str(threads),
+    ]  # fmt: skip
+    if data_dir is not None:
+        argv += ["--data-dir", str(data_dir)]
+    if model is not None:
+        argv += ["--model", model]
+    raise typer.Exit(run(argv))
+
+
+def _register_forgery() -> None:
+    """``bench forgery`` judges with the scanner (``scan`` extra) and the service's row
+    type (``service`` extra); without them the command says which is missing."""
+    missing = next((m for m in ("fastapi", "pyarrow") if importlib.util.find_spec(m) is None), None)
+    if missing is not None:
+        _register_unavailable("forgery", "service,scan", missing, bench=True)
+        return
+    _bench("forgery")(bench_forgery)
+
+
+_register_forgery()
+
+
 def _register_serve_ray() -> None:
     """``serve-ray``: the service on Ray Serve (worldcup_cli/serve_ray.py)."""
     from worldcup_cli.serve_ray import serve_ray

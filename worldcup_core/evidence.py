@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worldcup_core.islands import WHOLE_COVERAGE, Coverage, island_coverage
 from worldcup_core.scheme import WorldCup
 from worldcup_core.scoring import TokenEvidence
 
@@ -93,3 +94,13 @@ def text_evidence(scheme: WorldCup, token_ids: Sequence[int], num_bits: int) -> 
         scheme.scored_indices(token_ids),
         scheme.config.symbols_for(num_bits),
     )
+
+
+def text_coverage(
+    scheme: WorldCup, token_ids: Sequence[int], num_bits: int, threshold: float = WHOLE_COVERAGE
+) -> Coverage:
+    """How much of a text judged watermarked under ``scheme`` carries the watermark: the
+    share of its scored tokens inside the islands of :func:`text_evidence`'s z, and
+    whether one island spans (nearly) all of it (:class:`~worldcup_core.islands.Coverage`)."""
+    marks = {m.index: m.z for m in text_evidence(scheme, token_ids, num_bits)}
+    return island_coverage([marks.get(i) for i in range(len(token_ids))], threshold=threshold)

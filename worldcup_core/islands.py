@@ -30,7 +30,16 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats
 
-__all__ = ["EXACT_TOKENS", "Island", "locate_islands"]
+__all__ = [
+    "EXACT_TOKENS",
+    "GAP_ALPHA",
+    "SEGMENT_TOKENS",
+    "WHOLE_COVERAGE",
+    "Coverage",
+    "Island",
+    "island_coverage",
+    "locate_islands",
+]
 
 EXACT_TOKENS = 2048  # exact search up to this many tokens; blocks above
 MIN_TOKENS = 8  # scored tokens an island needs at least
@@ -172,3 +181,78 @@ def _island(
     n = int(counts[b] - counts[a])
     total = float(sums[b] - sums[a])
     return Island(a * block, min(b * block, length) - 1, n, total / math.sqrt(n), total / n)
+
+
+# The least share of a text's scored tokens that the watermark must cover for an answer
+# to say the whole text carries it (``attribution: "whole"``). Derived from data
+# (SECURITY.md, Forgery and framing; ``python -m worldcup_eval.coverage``): genuine
+# answers lie above it with high probability, texts with 30 % or more rewritten below.
+WHOLE_COVERAGE = 0.8
+GAP_ALPHA = 0.01  # a stretch outside the islands is "not watermarked" below this level
+SEGMENT_TOKENS = 60  # scored tokens per segment of the segment test (see island_coverage)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of a text carries the watermark (see :func:`island_coverage`)."""
+
+    share: float
+    scored: int
+    islands: tuple[Island, ...]
+    threshold: float
+
+    @property
+    def attribution(self) -> str:
+        """``"whole"``: the watermark covers at least ``threshold`` of the scored tokens;
+        ``"part"``: it sits in part(s) of the text only (piggybacking, a genuine answer
+        quoted inside other text)."""
+        return "whole" if self.share >= self.threshold else "part"
+
+
+def island_coverage(
+    z: Sequence[float | None],
+    *,
+    alpha: float = 0.01,
+    gap_alpha: float = GAP_ALPHA,
+    threshold: float = WHOLE_COVERAGE,
+) -> Coverage:
+    """The share of a watermarked text's scored tokens that carry the watermark.
+
+    The islands (:func:`locate_islands`) are the watermark's strongest stretches, and
+    their ends are trimmed where a few tokens happen to score low, so the islands alone
+    undercount a genuine text. So every stretch outside them (before, between, after)
+    is tested against the islands' own mean z: it counts as *not* watermarked only when
+    its tokens fall significantly short of that mean (one-sided, ``gap_alpha``):
+    ``(mean * n - sum z) / sqrt(n) > z_(1 - gap_alpha)``. A human paragraph or a
+    rewritten span of more than a few tokens does; a genuine text's trimmed ends do not.
+    An island can also span a weak stretch that the splitter's bound (every interval of
+    the text) lets through, such as a rewritten middle. So the scored tokens are also cut
+    into segments of about :data:`SEGMENT_TOKENS`, and a segment significantly below the
+    text's mean z (one-sided, ``gap_alpha`` over the segments) is not watermarked either.
+    ``share`` is the scored tokens in neither kind of stretch, over all scored tokens."""
+    islands = tuple(locate_islands(z, alpha=alpha))
+    scored = sum(v is not None for v in z)
+    if not islands or scored == 0:
+        return Coverage(0.0, scored, islands, threshold)
+    inside = sum(i.scored for i in islands)
+    mean = sum(i.z * math.sqrt(i.scored) for i in islands) / inside
+    bound = float(stats.norm.isf(gap_alpha))
+    values = list(z)
+    cuts = [-1] + [x for i in islands for x in (i.start, i.end)] + [len(values)]
+    weak = np.zeros(len(values), dtype=bool)
+    for a, b in zip(cuts[0::2], cuts[1::2], strict=True):  # the stretch (a, b), exclusive
+        stretch = [v for v in values[a + 1 : b] if v is not None]
+        n = len(stretch)
+        if n and (mean * n - sum(stretch)) / math.sqrt(n) > bound:
+            weak[a + 1 : b] = True
+    at = np.array([i for i, v in enumerate(values) if v is not None], dtype=np.int64)
+    z_at = np.array([values[i] for i in at], dtype=np.float64)
+    segments = max(1, round(scored / SEGMENT_TOKENS))
+    overall = float(z_at.mean())
+    seg_bound = float(stats.norm.isf(gap_alpha / segments))
+    for part in np.array_split(np.arange(scored), segments):
+        n = int(part.size)
+        if n and (overall * n - float(z_at[part].sum())) / math.sqrt(n) > seg_bound:
+            weak[at[part]] = True
+    unmarked = int(weak[at].sum())
+    return Coverage(1.0 - unmarked / scored, scored, islands, threshold)

@@ -13,7 +13,8 @@ HTTP server, for speed) under the tenant's key, with the payload the scenario gi
 * ``fixed``: the client names its payload (``/generate`` with ``payload.bits``),
   the same every time, as in the pilot of the issue; with ``--accounts k`` the budget
   is split over ``k`` accounts, each with its own fixed payload. Client-chosen
-  payloads allocate no registry entry.
+  payloads allocate no registry entry, but the service records each as a candidate of
+  the registry test (as the judge does here): a text matching one names no entry.
 * ``per-request``: the service's default. Each ``/generate`` with metadata allocates
   the next registry message id, whose payload (keyed, :class:`MessageIdCodec`) the
   answer carries; the API returns the payload bits, so the attacker knows them.
@@ -721,8 +722,20 @@ class Judge:
         from worldcup_scan.keys import ScanKeys
         from worldcup_scan.scanner import Scanner, ScanSpec
 
-        entries = {(spec.tenant_id, spec.version): {self.config.num_bits: sorted(registry)}}
-        keys = ScanKeys((spec,), entries if registry else {}, self.config.num_bits, "forgery")
+        at = (spec.tenant_id, spec.version)
+        entries = {at: {self.config.num_bits: sorted(registry)}}
+        client = {}
+        if self.config.scenario == "fixed" and spec.tenant_id == "tenant":
+            # the accounts' payloads, recorded as candidates by the service
+            chosen = [int(self.tenant.fixed_payload(a), 2) for a in range(self.config.accounts)]
+            client = {at: {self.config.num_bits: chosen}}
+        keys = ScanKeys(
+            (spec,),
+            entries if registry else {},
+            self.config.num_bits,
+            "forgery",
+            client_payloads=client,
+        )
         return Scanner(ScanSpec(keys, mode="detect"), tokenizer=self.tokenizer)
 
     def judge(self, texts: Sequence[str], other_key: bool = False) -> list[dict[str, Any]]:

@@ -69,6 +69,10 @@ class ScanKeys:
     num_bits: int | None = None
     source: str = "key files"
     expired_below: dict[str, int] = field(default_factory=dict)
+    # client-chosen payloads (integers) recorded as candidates, as the service records
+    # them: ``client_payloads[(tenant_id, version)][num_bits]``; a text matching one is
+    # named by no entry (app.services.registry, client-chosen payloads)
+    client_payloads: dict[tuple[str, int], dict[int, list[int]]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"ScanKeys({len(self.keys)} keys from {self.source})"
@@ -82,6 +86,9 @@ class ScanKeys:
         for (tenant, version), lengths in sorted(self.registry.items()):
             for bits, ids in sorted(lengths.items()):
                 h.update(f"r|{tenant}|{version}|{bits}|{len(ids)}|{max(ids, default=0)}\n".encode())
+        for (tenant, version), lengths in sorted(self.client_payloads.items()):
+            for bits, payloads in sorted(lengths.items()):
+                h.update(f"c|{tenant}|{version}|{bits}|{sorted(payloads)}\n".encode())
         for tenant, below in sorted(self.expired_below.items()):
             h.update(f"e|{tenant}|{below}\n".encode())
         h.update(f"n|{self.num_bits}".encode())

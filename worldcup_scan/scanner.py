@@ -129,10 +129,11 @@ class _Registry:
     payloads: npt.NDArray[np.uint64]  # of the expired ids, then of the live ones
     expired: int  # how many expired ids lead ``payloads``
     expired_below: int
+    client: npt.NDArray[np.uint64]  # recorded client-chosen payloads (no entry's)
 
     @property
     def candidates(self) -> int:
-        return int(self.ids.size) + self.expired
+        return int(self.ids.size) + self.expired + int(self.client.size)
 
 
 @dataclass(frozen=True)
@@ -284,16 +285,21 @@ class Scanner:
             below = self.spec.keys.expired_below.get(tenant, 0)
             expired = np.arange(1, min(max(below, 1), codec.capacity), dtype=np.uint64)
             payloads = np.concatenate([codec.payload_ints(expired), codec.payload_ints(ordered)])
-            cached = _Registry(codec, ordered, payloads, int(expired.size), below)
+            chosen = self.spec.keys.client_payloads.get(
+                (tenant, self.spec.keys.keys[key_index].version), {}
+            ).get(num_bits, [])
+            client = np.setdiff1d(np.asarray(chosen, dtype=np.uint64), payloads)
+            cached = _Registry(codec, ordered, payloads, int(expired.size), below, client)
             self._candidates[(key_index, num_bits)] = cached
         return cached
 
     def _match(
         self, key_index: int, ids: list[int], num_bits: int
-    ) -> tuple[RegistryMatch, int, bool] | None:
-        """The registry's best entry for the text, its id and whether it is past the
-        retention: exhaustive for a small registry, else by list decoding (see
-        :mod:`worldcup_core.registry_lookup`); expired ids stay candidates, as the API's."""
+    ) -> tuple[RegistryMatch, int | None, bool] | None:
+        """The registry's best entry for the text, its id (None: a recorded client
+        payload) and whether it is past the retention: exhaustive for a small registry,
+        else by list decoding (see :mod:`worldcup_core.registry_lookup`); expired ids
+        stay candidates, as the API's."""
         registry = self._registry_of(key_index, num_bits)
         size = registry.candidates
         if size == 0:
@@ -302,9 +308,12 @@ class Scanner:
         ones, trials, _ = scheme.evidence(ids).cells(scheme.config.symbols_for(num_bits))
         cells = text_cells(ones, trials, num_bits)
         if not use_list(num_bits, size):
-            match = exhaustive_match(cells, registry.payloads, size)
+            payloads = np.concatenate([registry.payloads, registry.client])
+            match = exhaustive_match(cells, payloads, size)
             if match is None:
                 return None
+            if match.index >= registry.payloads.size:  # a client payload: no entry
+                return verdict_match(scheme, ids, match, size), None, False
             expired = match.index < registry.expired
             message_id = (
                 match.index + 1 if expired else int(registry.ids[match.index - registry.expired])
@@ -318,10 +327,12 @@ class Scanner:
             at = np.minimum(np.searchsorted(registry.ids, listed), registry.ids.size - 1)
             live = registry.ids[at] == listed
         gone = (listed >= 1) & (listed < registry.expired_below) & ~live
-        found = list_match(cells, plist, listed, live, gone, size)
+        chosen = np.isin(plist.payloads, registry.client) & ~live & ~gone
+        found = list_match(cells, plist, listed, live | chosen, gone, size)
         if found is None:
             return None
-        return verdict_match(scheme, ids, found.match, size), found.message_id, found.expired
+        named = None if chosen[found.match.index] else found.message_id
+        return verdict_match(scheme, ids, found.match, size), named, found.expired
 
     def _decode(self, indices: list[int], ids: list[int], num_bits: int) -> _Decoded:
         """As the service's decode_texts: decode under each key, keep the most

@@ -56,9 +56,10 @@ class ProvenanceVerdict(StrictModel):
 
 
 class VerdictRegistryMatch(StrictModel):
-    message_id: int
+    message_id: int | None = Field(description="Null for a client-chosen payload.")
     metadata: dict[str, Any]
-    issued_at: datetime
+    issued_at: datetime | None = Field(description="Null for a client-chosen payload.")
+    client_payload: bool = False
 
 
 class DecodeVerdict(StrictModel):

@@ -87,9 +87,14 @@ class BitConfidence(StrictModel):
 
 
 class RegistryMatchOut(StrictModel):
-    message_id: int
+    message_id: int | None = Field(
+        description="The registry entry's id; null when the text matched a payload the "
+        "client chose (client_payload)."
+    )
     metadata: dict[str, Any]
-    issued_at: datetime
+    issued_at: datetime | None = Field(
+        description="When the entry was issued; null for a client payload."
+    )
     num_bits: int
     confidence: float = Field(description="Posterior of this entry among the registry.")
     p_value: float = Field(
@@ -98,6 +103,16 @@ class RegistryMatchOut(StrictModel):
         "registry size."
     )
     exact: bool = Field(description="True if the decoded bits equal the entry's payload.")
+    client_payload: bool = Field(
+        default=False,
+        description="True: the text matched a payload a client of this tenant chose "
+        "(`payload` on /generate, `watermark.payload` on /v1), not a registry entry; such "
+        "payloads are recorded as candidates so that their texts are never named as "
+        "another user's entry.",
+    )
+    bits: str | None = Field(
+        default=None, description="The client-chosen payload matched (client_payload only)."
+    )
 
 
 class TokenEvidenceOut(StrictModel):
@@ -149,6 +164,32 @@ class EvidenceOut(StrictModel):
         "inside it is significantly weaker; further islands significant on their own). "
         "Empty when no key matched.",
     )
+
+
+COVERAGE_DESCRIPTION = (
+    "How much of the text carries the watermark (computed whenever the verdict is "
+    "watermarked, null otherwise): the share of the scored tokens that carry it: in the "
+    "watermark's islands (worldcup_core.islands) or in stretches and segments that do not "
+    "score significantly below it. attribution is 'whole' when the islands hold at least "
+    "`threshold` of them, else 'part': then only the islands' tokens are the watermarked "
+    "(issued) text, and the rest was written or edited by someone else (a quoted or "
+    "piggybacked answer). The threshold is measured (SECURITY.md, Forgery and framing)."
+)
+
+
+class CoverageSpan(StrictModel):
+    start: int = Field(description="First token of the island (index into the text's tokens).")
+    end: int = Field(description="Last token of the island (inclusive).")
+    scored: int = Field(description="Scored tokens in it.")
+
+
+class CoverageOut(StrictModel):
+    share: float = Field(description="Scored tokens inside the islands over all scored tokens.")
+    scored_tokens: int
+    attribution: Literal["whole", "part"]
+    threshold: float = Field(description="The least share for 'whole'.")
+    islands: list[CoverageSpan]
+    message: str
 
 
 class TestOut(StrictModel):
@@ -235,6 +276,7 @@ class _VerdictAnswer(StrictModel):
         "tests[test=detect].z_score; it does not decide the verdict.",
         deprecated=True,
     )
+    coverage: CoverageOut | None = Field(None, description=COVERAGE_DESCRIPTION)
 
 
 def verdict_fields(

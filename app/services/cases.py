@@ -216,7 +216,8 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
             hit = answer.registry_match
             summary.update(
                 message_id=hit.message_id,
-                issued_at=iso(hit.issued_at.timestamp()),
+                issued_at=iso(hit.issued_at.timestamp() if hit.issued_at else None),
+                client_payload=hit.client_payload,
                 metadata=hit.metadata,
             )
         verdict: dict[str, Any] = {
@@ -242,7 +243,8 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
             if entry is not None:
                 summary.update(
                     message_id=entry.message_id,
-                    issued_at=iso(entry.issued_at.timestamp()),
+                    issued_at=iso(entry.issued_at.timestamp() if entry.issued_at else None),
+                    client_payload=entry.client_payload,
                     metadata=entry.metadata,
                 )
     elif isinstance(answer, DecodeResponse):
@@ -250,7 +252,10 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
         if answer.registry_match is not None:
             e = answer.registry_match
             summary.update(
-                message_id=e.message_id, issued_at=iso(e.issued_at.timestamp()), metadata=e.metadata
+                message_id=e.message_id,
+                issued_at=iso(e.issued_at.timestamp() if e.issued_at else None),
+                metadata=e.metadata,
+                client_payload=e.client_payload,
             )
     else:
         summary.update(key_version=answer.key_version)

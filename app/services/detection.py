@@ -9,7 +9,7 @@ full or, for a ``verdict`` key, as one word. The routes in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from app.core.errors import APIError
@@ -30,6 +30,7 @@ from app.schemas.watermark import (
     verdict_fields,
 )
 from app.services import intake
+from app.services.evidence import coverage_out
 from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
@@ -112,7 +113,10 @@ def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
         registry_match=None
         if match is None
         else VerdictRegistryMatch(
-            message_id=match.message_id, metadata=match.metadata, issued_at=match.issued_at
+            message_id=match.message_id,
+            metadata=match.metadata,
+            issued_at=match.issued_at,
+            client_payload=match.client_payload,
         ),
     )
 
@@ -205,6 +209,8 @@ async def decode(
         await _decode_outcomes(runtime, principal, [ids], body.num_bits, body.key_version)
     )[0]
     answer = _decode_response(runtime, outcome, assessment, statistic)
+    if not _is_verdict(principal):
+        await _add_coverage(runtime, principal, [answer], [ids], [outcome.result.num_bits])
     if body.evidence:
         answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
@@ -222,7 +228,10 @@ async def detect(
     ids, _, sketches = await intake.tokenise(runtime, principal, body.text, False)
     await intake.admit_one(runtime, principal, "detect", sketches)
     answer = _detect_response(runtime, (await assess_ids(runtime, principal, [ids]))[0])
-    return _detect_verdict(answer) if _is_verdict(principal) else answer
+    if _is_verdict(principal):
+        return _detect_verdict(answer)
+    await _add_coverage(runtime, principal, [answer], [ids], [runtime.settings.default_num_bits])
+    return answer
 
 
 async def decode_batch(
@@ -235,12 +244,18 @@ async def decode_batch(
     outcomes = await _decode_outcomes(runtime, principal, ids, body.num_bits, body.key_version)
     answers: list[DecodeResponse] = []
     answered: list[int] = []
-    for index, (outcome, assessment, statistic) in zip(good, outcomes, strict=True):
+    answered_ids: list[list[int]] = []
+    lengths: list[int] = []
+    for index, text_ids, (outcome, assessment, statistic) in zip(good, ids, outcomes, strict=True):
         try:
             answers.append(_decode_response(runtime, outcome, assessment, statistic))
             answered.append(index)
+            answered_ids.append(text_ids)
+            lengths.append(outcome.result.num_bits)
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)
+    if not _is_verdict(principal):
+        await _add_coverage(runtime, principal, answers, answered_ids, lengths)
     items, watermarked = _batch_results(
         principal, len(body.texts), answered, answers, errors, _decode_verdict
     )
@@ -262,6 +277,9 @@ async def detect_batch(
         runtime, principal, "detect/batch", body.texts
     )
     answers = [_detect_response(runtime, a) for a in await assess_ids(runtime, principal, allowed)]
+    if not _is_verdict(principal):
+        bits = [runtime.settings.default_num_bits] * len(answers)
+        await _add_coverage(runtime, principal, answers, allowed, bits)
     items, watermarked = _batch_results(
         principal, len(body.texts), good, answers, errors, _detect_verdict
     )
@@ -270,6 +288,30 @@ async def detect_batch(
         num_watermarked=watermarked,
         num_errors=len(errors),
     )
+
+
+async def _add_coverage(
+    runtime: Runtime,
+    principal: Principal,
+    answers: Sequence[DecodeResponse | DetectResponse],
+    ids: list[list[int]],
+    lengths: list[int],
+) -> None:
+    """Each watermarked answer's ``coverage``: how much of its text carries the
+    watermark, under the key version that decided (whether or not evidence was asked)."""
+    want: list[int] = []
+    items: list[tuple[list[int], int, int]] = []
+    for i, a in enumerate(answers):
+        if a.verdict == "watermarked" and a.key_version is not None:
+            want.append(i)
+            items.append((ids[i], a.key_version, lengths[i]))
+    if not want:
+        return
+    found = await runtime.watermark.coverage(principal.tenant.tenant_id, items)
+    for i, cov in zip(want, found, strict=True):
+        answer = answers[i]
+        named = isinstance(answer, DecodeResponse) and answer.registry_match is not None
+        answer.coverage = coverage_out(cov, named)
 
 
 async def _admit_batch(runtime: Runtime, principal: Principal, texts: list[str]) -> None:

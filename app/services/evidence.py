@@ -8,11 +8,18 @@ key material.
 
 from __future__ import annotations
 
-from app.schemas.watermark import BitEvidenceOut, EvidenceOut, IslandOut, TokenEvidenceOut
+from app.schemas.watermark import (
+    BitEvidenceOut,
+    CoverageOut,
+    CoverageSpan,
+    EvidenceOut,
+    IslandOut,
+    TokenEvidenceOut,
+)
 from worldcup_core import WorldCup
 from worldcup_core.decoder import DecodeResult
 from worldcup_core.evidence import text_evidence
-from worldcup_core.islands import locate_islands
+from worldcup_core.islands import Coverage, locate_islands
 
 
 def unmatched_evidence(pieces: list[str], groups: int, num_bits: int) -> EvidenceOut:
@@ -74,4 +81,27 @@ def evidence_block(
     ]
     return EvidenceOut(
         matched=True, groups=groups, num_bits=num_bits, tokens=tokens, bits=bits, islands=islands
+    )
+
+
+def coverage_out(cov: Coverage, named: bool) -> CoverageOut:
+    """An answer's ``coverage`` (``named``: the answer names a registry entry or
+    client payload, which then holds for the islands only when ``part``)."""
+    pct = f"{100 * cov.share:.0f} %"
+    if cov.attribution == "whole":
+        message = f"the watermark spans the text ({pct} of its scored tokens)"
+    else:
+        what = "the named entry's text" if named else "watermarked"
+        message = (
+            f"only part of the text carries the watermark ({pct} of its scored tokens, in "
+            f"{len(cov.islands)} stretch(es)): only those tokens are {what}; the rest was "
+            "written or edited by someone else, so the whole text is not the issued one"
+        )
+    return CoverageOut(
+        share=round(cov.share, 4),
+        scored_tokens=cov.scored,
+        attribution=cov.attribution,  # type: ignore[arg-type]  # 'whole' or 'part'
+        threshold=cov.threshold,
+        islands=[CoverageSpan(start=i.start, end=i.end, scored=i.scored) for i in cov.islands],
+        message=message,
     )

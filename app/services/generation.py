@@ -22,6 +22,7 @@ from fastapi import Request
 
 from app.core.errors import APIError
 from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
+from app.services.registry import record_client_payload
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
@@ -69,7 +70,9 @@ async def fixed_payload(
     no context's favoured tokens stay fixed across texts. A key chooses payloads only
     with the ``fixed_payload`` scope (an admin's grant to the tenant, held by the key),
     and each payload at most ``fixed_payload_repeats`` times per key version within
-    ``fixed_payload_window_s`` (counted in the store, shared by replicas)."""
+    ``fixed_payload_window_s`` (counted in the store, shared by replicas). The payload
+    is then recorded as a candidate of the registry test, so that its texts are named
+    as the client's payload (``client_payload``), not as another user's entry."""
     if FIXED_PAYLOAD_SCOPE not in scopes:
         runtime.metrics.rejections.labels("fixed_payload_not_allowed").inc()
         raise APIError(
@@ -85,8 +88,10 @@ async def fixed_payload(
     cap, window = settings.fixed_payload_repeats, settings.fixed_payload_window_s
     digest = hashlib.sha256(f"{payload.num_bits}:{payload.bits}".encode()).hexdigest()[:32]
     for _ in range(uses):
+        # a sketch, so that the SQLite store's probe sweep keeps the count (it drops
+        # hits of clusters without one)
         decision = await runtime.store.probe_hit(
-            tenant_id, f"payload-v{key.version}", digest, None, [], window, cap
+            tenant_id, f"payload-v{key.version}", digest, b"-", [], window, cap
         )
         if not decision.allowed:
             runtime.metrics.rejections.labels("payload_repeats_exceeded").inc()
@@ -101,6 +106,9 @@ async def fixed_payload(
                 {"Retry-After": str(retry)},
                 param="payload",
             )
+    # a registry candidate from now on: texts under it are named as this payload, never
+    # as another user's entry (app.services.registry, client-chosen payloads)
+    await record_client_payload(runtime.store, tenant_id, key.version, payload)
     return payload
 
 

@@ -100,10 +100,24 @@ def registry_match(
     (``registry_min_confidence``)."""
     found, entry = outcome.match, outcome.entry
     settings = runtime.settings
-    if found is None or entry is None or not assessment.may_name_entry:
+    if found is None or not assessment.may_name_entry:
+        return None
+    if entry is None and not outcome.client_payload:
         return None
     if found.posterior < settings.registry_min_confidence:
         return None  # a close runner-up: too likely to name the wrong entry
+    if entry is None:  # a payload the client chose: no entry, no metadata, its own
+        return RegistryMatchOut(
+            message_id=None,
+            metadata={},
+            issued_at=None,
+            num_bits=found.bits.__len__(),
+            confidence=found.posterior,
+            p_value=found.p_value,
+            exact=found.bits == outcome.result.bits,
+            client_payload=True,
+            bits=found.bits,
+        )
     return RegistryMatchOut(
         message_id=entry.message_id,
         metadata=readable_metadata(entry.metadata, entry.message_id),

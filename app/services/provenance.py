@@ -31,7 +31,7 @@ from app.schemas.watermark import (
     TokenScore,
     verdict_fields,
 )
-from app.services.evidence import evidence_block, unmatched_evidence
+from app.services.evidence import coverage_out, evidence_block, unmatched_evidence
 from app.services.intake import (
     admit_one,
     check_text,
@@ -48,6 +48,7 @@ from app.services.tenants import Principal
 from app.services.watermark import ProvenanceOutcome
 from app.stores.base import AuditRecord
 from worldcup_core import WorldCup
+from worldcup_core.evidence import text_coverage
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, verdict_sentence
 
 
@@ -232,15 +233,25 @@ async def _search(
             block = await runtime.offload(lambda: evidence_block(best, ids, pieces, found))
         else:
             block = unmatched_evidence(pieces, settings.groups, settings.default_num_bits)
+    coverage = None
+    if outcome.significant and outcome.scheme is not None and outcome.decoded is not None:
+        key, bits = outcome.scheme, outcome.decoded.result.num_bits
+        cov = await runtime.offload(lambda: text_coverage(key, ids, bits))
+        named = match is not None and match.registry_entry is not None
+        coverage = coverage_out(cov, named)
+    message = (
+        f"watermarked for tenant {outcome.tenant.name!r}"
+        if outcome.significant and outcome.tenant is not None
+        else _unfound_message(outcome)
+    )
+    if coverage is not None and coverage.attribution == "part":
+        message += f", in part only ({100 * coverage.share:.0f} % of the text)"
     per_1000 = 1000.0 * outcome.scan_seconds / result.num_keys if result.num_keys else None
     return ProvenanceResponse(
         **verdict_fields(outcome.assessment, outcome.statistic),
         found=outcome.significant,
-        message=(
-            f"watermarked for tenant {outcome.tenant.name!r}"
-            if outcome.significant and outcome.tenant is not None
-            else _unfound_message(outcome)
-        ),
+        message=message,
+        coverage=coverage,
         num_keys=result.num_keys,
         num_tenants=outcome.num_tenants,
         num_tokens=result.num_tokens,

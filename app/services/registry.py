@@ -19,6 +19,7 @@ matched to a live neighbour.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -29,6 +30,7 @@ import numpy.typing as npt
 
 from app.core.config import Settings
 from app.stores.base import RegistrySize, Store, StoreError
+from worldcup_core import Payload
 from worldcup_core.assess import Assessment
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.message import MessageIdCodec
@@ -63,11 +65,14 @@ class Plan:
     ids: U64 | None = None  # exhaustive: every candidate id (expired ones first) ...
     payloads: U64 | None = None  # ... and its payload
     expired_count: int = 0  # how many of ``ids`` are past retention (they lead)
+    client: int = 0  # client-chosen payloads recorded for this key version and length
 
     @property
     def candidates(self) -> int:
-        """The Bonferroni count: live entries and every id the retention expired."""
-        return self.size.live + max(self.size.expired, self.size.expired_below - 1, 0)
+        """The Bonferroni count: live entries, every id the retention expired, and the
+        client-chosen payloads recorded as candidates."""
+        expired = max(self.size.expired, self.size.expired_below - 1, 0)
+        return self.size.live + expired + self.client
 
     @property
     def bonferroni(self) -> int:
@@ -82,6 +87,7 @@ class Found:
     match: RegistryMatch
     message_id: int
     expired: bool
+    client: bool = False  # the best candidate is a client-chosen payload, not an entry
 
 
 @dataclass(frozen=True)
@@ -105,13 +111,14 @@ class RegistryLookup:
         num_bits = codec.num_bits
         size = await self.store.registry_size(tenant_id, key_version, num_bits)
         expired_ids = max(size.expired_below - 1, 0)
+        client = await client_payload_count(self.store, tenant_id, key_version, num_bits)
         if use_list(num_bits, size.live + expired_ids):
-            return Plan(codec, size)
+            return Plan(codec, size, client=client)
         cached = await self._payloads(tenant_id, codec, key_version, size)
         expired = np.arange(1, min(expired_ids + 1, codec.capacity), dtype=np.uint64)
         ids = np.concatenate([expired, np.asarray(cached.ids, dtype=np.uint64)])
         payloads = np.concatenate([codec.payload_ints(expired), cached.payloads])
-        return Plan(codec, size, ids, payloads, int(expired.size))
+        return Plan(codec, size, ids, payloads, int(expired.size), client)
 
     async def _payloads(
         self, tenant_id: str, codec: MessageIdCodec, key_version: int, size: RegistrySize
@@ -136,12 +143,18 @@ class RegistryLookup:
                 self._cache.popitem(last=False)
             return cached
 
-    def match_small(self, plan: Plan, cells: TextCells) -> Found | None:
-        """The exhaustive match (CPU only)."""
+    def match_small(self, plan: Plan, cells: TextCells, client: U64 | None = None) -> Found | None:
+        """The exhaustive match (CPU only), over the registry's payloads and ``client``,
+        the recorded client-chosen payloads among the text's likeliest."""
         assert plan.ids is not None and plan.payloads is not None
-        found = exhaustive_match(cells, plan.payloads, plan.candidates)
+        extra = client if client is not None else np.zeros(0, dtype=np.uint64)
+        known = np.isin(extra, plan.payloads)  # an entry's own payload stays the entry
+        payloads = np.concatenate([plan.payloads, extra[~known]])
+        found = exhaustive_match(cells, payloads, plan.candidates)
         if found is None:
             return None
+        if found.index >= plan.ids.size:
+            return Found(found, 0, False, client=True)
         return Found(found, int(plan.ids[found.index]), found.index < plan.expired_count)
 
     def prepare_list(self, plan: Plan, cells: TextCells) -> Pending:
@@ -150,10 +163,15 @@ class RegistryLookup:
         return Pending(cells, plist, plan.codec.message_id_ints(plist.payloads))
 
     async def finish_lists(
-        self, tenant_id: str, plans: dict[int, Plan], pending: list[tuple[int, Pending]]
+        self,
+        tenant_id: str,
+        plans: dict[int, Plan],
+        pending: list[tuple[int, Pending]],
+        client: list[U64] | None = None,
     ) -> list[Found | None]:
         """Ask the store which listed ids were issued (one round trip per key version for
-        the whole batch), and match each text among its own."""
+        the whole batch), and match each text among its own and ``client`` (per text,
+        the recorded client-chosen payloads among its list)."""
         live: list[npt.NDArray[np.bool_]] = []
         asks: dict[int, list[tuple[int, npt.NDArray[np.intp]]]] = {}
         for n, (version, p) in enumerate(pending):
@@ -170,14 +188,82 @@ class RegistryLookup:
             for n, maybe in items:
                 live[n][maybe] = [next(answers) for _ in range(maybe.size)]
         out: list[Found | None] = []
-        for (version, p), hits in zip(pending, live, strict=True):
+        extras = client if client is not None else [np.zeros(0, dtype=np.uint64)] * len(pending)
+        for (version, p), hits, extra in zip(pending, live, extras, strict=True):
             below = plans[version].size.expired_below
             expired = (p.ids >= 1) & (p.ids < below) & ~hits
-            found = list_match(p.cells, p.plist, p.ids, hits, expired, plans[version].candidates)
-            out.append(
-                None if found is None else Found(found.match, found.message_id, found.expired)
+            chosen = np.isin(p.plist.payloads, extra) & ~hits & ~expired
+            found = list_match(
+                p.cells, p.plist, p.ids, hits | chosen, expired, plans[version].candidates
             )
+            if found is None:
+                out.append(None)
+            elif chosen[found.match.index]:
+                out.append(Found(found.match, 0, False, client=True))
+            else:
+                out.append(Found(found.match, found.message_id, found.expired))
         return out
+
+    async def client_among(
+        self, tenant_id: str, version: int, num_bits: int, listed: list[U64]
+    ) -> list[U64]:
+        """Per text, the recorded client-chosen payloads among its listed payloads (one
+        store read for the whole batch)."""
+        digests = [[payload_digest(num_bits, int(x)) for x in p] for p in listed]
+        bands = sorted({d for ds in digests for d in ds})
+        found = await self.store.probe_candidates(
+            tenant_id, _client_key(version), bands, limit=len(bands)
+        )
+        recorded = {c for c, _ in found}
+        return [
+            np.asarray(
+                [int(x) for x, d in zip(p, ds, strict=True) if d in recorded], dtype=np.uint64
+            )
+            for p, ds in zip(listed, digests, strict=True)
+        ]
+
+
+# ------------------------------------------------------------- client-chosen payloads
+# A payload a client chose (``payload`` on /generate, ``watermark.payload`` on /v1) is
+# no registry entry, but the texts under it must not be named as another user's entry:
+# each such payload is recorded once per tenant key version (in the store's probe
+# accounting tables, which SQLite, Redis and Redis Cluster all keep; kept for a
+# century) with a counter per payload length, and the registry test matches a text
+# against the recorded payloads among its likeliest as well (``client_payload`` in the
+# answer), Bonferroni-corrected for them too.
+_FOREVER_S = 100 * 365 * 86_400.0
+_NO_LIMIT = 1 << 62
+
+
+def _client_key(version: int) -> str:
+    return f"cpayload-v{version}"
+
+
+def payload_digest(num_bits: int, payload: int) -> str:
+    """One payload's name in the store (the same bits in any spelling: one name)."""
+    bits = format(payload, f"0{num_bits}b")
+    return hashlib.sha256(f"{num_bits}:{bits}".encode()).hexdigest()[:32]
+
+
+async def record_client_payload(
+    store: Store, tenant_id: str, version: int, payload: Payload
+) -> None:
+    """Record ``payload`` as a candidate of the tenant's registry test (idempotent)."""
+    num_bits = payload.num_bits
+    digest = payload_digest(num_bits, int(payload.bits, 2))
+    key = _client_key(version)
+    sketch = payload.bits.encode("ascii")
+    first = await store.probe_hit(tenant_id, key, digest, sketch, [digest], _FOREVER_S, 1)
+    if first.allowed:  # a payload not recorded before: one more candidate
+        await store.probe_hit(tenant_id, key, f"count{num_bits}", b"-", [], _FOREVER_S, _NO_LIMIT)
+
+
+async def client_payload_count(store: Store, tenant_id: str, version: int, num_bits: int) -> int:
+    """How many client-chosen payloads of ``num_bits`` are recorded (a read: budget 0)."""
+    decision = await store.probe_hit(
+        tenant_id, _client_key(version), f"count{num_bits}", None, [], _FOREVER_S, 0
+    )
+    return decision.count
 
 
 async def sweep_registries(store: Store, now: float) -> dict[str, int]:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+import numpy as np
+
 from app.engines.base import F64
 from app.schemas.watermark import EvidenceOut
 from app.services.cpu import TOKEN_CHARS, CpuPool, offload, offload_map
@@ -39,13 +41,16 @@ from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
 from worldcup_core.detector_model import model_applies, model_decode_many, model_text_cells
 from worldcup_core.detector_weighted import best_verdict_log_p, verdict_match
+from worldcup_core.evidence import text_coverage
+from worldcup_core.islands import Coverage
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
-from worldcup_core.registry_lookup import TextCells, text_cells
+from worldcup_core.registry_lookup import U64, TextCells, payload_list, text_cells
 from worldcup_core.scoring import sidak_log_p
 from worldcup_core.verdict import VERDICT_CLEAN_FROM
 
 T = TypeVar("T")
+_NONE: U64 = np.zeros(0, dtype=np.uint64)
 
 
 def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float]:
@@ -66,6 +71,15 @@ class DecodeOutcome:
     entry_bits: str | None = None  # the matched entry's payload, as it was issued
     expired: bool = False  # the best candidate is an entry past the tenant's retention
     registry_size: int | None = None  # the registry test's Bonferroni count, if it ran
+    client_payload: bool = False  # the best candidate is a client-chosen payload
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A small registry's match waiting for the recorded client payloads."""
+
+    cells: TextCells
+    listed: U64  # the text's likeliest payloads
 
 
 @dataclass(frozen=True)
@@ -250,7 +264,7 @@ class WatermarkService:
 
         def work(
             chunk: list[tuple[list[int], F64 | None]],
-        ) -> list[tuple[DecodeOutcome, Found | None, Pending | None]]:
+        ) -> list[tuple[DecodeOutcome, Found | None, Pending | None, Deferred | None]]:
             out = []
             for token_ids, w in chunk:
                 best: DecodeOutcome | None = None
@@ -263,21 +277,61 @@ class WatermarkService:
                 assert best is not None
                 scheme = next(v.scheme for v in versions if v.version == best.key_version)
                 plan = plans[best.key_version]
-                found, pending = None, None
+                found, pending, deferred = None, None, None
                 if plan.candidates > 0:
                     cells = registry_cells(scheme, token_ids, num_bits, w)
-                    if plan.payloads is not None:
-                        found = self.registry.match_small(plan, cells)
-                    else:
+                    if plan.payloads is None:
                         pending = self.registry.prepare_list(plan, cells)
-                out.append((best, found, pending))
+                    elif plan.client == 0:
+                        found = self.registry.match_small(plan, cells)
+                    else:  # matched once the recorded client payloads are known
+                        listed = payload_list(cells, self.registry.list_size).payloads
+                        deferred = Deferred(cells, listed)
+                out.append((best, found, pending, deferred))
             return out
 
         # one job per chunk of texts: a big batch does not hold the workers for long
         decoded = await offload_map(self.cpu, work, items, lambda it: TOKEN_CHARS * len(it[0]))
-        waiting = [(best.key_version, p) for best, _, p in decoded if p is not None]
-        listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting))
-        founds = [next(listed) if pending is not None else found for _, found, pending in decoded]
+        # client-chosen payloads recorded as candidates: those among each text's list
+        client: dict[int, U64] = {}
+        for version, plan in plans.items():
+            if plan.client == 0:
+                continue
+            asked: list[tuple[int, U64]] = []
+            for n, (best, _, pending, deferred) in enumerate(decoded):
+                if best.key_version != version:
+                    continue
+                if pending is not None:
+                    asked.append((n, pending.plist.payloads))
+                elif deferred is not None:
+                    asked.append((n, deferred.listed))
+            among = await self.registry.client_among(
+                tenant_id, version, num_bits, [listed for _, listed in asked]
+            )
+            client.update({n: found for (n, _), found in zip(asked, among, strict=True)})
+        waiting = [(best.key_version, p) for best, _, p, _ in decoded if p is not None]
+        extras = [client.get(n, _NONE) for n, (_, _, p, _) in enumerate(decoded) if p is not None]
+        listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting, extras))
+
+        def small() -> list[Found | None]:
+            return [
+                self.registry.match_small(plans[best.key_version], d.cells, client.get(n))
+                if d is not None
+                else None
+                for n, (best, _, _, d) in enumerate(decoded)
+            ]
+
+        deferred_found = (
+            await self.offload(small) if any(d is not None for *_, d in decoded) else []
+        )
+        founds = [
+            next(listed)
+            if pending is not None
+            else deferred_found[n]
+            if deferred is not None
+            else found
+            for n, (_, found, pending, deferred) in enumerate(decoded)
+        ]
         schemes = {v.version: v.scheme for v in versions}
 
         def rescore() -> list[Found | None]:
@@ -296,14 +350,14 @@ class WatermarkService:
                         w,
                     ),
                 )
-                for (ids, w), (best, _, _), found in zip(items, decoded, founds, strict=True)
+                for (ids, w), (best, *_), found in zip(items, decoded, founds, strict=True)
             ]
 
         founds = await self.offload(rescore)
         outcomes = []
-        for (best, _, _), found in zip(decoded, founds, strict=True):
+        for (best, *_), found in zip(decoded, founds, strict=True):
             entry = None
-            if found is not None and not found.expired:
+            if found is not None and not found.expired and not found.client:
                 entry = await self.store.registry_entry(tenant_id, found.message_id)
             outcomes.append(
                 DecodeOutcome(
@@ -314,6 +368,7 @@ class WatermarkService:
                     len(versions),
                     found.match.bits if found is not None else None,
                     expired=found is not None and found.expired,
+                    client_payload=found is not None and found.client,
                     registry_size=(
                         plans[best.key_version].bonferroni
                         if plans[best.key_version].candidates > 0
@@ -417,6 +472,18 @@ class WatermarkService:
         scheme = (await self.tenants.version(tenant_id, outcome.key_version)).scheme
         found = outcome.result
         return await self.offload(lambda: evidence_block(scheme, ids, pieces, found))
+
+    async def coverage(
+        self, tenant_id: str, items: Sequence[tuple[list[int], int, int]]
+    ) -> list[Coverage]:
+        """The watermark's coverage of each (token ids, key version, payload length),
+        under that key version (:func:`worldcup_core.evidence.text_coverage`)."""
+        schemes = {
+            v: (await self.tenants.version(tenant_id, v)).scheme for v in {v for _, v, _ in items}
+        }
+        return await self.offload(
+            lambda: [text_coverage(schemes[v], ids, bits) for ids, v, bits in items]
+        )
 
     # provenance -------------------------------------------------------------
     async def key_bank(self) -> tuple[KeyBank, list[tuple[str, int]]]:

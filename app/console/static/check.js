@@ -36,8 +36,8 @@ function verdictText(mode, data, verdict) {
     const m = data.match;
     const parts = [`tenant ${m.tenant_name || m.tenant_id}`];
     if (m.registry_entry) {
-      parts.push(`message ${m.registry_entry.message_id}`);
-      parts.push(`issued ${fmtTime(m.registry_entry.issued_at)}`);
+      parts.push(entryName(m.registry_entry));
+      if (m.registry_entry.issued_at) parts.push(`issued ${fmtTime(m.registry_entry.issued_at)}`);
     } else {
       parts.push(`key version ${m.key_version}, ${noEntryReason(m) ? `no entry named: ${noEntryReason(m)}` : "no registry entry matched"}`);
     }
@@ -52,7 +52,7 @@ function verdictText(mode, data, verdict) {
     let text = HEADLINES[data.verdict] || data.verdict;
     if (data.verdict === "watermarked") {
       text += ` — ${tenant}`;
-      if (entry) text += `, message ${entry.message_id}, issued ${fmtTime(entry.issued_at)}`;
+      if (entry) text += `, ${entryName(entry)}` + (entry.issued_at ? `, issued ${fmtTime(entry.issued_at)}` : "");
     }
     return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
   }
@@ -64,10 +64,29 @@ function verdictText(mode, data, verdict) {
   const parts = [tenant];
   if (data.key_version !== null && data.key_version !== undefined) parts.push(`key version ${data.key_version}`);
   const entry = data.registry_match;
-  if (entry) parts.push(`message ${entry.message_id}`, `issued ${fmtTime(entry.issued_at)}`);
+  if (entry) {
+    parts.push(entryName(entry));
+    if (entry.issued_at) parts.push(`issued ${fmtTime(entry.issued_at)}`);
+  }
   else if (noEntryReason(data)) parts.push(`no entry named: ${noEntryReason(data)}`);
   parts.push(`p = ${fmtP(data.p_value)}`);
   return [`${head} — ` + parts.join(", "), found];
+}
+
+// How an entry is named: its message id, or the client's own chosen payload.
+function entryName(entry) {
+  return entry.client_payload ? `the client's own payload ${entry.bits}` : `message ${entry.message_id}`;
+}
+
+// The share of the text that carries the watermark (the answer's coverage), in words.
+function coverageText(data) {
+  const c = data.coverage;
+  if (!c) return "";
+  const pct = `${Math.round(100 * c.share)} %`;
+  return c.attribution === "whole"
+    ? ` The watermark spans the whole text (${pct} of the scored tokens).`
+    : ` Only part of the text carries the watermark (${pct} of the scored tokens, ` +
+      `${c.islands.map((i) => `tokens ${i.start}–${i.end}`).join(", ")}): the rest is not the issued text.`;
 }
 
 export function show(mode, data, text, saved) {
@@ -80,7 +99,7 @@ export function show(mode, data, text, saved) {
   verdict.dataset.found = String(found);
   const scored = data.num_scored_tokens !== undefined
     ? `${data.num_scored_tokens} of ${data.num_tokens} tokens scored.` : "";
-  $("summary").textContent = scored;
+  $("summary").textContent = scored + coverageText(data);
 
   const entry = mode === "provenance"
     ? (data.match ? data.match.registry_entry : null)
@@ -109,8 +128,12 @@ function showEntry(mode, data, entry) {
     $("metadata").hidden = false;
   }
   if (!entry) return;
-  addRow(tbody, "message id", entry.message_id);
-  addRow(tbody, "issued", fmtTime(entry.issued_at));
+  if (entry.client_payload) {
+    addRow(tbody, "client's own payload", entry.bits, true);
+  } else {
+    addRow(tbody, "message id", entry.message_id);
+    addRow(tbody, "issued", fmtTime(entry.issued_at));
+  }
   if (entry.confidence !== undefined) {
     addRow(tbody, "registry confidence", entry.confidence.toFixed(3));
     addRow(tbody, "registry p", fmtP(entry.p_value));
