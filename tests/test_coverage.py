@@ -59,25 +59,37 @@ def client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[TestClient]:
 
 
 def test_a_genuine_answer_is_whole_and_half_of_one_is_part(client: TestClient) -> None:
+    """Genuine answers (tiny random model, a fresh random key per test run) are mostly
+    'whole': a genuine answer is 'part' about one time in six here (a stretch of it
+    falls significantly below the rest by chance: 2 of 12 measured, and the real model's
+    rate is in SECURITY.md), so of six at least three must be whole (four or more 'part'
+    has probability below 1 % at that rate); one of them, followed by as much human
+    text, is 'part'."""
     _, auth = new_tenant(client)
-    body = {
-        "prompt": "Write about tides.",
-        "max_new_tokens": 120,
-        "min_new_tokens": 120,
-        "seed": 3,
-        "metadata": {"u": "me"},
-        "num_bits": 16,
-    }
-    r = client.post("/generate", json=body, headers=auth)
-    assert r.status_code == 200, r.text
-    text = r.json()["text"]
-    got: dict[str, Any] = client.post(
-        "/decode", json={"text": text, "num_bits": 16}, headers=auth
-    ).json()
-    assert got["verdict"] == "watermarked" and got["registry_match"] is not None, got
-    cov = got["coverage"]
-    assert cov["attribution"] == "whole" and cov["share"] >= cov["threshold"], cov
-    assert cov["islands"] and "spans the text" in cov["message"], cov
+    wholes: list[tuple[str, dict[str, Any]]] = []
+    for seed in range(6):
+        body = {
+            "prompt": "Write about tides.",
+            "max_new_tokens": 120,
+            "min_new_tokens": 120,
+            "seed": seed,
+            "metadata": {"u": "me"},
+            "num_bits": 16,
+        }
+        r = client.post("/generate", json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        answer = r.json()["text"]
+        got: dict[str, Any] = client.post(
+            "/decode", json={"text": answer, "num_bits": 16}, headers=auth
+        ).json()
+        assert got["verdict"] == "watermarked" and got["registry_match"] is not None, got
+        cov = got["coverage"]
+        assert cov["attribution"] == ("whole" if cov["share"] >= cov["threshold"] else "part")
+        if cov["attribution"] == "whole":
+            assert cov["islands"] and "spans the text" in cov["message"], cov
+            wholes.append((answer, got))
+    assert len(wholes) >= 3, len(wholes)
+    text = wholes[0][0]
     detected = client.post("/detect", json={"text": text}, headers=auth).json()
     assert detected["coverage"]["attribution"] == "whole", detected
 
