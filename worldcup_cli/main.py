@@ -774,13 +774,14 @@ def bench_calibration(
         weights = None
         if statistic == "model":
             assert lm is not None
-            from worldcup_core.model_weights import model_token_weights
+            from worldcup_core.model_weights import model_token_weights, weights_model
 
             task = bar.add_task("model weights", total=len(chunks))
+            weigher = weights_model(lm.model)  # as the service: bfloat16 where native
             weights = []
             for start in range(0, len(chunks), 64):
                 weights += model_token_weights(
-                    lm.model, chunks[start : start + 64], pad_token_id=lm.pad_token_id
+                    weigher, chunks[start : start + 64], pad_token_id=lm.pad_token_id
                 )
                 bar.advance(task, len(chunks[start : start + 64]))
         task = bar.add_task("null (text, key) pairs", total=texts)
