@@ -328,9 +328,10 @@ def joint_table(sample: JointSample, levels: tuple[float, ...] = LEVELS) -> str:
         "| level t | joint test rate (count) | SE | group named rate (count) | SE |",
         "|---|---|---|---|---|",
     ]
-    joint, group = tail_rows(sample.joint, levels), tail_rows(sample.group, levels)
+    joint = tail_rows(sample.joint, levels)
+    group = tail_rows(sample.group, levels) if len(sample.group) else []
     for i, t in enumerate(levels):
-        g = f"{group[i]['rate']:.2e} ({group[i]['count']}) | {group[i]['se']:.1e}"
+        g = f"{group[i]['rate']:.2e} ({group[i]['count']}) | {group[i]['se']:.1e}" if group else ""
         lines.append(
             f"| {t:g} | {joint[i]['rate']:.2e} ({joint[i]['count']}) | "
             f"{joint[i]['se']:.1e} | " + (g if len(sample.group) else "- | -") + " |"

@@ -829,7 +829,7 @@ def bench_calibration(
             "groups": together.groups,
             "searched": len(together.group),
             "test": tail_rows(together.joint),
-            "group": tail_rows(together.group),
+            "group": tail_rows(together.group) if len(together.group) else None,
         }
         text += "\n\n" + joint_table(together)
     result["seconds"] = round(time.perf_counter() - started, 1)
