@@ -98,6 +98,7 @@ from worldcup_core.detector_model import (
 )
 from worldcup_core.detector_weighted import weighted_log_p_many
 from worldcup_core.prf import ScoredTokensV2, WatermarkKey
+from worldcup_core.provenance import KeyBank
 from worldcup_core.scoring import fisher_log_sf, text_digest
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
@@ -504,6 +505,40 @@ def group_search(
     top = scores[0]
     log_p = min(top.log_p + math.log(len(scores)), 0.0)
     return GroupSearch(top.value, log_p, len(scores), top.entries, tuple(scores))
+
+
+# --------------------------------------------------------------------------- key choice
+
+SCREEN_TOP: Final = 4  # keys the screen passes to the exact joint test
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The key the set chose and its joint test (log p, uncorrected for the search)."""
+
+    index: int
+    log_p: float
+    kept: tuple[int, ...]  # per text: its scored units the joint test kept
+
+
+def choose_key(
+    bank: KeyBank, ids: list[list[int]], weights: Sequence[F64] | None
+) -> tuple[Chosen | None, int]:
+    """Screen the bank on the texts concatenated (the screen only ranks keys: the
+    correction counts every key), then the exact joint test under the best few
+    ``worldcup-v2`` keys; (the best of them or None, the number of keys searched)."""
+    concat = [t for text in ids for t in text]
+    screen = bank.search(concat, top=SCREEN_TOP)
+    best: Chosen | None = None
+    for cand in screen.top:
+        scheme = bank.schemes[cand.index]
+        if not model_applies(scheme.config):
+            continue
+        units = collection_units(scheme.config, ids, weights)
+        log_p = joint_log_p(scheme.key, scheme.config, units)
+        if best is None or log_p < best.log_p:
+            best = Chosen(cand.index, log_p, tuple(len(it) for it in units.items))
+    return best, screen.num_keys
 
 
 # --------------------------------------------------------------------------- answer

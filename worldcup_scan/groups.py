@@ -4,7 +4,7 @@ a thread), each group read together (issue #44, item 3): one joint row per group
 A group's texts get the exact joint test of :func:`worldcup_core.collection.read_collection`
 (a (context, token) repeated across the group counts once), model-free (a scan loads
 no model). The key is chosen as ``POST /provenance/collection`` chooses it
-(:func:`app.services.collection.choose_key`: the bank screened on the group's texts,
+(:func:`worldcup_core.collection.choose_key`: the bank screened on the group's texts,
 the best few ``worldcup-v2`` keys tested exactly) and the verdict corrected for every
 key tried (:func:`worldcup_core.assess.assess`). Rows without a value, and bad rows,
 belong to no group and are counted, not scored.
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.collection import choose_key
 from app.services.corpus import check_fields, discover, plan, read_part
 from worldcup_core.assess import TestP, assess
-from worldcup_core.collection import read_collection
+from worldcup_core.collection import choose_key, read_collection
 from worldcup_core.provenance import KeyBank
 from worldcup_scan.run import output_format
 from worldcup_scan.scanner import Scanner, ScanSpec

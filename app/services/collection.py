@@ -31,13 +31,11 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
-from app.engines.base import F64
 from app.schemas.collection import (
     CollectionGroup,
     CollectionRequest,
@@ -53,49 +51,18 @@ from app.stores.base import AuditRecord, Store
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.collection import (
+    Chosen,
     CollectionResult,
-    collection_units,
-    joint_log_p,
+    choose_key,
     read_collection,
 )
-from worldcup_core.detector_model import model_applies
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.prf import ScoredTokensV2
 from worldcup_core.provenance import KeyBank
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, verdict_sentence
 
 ROUTE = "provenance/collection"
-SCREEN_TOP = 4  # keys the screen passes to the exact joint test
 GROUP_ENTRIES_LIMIT = 200_000  # registry entries read for a group search, at most
-
-
-@dataclass(frozen=True)
-class Chosen:
-    """The key the set chose and its joint test (log p, uncorrected for the search)."""
-
-    index: int
-    log_p: float
-    kept: tuple[int, ...]  # per text: its scored units the joint test kept
-
-
-def choose_key(
-    bank: KeyBank, ids: list[list[int]], weights: list[F64] | None
-) -> tuple[Chosen | None, int]:
-    """Screen the bank on the texts concatenated (the screen only ranks keys: the
-    correction counts every key), then the exact joint test under the best few
-    ``worldcup-v2`` keys; (the best of them or None, the number of keys searched)."""
-    concat = [t for text in ids for t in text]
-    screen = bank.search(concat, top=SCREEN_TOP)
-    best: Chosen | None = None
-    for cand in screen.top:
-        scheme = bank.schemes[cand.index]
-        if not model_applies(scheme.config):
-            continue
-        units = collection_units(scheme.config, ids, weights)
-        log_p = joint_log_p(scheme.key, scheme.config, units)
-        if best is None or log_p < best.log_p:
-            best = Chosen(cand.index, log_p, tuple(len(it) for it in units.items))
-    return best, screen.num_keys
 
 
 async def registry_groups(
