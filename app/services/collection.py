@@ -29,13 +29,11 @@ distinct values searched. A value is named only when the joint verdict is
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 
 import numpy as np
 
 from app.core.errors import APIError
-from app.core.logging import request_id_var
 from app.schemas.collection import (
     CollectionGroup,
     CollectionRequest,
@@ -45,9 +43,9 @@ from app.schemas.collection import (
 )
 from app.schemas.watermark import BatchItemError, verdict_fields
 from app.services.intake import check_text, take_batch
-from app.services.provenance import Investigator
+from app.services.provenance import Investigator, audit_query
 from app.services.runtime import Runtime
-from app.stores.base import AuditRecord, Store
+from app.stores.base import Store
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.collection import (
@@ -197,28 +195,22 @@ async def read_together(
     )
     found = joint.is_watermarked and tenant_id is not None
     tenant = await runtime.store.get_tenant(tenant_id) if found and tenant_id else None
-    await runtime.store.append_audit(
-        AuditRecord(
-            at=time.time(),
-            actor=who.actor,
-            action="provenance",
-            request_id=request_id_var.get(),
-            outcome={
-                "collection": True,
-                "found": found,
-                "tenant_id": tenant_id if found else None,
-                "key_version": version if found else None,
-                "p_value": joint.p_value,
-                "verdict": joint.verdict,
-                "statistic": statistic,
-                "num_texts": len(good),
-                "num_keys": num_keys,
-                "group_by": body.group_by,
-                "group_value": group.value if group is not None else None,
-                **({"key_id": who.key_id} if who.key_id is not None else {}),
-                **({"detail": "verdict"} if who.is_verdict else {}),
-            },
-        )
+    await audit_query(
+        runtime,
+        who,
+        {
+            "collection": True,
+            "found": found,
+            "tenant_id": tenant_id if found else None,
+            "key_version": version if found else None,
+            "p_value": joint.p_value,
+            "verdict": joint.verdict,
+            "statistic": statistic,
+            "num_texts": len(good),
+            "num_keys": num_keys,
+            "group_by": body.group_by,
+            "group_value": group.value if group is not None else None,
+        },
     )
     if who.is_verdict:
         return CollectionVerdict(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -121,6 +122,24 @@ async def _tenant_ids(runtime: Runtime, who: Investigator, text: str) -> list[in
     return ids
 
 
+async def audit_query(runtime: Runtime, who: Investigator, outcome: dict[str, Any]) -> None:
+    """One provenance query in the audit log (what was asked is never stored): the
+    outcome, with the asking key's id and whether it was a verdict key."""
+    await runtime.store.append_audit(
+        AuditRecord(
+            at=time.time(),
+            actor=who.actor,
+            action="provenance",
+            request_id=request_id_var.get(),
+            outcome={
+                **outcome,
+                **({"key_id": who.key_id} if who.key_id is not None else {}),
+                **({"detail": "verdict"} if who.is_verdict else {}),
+            },
+        )
+    )
+
+
 async def provenance(
     runtime: Runtime, who: Investigator, body: ProvenanceRequest
 ) -> ProvenanceResponse | ProvenanceVerdict:
@@ -202,20 +221,7 @@ async def _search(
             tenant_name=outcome.suspect.name,
             key_version=outcome.key_version,
         )
-    await runtime.store.append_audit(
-        AuditRecord(
-            at=time.time(),
-            actor=who.actor,
-            action="provenance",
-            request_id=request_id_var.get(),
-            outcome={
-                **_outcome_summary(outcome),
-                "evidence": evidence,
-                **({"key_id": who.key_id} if who.key_id is not None else {}),
-                **({"detail": "verdict"} if who.is_verdict else {}),
-            },
-        )
-    )
+    await audit_query(runtime, who, {**_outcome_summary(outcome), "evidence": evidence})
     if who.is_verdict:
         verdict = outcome.assessment.verdict
         owner = outcome.tenant.tenant_id if outcome.tenant is not None else None
