@@ -99,11 +99,11 @@ def fmt(s: dict[str, Any]) -> str:
 
 
 def fill_users(
-    db: Path, tenant_id: str, version: int, num_bits: int, per_user: dict[str, int]
+    db: Path, tenant_id: str, version: int, num_bits: int, names: list[str], each: int
 ) -> int:
-    """Entries for each user (``per_user[name]`` more), as /generate writes them: ids
-    max+1, ..., the user's ``user_id`` as metadata, and the registry's counters moved in
-    the same transaction."""
+    """Each named user's entries topped up to ``each`` (the entries /generate already
+    wrote for the user count), as /generate writes them: ids max+1, ..., the user's
+    ``user_id`` as metadata, and the registry's counters moved in the same transaction."""
     from app.stores.base import compact_json
     from app.stores.sqlite_registry import _count
 
@@ -111,12 +111,18 @@ def fill_users(
         (top,) = c.execute(
             "SELECT COALESCE(MAX(message_id), 0) FROM messages WHERE tenant_id = ?", (tenant_id,)
         ).fetchone()
+        held: dict[str, int] = {}
+        for (meta_text,) in c.execute(
+            "SELECT metadata FROM messages WHERE tenant_id = ?", (tenant_id,)
+        ):
+            name = json.loads(meta_text).get(FIELD)
+            held[name] = held.get(name, 0) + 1
         now = time.time()
         rows = []
         next_id = top + 1
-        for name, count in per_user.items():
+        for name in names:
             meta = compact_json({FIELD: name, "filled": True})
-            for _ in range(count):
+            for _ in range(each - held.get(name, 0)):
                 rows.append((tenant_id, next_id, version, num_bits, meta, now))
                 next_id += 1
         c.executemany(
@@ -364,11 +370,11 @@ def _run(
             if generate_only:
                 return {"answers": len(cached)}
             # the registry: registry_users users, registry // registry_users entries each
+            # (a user's generated answers are among them; so are those of users beyond
+            # ``users`` that a stopped, larger run generated)
             each = registry // registry_users
-            more = {
-                user_name(u): each - (per_user if u < users else 0) for u in range(registry_users)
-            }
-            added = fill_users(db, tenant["id"], 1, settings.default_num_bits, more)
+            names = [user_name(u) for u in range(registry_users)]
+            added = fill_users(db, tenant["id"], 1, settings.default_num_bits, names, each)
             state.state["filled"] = registry
             state.save()
             progress(f"filled the registry: {added} entries added, {registry} in all")
@@ -380,7 +386,7 @@ def _run(
             key = f"{tokens}"
             if key in measured:
                 continue
-            rows = []
+            rows = measured.setdefault(f"{key}:rows", [])  # kept per collection, resumed
             texts_all: list[str] = []
             for u in range(users):
                 texts = [
@@ -388,12 +394,16 @@ def _run(
                     for a in answers[u]
                 ]
                 texts_all += texts
+                if u < len(rows):
+                    continue
                 rows.append(read_set(client, texts, user_name(u)))
+                state.save()
                 progress(
                     f"{tokens} tokens, {user_name(u)}: {rows[-1]['verdict']}, named "
                     f"{rows[-1]['named']}, {rows[-1]['seconds']:.1f} s"
                 )
             measured[key] = summarize(rows, singles(client, tenant["auth"], texts_all))
+            del measured[f"{key}:rows"]
             state.save()
         if "human" not in measured and human > 0:
             from worldcup_eval.model_weights_study import human_texts
