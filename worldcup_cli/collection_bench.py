@@ -238,7 +238,7 @@ class _State:
 
 
 def run(
-    users: int = 12,
+    users: int = 30,
     per_user: int = 5,
     max_new_tokens: int = 128,
     temperature: float = 0.7,

@@ -884,7 +884,7 @@ def bench_first_use(
 
 @_bench("collection")
 def bench_collection(
-    users: Annotated[int, typer.Option(min=1, help="Users whose answers are generated.")] = 12,
+    users: Annotated[int, typer.Option(min=1, help="Users whose answers are generated.")] = 30,
     per_user: Annotated[
         int, typer.Option(min=1, help="Answers per user: one collection each.")
     ] = 5,
