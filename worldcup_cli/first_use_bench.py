@@ -285,7 +285,8 @@ def generate_answers(
     record: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Each tenant's prompts answered through ``POST /generate`` (chat messages, seed =
-    the prompt's place in its tenant, metadata: every answer is a registry entry); the
+    the prompt's place in its tenant, metadata: every answer is a registry entry, with
+    ``tenant["metadata"]`` where given); the
     answers land in ``tenant["generated"]`` and are returned in order. ``done(i, n)``
     is called as answers finish, ``record(tenant id, j, answer)`` with each new answer;
     answers in ``cached`` (by tenant id and j) are not generated again."""
@@ -303,7 +304,7 @@ def generate_answers(
             "max_new_tokens": max_new_tokens,
             "temperature": temperature,
             "seed": j,
-            "metadata": {"prompt": j},
+            "metadata": {**tenant.get("metadata", {}), "prompt": j},
         }
         r = client.post("/generate", json=body, headers=tenant["auth"])
         out = r.json()

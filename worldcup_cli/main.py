@@ -882,6 +882,56 @@ def bench_first_use(
     _emit(as_json, result, table(result))
 
 
+@_bench("collection")
+def bench_collection(
+    users: Annotated[int, typer.Option(min=1, help="Users whose answers are generated.")] = 30,
+    per_user: Annotated[
+        int, typer.Option(min=1, help="Answers per user: one collection each.")
+    ] = 5,
+    max_new_tokens: Annotated[int, typer.Option(min=2)] = 128,
+    short_tokens: Annotated[
+        int, typer.Option(min=1, help="The short collections: each answer's first tokens.")
+    ] = 64,
+    temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
+    registry: Annotated[int, typer.Option(min=1, help="The tenant's registry size.")] = 100_000,
+    registry_users: Annotated[
+        int, typer.Option(min=1, help="The users the registry is spread over, evenly.")
+    ] = 1000,
+    human: Annotated[int, typer.Option(min=0, help="Human control collections.")] = 12,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(help="Keep the store and answers here; a rerun resumes from them."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Many short answers of one user read together: each generated user's answers through
+    /provenance/collection with group_by user_id, at full length and at 64 tokens, in one
+    tenant whose registry holds --registry entries over --registry-users users; a human
+    control; binomial SE and exact intervals."""
+    from worldcup_cli.collection_bench import run, table
+
+    if registry_users < users or registry % registry_users:
+        fail("--registry must be a multiple of --registry-users, and --users at most it")
+    if registry // registry_users < per_user:
+        fail("each user's registry entries (--registry / --registry-users) must hold --per-user")
+    if short_tokens >= max_new_tokens:
+        fail("--short-tokens must be below --max-new-tokens")
+    result = run(
+        users,
+        per_user,
+        max_new_tokens,
+        temperature,
+        registry,
+        registry_users,
+        human,
+        short_tokens,
+        out_dir=out_dir,
+    )
+    if out_dir is not None:
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    _emit(as_json, result, table(result))
+
+
 def _numbers(text: str, kind: Callable[[str], Any], name: str) -> list[Any]:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]

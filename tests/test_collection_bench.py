@@ -1,0 +1,82 @@
+"""``worldcup bench collection`` (issue #44 item 4): the plumbing on a tiny run (the tiny
+model, two users, a small registry). Each user's answers are registry entries under the
+user's ``user_id``; the registry is filled to its size over its users; each collection
+names its own user and never another; human sets are not watermarked and name nobody;
+a rerun resumes from the kept answers and measurements."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from worldcup_cli.collection_bench import bench_prompts, clopper_pearson, run, table
+
+
+def test_clopper_pearson_is_exact_at_the_edges() -> None:
+    lo, hi = clopper_pearson(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(1 - 0.025 ** (1 / 10))
+    lo, hi = clopper_pearson(10, 10)
+    assert hi == 1.0 and lo == pytest.approx(0.025 ** (1 / 10))
+    lo, hi = clopper_pearson(5, 10)
+    assert lo < 0.5 < hi and lo == pytest.approx(1 - hi)
+
+
+def test_prompts_alternate_the_two_sets_and_grow_by_prefix() -> None:
+    ten, twenty = bench_prompts(10), bench_prompts(20)
+    assert twenty[:10] == ten and len(set(twenty)) == 20
+
+
+def test_tiny_run(
+    tiny_model_dir: Path, tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLDCUP_DATA_DIR", str(data_dir))
+    said: list[str] = []
+    kwargs = {
+        "users": 2,
+        "per_user": 3,
+        "max_new_tokens": 24,
+        "short_tokens": 12,
+        "registry": 40,
+        "registry_users": 4,
+        "human": 2,
+        "out_dir": tmp_path,
+        "progress": said.append,
+        "model_path": str(tiny_model_dir),
+    }
+    result = run(**kwargs)  # type: ignore[arg-type]
+    # the registry: 40 entries, 10 per user; the generated answers are their users' entries
+    with sqlite3.connect(tmp_path / "db.sqlite3") as c:
+        metas = [json.loads(m) for (m,) in c.execute("SELECT metadata FROM messages")]
+    assert len(metas) == 40
+    assert Counter(m["user_id"] for m in metas) == {f"user-000{u}": 10 for u in range(4)}
+    assert sum(not m.get("filled") for m in metas) == 6
+    assert sum(1 for _ in (tmp_path / "answers.jsonl").open()) == 6
+    for tokens in ("24", "12"):
+        m = result[tokens]
+        assert m["collections"] == 2 and m["wrong_user"]["k"] == 0
+        assert m["single_watermarked"]["n"] == 6
+        for row in m["rows"]:
+            assert row["values_searched"] == 4 and row["entries_searched"] == 40
+            assert row["named"] in (None, row["user"])
+        assert m["seconds_per_collection"]["median"] > 0
+    # the tiny model's answers carry a strong watermark: whole answers name their user
+    assert result["24"]["watermarked"]["k"] == 2 and result["24"]["right_user"]["k"] == 2
+    short = [r["num_tokens"] for r in result["12"]["rows"]]
+    assert all(n <= 3 * 13 for n in short) and all(n > 0 for n in short)
+    h = result["human"]
+    assert h["collections"] == 2 and h["watermarked"]["k"] == 0
+    assert all(r["named"] is None for r in h["rows"])
+    text = table(result)
+    assert "3 × 12 tokens" in text and "human texts (control)" in text
+    # a rerun reads everything back: nothing generated or measured again
+    said.clear()
+    again = run(**kwargs)  # type: ignore[arg-type]
+    assert again["24"] == result["24"] and again["answers"] == result["answers"]
+    assert not any(s.startswith(("generated", "filled", "24 tokens")) for s in said)
+    # the registry is filled for two users: a third would change it
+    with pytest.raises(ValueError, match="filled for 2 users"):
+        run(**{**kwargs, "users": 3})  # type: ignore[arg-type]
