@@ -219,6 +219,7 @@ def _bad_input_cases(tmp: Path) -> list[tuple[str, list[str], bytes, str]]:
         ("bench decoding", ["--texts", "1"], b"", "--texts"),
         ("bench calibration", ["--texts", "1"], b"", "--texts"),
         ("bench first-use", ["--texts", "0"], b"", "--texts"),
+        ("bench collection", ["--users", "0"], b"", "--users"),
         ("bench grid", ["--presets", "nosuch"], b"", "--presets"),
         ("bench grid", ["--temperatures", "warm"], b"", "--temperatures"),
         ("eval-merge", ["{bin}", "--into", "{miss}/results.json"], b"", "No such file"),
