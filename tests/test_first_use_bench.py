@@ -13,6 +13,7 @@ from worldcup_cli.first_use_bench import (
     prompt_set,
     prompts,
     run,
+    structured_formats,
     table,
 )
 from worldcup_eval.model_weights_study import tuning_prompts
@@ -69,3 +70,28 @@ def test_both_statistics_on_the_same_answers_and_resume(
     assert again["answers"] == result["answers"]
     assert again["big:model"] == result["big:model"]
     assert not any(line.startswith("generated 1/") for line in said)
+
+
+def test_structured_set_answers_json_under_a_schema(tiny_model_dir: Path, tmp_path: Path) -> None:
+    chosen, info = prompt_set("structured", 50)
+    formats = structured_formats()
+    assert len(chosen) == 50 and info["overlap"] == 0
+    assert {f["json_schema"]["name"] for f in formats.values()} == {"review", "ticket", "event"}
+    result = run(
+        count=2,
+        per_tenant=2,
+        max_new_tokens=48,
+        big_registry=20,
+        prompt_set_name="structured",
+        out_dir=tmp_path,
+        progress=lambda _: None,
+        model_path=str(tiny_model_dir),
+    )
+    answers = result["answers"]
+    # through /v1/chat/completions, each a registry entry, its JSON checked
+    assert sorted(a["message_id"] for a in answers) == [1, 2]
+    assert all(isinstance(a["json_valid"], bool) for a in answers)
+    assert result["json_valid"] == sum(a["json_valid"] for a in answers)
+    # the grammar held: every answer opens a JSON object
+    assert all(a["text"].lstrip().startswith("{") for a in answers)
+    assert "JSON answers under a schema" in table(result)

@@ -48,7 +48,8 @@ from typing import Any
 
 PROMPTS = Path(__file__).parent / "data" / "first_use_prompts.txt"
 EVERYDAY = Path(__file__).parent / "data" / "everyday_prompts.txt"
-PROMPT_SETS = ("eli5", "everyday")
+STRUCTURED = Path(__file__).parent / "data" / "structured_prompts.json"
+PROMPT_SETS = ("eli5", "everyday", "structured")
 STATISTICS = ("model", "model_free")
 ADMIN_TOKEN = "bench-first-use-admin-token-0123"
 MASTER_KEY = "cd" * 32
@@ -69,6 +70,19 @@ def everyday_prompts() -> list[str]:
     return [p for p in EVERYDAY.read_text(encoding="utf-8").splitlines() if p.strip()]
 
 
+def structured_formats() -> dict[str, dict[str, Any]]:
+    """The structured set's requests: prompt -> the ``response_format`` it is answered
+    under (JSON under a schema, compiled by the service's grammar engine)."""
+    data = json.loads(STRUCTURED.read_text(encoding="utf-8"))
+    return {
+        r["prompt"]: {
+            "type": "json_schema",
+            "json_schema": {"name": r["schema"], "schema": data["schemas"][r["schema"]]},
+        }
+        for r in data["requests"]
+    }
+
+
 def _norm(text: str) -> str:
     return " ".join(text.lower().split())
 
@@ -86,6 +100,8 @@ def prompt_set(name: str, count: int) -> tuple[list[str], dict[str, Any]]:
         pool = study_prompts()
     elif name == "everyday":
         pool = everyday_prompts()
+    elif name == "structured":
+        pool = list(structured_formats())
     else:
         raise ValueError(f"prompt set: one of {', '.join(PROMPT_SETS)}, got {name!r}")
     chosen = [p for p in pool if _norm(p) not in tuning][:count]
@@ -283,13 +299,16 @@ def generate_answers(
     done: Callable[[int, int], None] | None = None,
     cached: dict[tuple[str, int], dict[str, Any]] | None = None,
     record: Callable[[str, int, dict[str, Any]], None] | None = None,
+    formats: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Each tenant's prompts answered through ``POST /generate`` (chat messages, seed =
     the prompt's place in its tenant, metadata: every answer is a registry entry, with
     ``tenant["metadata"]`` where given); the
     answers land in ``tenant["generated"]`` and are returned in order. ``done(i, n)``
     is called as answers finish, ``record(tenant id, j, answer)`` with each new answer;
-    answers in ``cached`` (by tenant id and j) are not generated again."""
+    answers in ``cached`` (by tenant id and j) are not generated again. A prompt in
+    ``formats`` is answered through ``POST /v1/chat/completions`` under that
+    ``response_format`` instead, as an OpenAI client asks for JSON."""
     finished = 0
     lock = threading.Lock()
     cached = cached or {}
@@ -299,24 +318,31 @@ def generate_answers(
         tenant, j, prompt = job
         if (tenant["id"], j) in cached:
             return cached[(tenant["id"], j)]
-        body = {
-            "messages": [{"role": "user", "content": prompt}],
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "seed": j,
-            "metadata": {**tenant.get("metadata", {}), "prompt": j},
-        }
-        r = client.post("/generate", json=body, headers=tenant["auth"])
-        out = r.json()
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate failed: {r.status_code} {r.text[:200]}")
-        answer = {
-            "text": out["text"],
-            "message_id": out["message_id"],
-            "tokens": out["num_tokens"],
-            "finish_reason": out["finish_reason"],
-            "payload": out["payload"]["bits"],
-        }
+        messages = [{"role": "user", "content": prompt}]
+        metadata = {**tenant.get("metadata", {}), "prompt": j}
+        if formats is not None and prompt in formats:
+            answer = _structured_answer(
+                client, tenant, messages, metadata, formats[prompt], max_new_tokens, temperature, j
+            )
+        else:
+            body = {
+                "messages": messages,
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "seed": j,
+                "metadata": metadata,
+            }
+            r = client.post("/generate", json=body, headers=tenant["auth"])
+            out = r.json()
+            if r.status_code != 200:
+                raise RuntimeError(f"/generate failed: {r.status_code} {r.text[:200]}")
+            answer = {
+                "text": out["text"],
+                "message_id": out["message_id"],
+                "tokens": out["num_tokens"],
+                "finish_reason": out["finish_reason"],
+                "payload": out["payload"]["bits"],
+            }
         with lock:
             finished += 1
             if record is not None:
@@ -331,6 +357,51 @@ def generate_answers(
     for (t, _, _), g in zip(jobs, made, strict=True):
         t.setdefault("generated", []).append(g)
     return made
+
+
+def _structured_answer(
+    client: Any,
+    tenant: dict[str, Any],
+    messages: list[dict[str, str]],
+    metadata: dict[str, Any],
+    response_format: dict[str, Any],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> dict[str, Any]:
+    """One JSON answer under its schema, as an OpenAI client asks for it; ``json_valid``:
+    whether the text parses and satisfies the schema."""
+    import jsonschema
+
+    models = client.get("/v1/models", headers=tenant["auth"]).json()["data"]
+    body = {
+        "model": models[0]["id"],  # the one the service serves
+        "messages": messages,
+        "max_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "response_format": response_format,
+        "watermark": {"metadata": metadata},
+    }
+    r = client.post("/v1/chat/completions", json=body, headers=tenant["auth"])
+    out = r.json()
+    if r.status_code != 200:
+        raise RuntimeError(f"/v1/chat/completions failed: {r.status_code} {r.text[:200]}")
+    choice = out["choices"][0]
+    text = choice["message"]["content"]
+    try:
+        jsonschema.validate(json.loads(text), response_format["json_schema"]["schema"])
+        valid = True
+    except (ValueError, jsonschema.ValidationError):
+        valid = False
+    return {
+        "text": text,
+        "message_id": choice["watermark"]["message_id"],
+        "tokens": out["usage"]["completion_tokens"],
+        "finish_reason": choice["finish_reason"],
+        "payload": choice["watermark"]["payload_bits"],
+        "json_valid": valid,
+    }
 
 
 def _log(msg: str) -> None:
@@ -491,6 +562,7 @@ def _run(
                 done,
                 cached,
                 state.record,
+                structured_formats() if info["prompt_set"] == "structured" else None,
             )
         else:  # the answers kept (a run stopped early is measured on those: n says how many)
             made = []
@@ -531,6 +603,11 @@ def _run(
         **info,
         "texts": len(made),
         "median_tokens": statistics.median(g["tokens"] for g in made),
+        **(
+            {"json_valid": sum(bool(g.get("json_valid")) for g in made)}
+            if info["prompt_set"] == "structured"
+            else {}
+        ),
         "generate_seconds": round(seconds, 1),
         "settings": {
             "temperature": temperature,
@@ -560,6 +637,11 @@ def table(result: dict[str, Any]) -> str:
         f"{result['settings']['max_new_tokens']} new tokens, service default; the same "
         "answers under both statistics; ± one binomial SE\n"
     )
+    if "json_valid" in result:
+        head += (
+            f"JSON answers under a schema (response_format json_schema, /v1/chat/completions):"
+            f" {result['json_valid']}/{n} parse and satisfy their schema\n"
+        )
     small = f"{result['settings']['per_tenant']} entries"
     big = f"{result['big_registry']} entries"
     lines = [

@@ -844,7 +844,11 @@ def bench_first_use(
     temperature: Annotated[float, typer.Option(min=0.05)] = 0.7,
     big_registry: Annotated[int, typer.Option(min=1, help="The large registry's size.")] = 100_000,
     prompt_set: Annotated[
-        str, typer.Option(help="eli5 (held out from the statistic's tuning) or everyday.")
+        str,
+        typer.Option(
+            help="eli5 (held out from the statistic's tuning), everyday, or structured "
+            "(JSON under a schema through /v1/chat/completions; give --max-new-tokens 256)."
+        ),
     ] = "eli5",
     out_dir: Annotated[
         Path | None,

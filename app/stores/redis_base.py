@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
+import redis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -59,6 +61,30 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,  # our own per-call deadline (asyncio.timeout)
 )
+
+
+_REDIS_PACKAGE = os.path.dirname(redis.__file__) + os.sep
+
+
+def torn_connection(exc: BaseException) -> bool:
+    """redis-py's client races a topology change it is reacting to: a connection torn
+    down by one coroutine while another still writes on it (``'NoneType' object has no
+    attribute 'writelines'``; redis/redis-py#3546, #3835). Raised from inside redis-py
+    as AttributeError or TypeError, it means the same as a dropped connection: the
+    node is not usable right now, and the call may be retried on a fresh map."""
+    if not isinstance(exc, AttributeError | TypeError) or "NoneType" not in str(exc):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_REDIS_PACKAGE):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` means "the backend is not usable right now", not a bug."""
+    return isinstance(exc, UNAVAILABLE) or torn_connection(exc)
 
 
 T = TypeVar("T")
@@ -154,7 +180,9 @@ class RedisBase:
                 if self._cluster and not self._ready:
                     await self._initialize()
                 yield
-        except UNAVAILABLE as exc:
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
             await self._refresh(loop.time(), exc, None)  # the topology may have changed
             raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
 
@@ -175,7 +203,9 @@ class RedisBase:
             except NotAcknowledged:
                 if attempt == 2 or loop.time() >= deadline:
                     raise
-            except UNAVAILABLE as exc:
+            except Exception as exc:
+                if not unavailable(exc):
+                    raise
                 last = attempt == 2 or loop.time() >= deadline
                 await self._refresh(loop.time(), exc, None if last else deadline)
                 if last:
