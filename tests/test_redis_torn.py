@@ -38,6 +38,22 @@ async def test_torn_connection_is_an_outage_ours_is_a_bug() -> None:
     except AttributeError as ours:
         assert not torn_connection(ours) and not unavailable(ours)
     assert not torn_connection(ValueError("NoneType"))
+    assert not torn_connection(RuntimeError("the handler is closed"))  # not from redis-py
+
+
+async def test_closed_transport_is_an_outage() -> None:
+    """uvloop's variant: the write reaches a transport already closed."""
+
+    class Closed:
+        def writelines(self, data: object) -> None:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; "
+                               "the handler is closed")  # fmt: skip
+
+    conn = Connection()
+    conn._writer = Closed()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError) as info:
+        await conn._send_packed_command([b"PING\r\n"])
+    assert torn_connection(info.value) and unavailable(info.value)
 
 
 async def test_store_retries_a_torn_call_then_answers_unavailable() -> None:

@@ -68,11 +68,16 @@ _REDIS_PACKAGE = os.path.dirname(redis.__file__) + os.sep
 
 def torn_connection(exc: BaseException) -> bool:
     """redis-py's client races a topology change it is reacting to: a connection torn
-    down by one coroutine while another still writes on it (``'NoneType' object has no
-    attribute 'writelines'``; redis/redis-py#3546, #3835). Raised from inside redis-py
-    as AttributeError or TypeError, it means the same as a dropped connection: the
-    node is not usable right now, and the call may be retried on a fresh map."""
-    if not isinstance(exc, AttributeError | TypeError) or "NoneType" not in str(exc):
+    down by one coroutine while another still writes on it. Raised from inside redis-py
+    as ``AttributeError``/``TypeError`` on the dropped writer (``'NoneType' object has
+    no attribute 'writelines'``; redis/redis-py#3546, #3835) or as uvloop's
+    ``RuntimeError`` on the closed transport (``... the handler is closed``), it means
+    the same as a dropped connection: the node is not usable right now, and the call
+    may be retried on a fresh map. Both were 500s in the cluster failover soak."""
+    if isinstance(exc, AttributeError | TypeError):
+        if "NoneType" not in str(exc):
+            return False
+    elif not isinstance(exc, RuntimeError) or "closed" not in str(exc):
         return False
     tb = exc.__traceback__
     while tb is not None:
