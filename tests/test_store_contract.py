@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from app.core.config import Settings
+from app.stores import redis_layout, redis_registry, sqlite_registry
 from app.stores.base import (
     ApiKeyRecord,
     AuditRecord,
@@ -334,6 +335,40 @@ async def test_void_message_withdraws_the_entry_and_never_reuses_its_id(store: S
     assert await store.message_ids(tid, 1, 32) == [1]
     assert (await store.allocate_message(tid, 1, 32, {}, 0.0)).message_id == 4
     assert await store.message_ids(tid, 1, 32) == [1, 4]
+
+
+async def test_registry_entries_reads_in_bulk_what_registry_entry_reads(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bulk read answers, for each id asked (any order, duplicates, out of range),
+    what ``registry_entry`` answers: the entry, or None (never issued, voided, expired,
+    another tenant's), over several chunks and, on Redis, several buckets."""
+    monkeypatch.setattr(sqlite_registry, "_IN_CHUNK", 3)  # ids per IN query
+    monkeypatch.setattr(redis_registry, "ENTRIES_PER_HMGET", 3)
+    monkeypatch.setattr(redis_registry, "HMGETS_PER_TRIP", 2)
+    monkeypatch.setattr(redis_layout, "BUCKET_IDS", 4)  # 24 ids: 6 buckets
+    a, ka = tenant_records("alpha")
+    b, kb = tenant_records("beta")
+    await store.create_tenant(a, ka)
+    await store.create_tenant(b, kb)
+    tid = a.tenant_id
+    await store.add_key_version(key_record(tid, 2))
+    issued = {
+        i: await store.allocate_message(tid, 1 + i % 2, 16 if i % 3 else 32, {"i": i}, float(i))
+        for i in range(1, 25)
+    }
+    assert list(issued) == [e.message_id for e in issued.values()]
+    theirs = [await store.allocate_message(b.tenant_id, 1, 32, {"b": i}, 0.0) for i in range(2)]
+    assert await store.void_message(tid, 7, "test")
+    assert await store.expire_registry(tid, 2.5) == 2  # ids 1 and 2
+    asked = [24, 1, 7, 3, 3, 0, -4, 25, 99, 12, 5, 19, 2, 8, *range(24, 0, -1)]
+    got = await store.registry_entries(tid, asked)
+    assert got == [await store.registry_entry(tid, i) for i in asked]
+    gone = {1, 2, 7}
+    assert got == [issued[i] if i in issued and i not in gone else None for i in asked]
+    assert sum(e is not None for e in got) == 7 + 21  # a test that could not pass empty
+    assert await store.registry_entries(b.tenant_id, [3, 2, 1]) == [None, theirs[1], theirs[0]]
+    assert await store.registry_entries(tid, []) == []
 
 
 async def test_tenant_isolation(store: Store) -> None:

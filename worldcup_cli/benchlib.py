@@ -225,3 +225,49 @@ async def ready_with_tenant(
     r = await client.post("/admin/tenants", json=body, headers=admin)
     r.raise_for_status()
     return cold_start, str(r.json()["api_key"])
+
+
+def json_plain(value: Any) -> Any:
+    """numpy scalars (counts and p's from the core) as JSON numbers (``json.dumps``'s
+    ``default``)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+class RunState:
+    """What a resumable benchmark keeps under ``out_dir``: ``state.json`` (its
+    arguments' ``signature``, refused if another run's, and what was measured) and
+    ``answers.jsonl``, the answers as they finish, each under its ``owner`` (the
+    field naming whose answer it is: a tenant, a user) and its place ``j``."""
+
+    def __init__(self, out_dir: Path, signature: dict[str, Any], owner: str) -> None:
+        self.owner = owner
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = out_dir / "state.json"
+        self.answers_path = out_dir / "answers.jsonl"
+        self.state: dict[str, Any] = {}
+        if self.state_path.is_file():
+            self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            if self.state.get("signature") != signature:
+                raise ValueError(
+                    f"{out_dir} holds a run with other arguments ({self.state.get('signature')});"
+                    " use another --out-dir"
+                )
+        self.state["signature"] = signature
+
+    def save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, default=json_plain), encoding="utf-8")
+        tmp.replace(self.state_path)
+
+    def answers(self) -> dict[tuple[str, int], dict[str, Any]]:
+        if not self.answers_path.is_file():
+            return {}
+        with self.answers_path.open(encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        return {(r[self.owner], r["j"]): r["answer"] for r in rows}
+
+    def record(self, owner: str, j: int, answer: dict[str, Any]) -> None:
+        with self.answers_path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({self.owner: owner, "j": j, "answer": answer}) + "\n")

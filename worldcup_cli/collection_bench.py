@@ -41,10 +41,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from worldcup_cli.benchlib import RunState, json_plain
 from worldcup_cli.first_use_bench import (
     ADMIN_TOKEN,
     _log,
-    _plain,
     bench_settings,
     generate_answers,
     prompt_set,
@@ -205,38 +205,6 @@ def summarize(rows: list[dict[str, Any]], single: list[str]) -> dict[str, Any]:
     }
 
 
-class _State:
-    def __init__(self, out_dir: Path, signature: dict[str, Any]) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.state_path = out_dir / "state.json"
-        self.answers_path = out_dir / "answers.jsonl"
-        self.state: dict[str, Any] = {}
-        if self.state_path.is_file():
-            self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
-            if self.state.get("signature") != signature:
-                raise ValueError(
-                    f"{out_dir} holds a run with other arguments ({self.state.get('signature')});"
-                    " use another --out-dir"
-                )
-        self.state["signature"] = signature
-
-    def save(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, default=_plain), encoding="utf-8")
-        tmp.replace(self.state_path)
-
-    def answers(self) -> dict[tuple[str, int], dict[str, Any]]:
-        if not self.answers_path.is_file():
-            return {}
-        with self.answers_path.open(encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        return {(r["user"], r["j"]): r["answer"] for r in rows}
-
-    def record(self, user: str, j: int, answer: dict[str, Any]) -> None:
-        with self.answers_path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"user": user, "j": j, "answer": answer}) + "\n")
-
-
 def run(
     users: int = 30,
     per_user: int = 5,
@@ -309,7 +277,7 @@ def _run(
         "registry_users": registry_users,
         "cuts": list(cuts),
     }
-    state = _State(out_dir, signature)
+    state = RunState(out_dir, signature, owner="user")
     kept = state.state.get("prompts", [])
     if kept[: len(chosen)] != chosen[: len(kept)]:
         raise ValueError(f"{out_dir} holds answers to other prompts; use another --out-dir")
@@ -431,7 +399,7 @@ def _run(
         "prompts": chosen,
         "answers": made,
     }
-    return dict(json.loads(json.dumps(result, default=_plain)))
+    return dict(json.loads(json.dumps(result, default=json_plain)))
 
 
 def table(result: dict[str, Any]) -> str:

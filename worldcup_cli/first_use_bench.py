@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from worldcup_cli.benchlib import RunState, json_plain
+
 PROMPTS = Path(__file__).parent / "data" / "first_use_prompts.txt"
 EVERYDAY = Path(__file__).parent / "data" / "everyday_prompts.txt"
 STRUCTURED = Path(__file__).parent / "data" / "structured_prompts.json"
@@ -409,50 +411,6 @@ def _log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def _plain(value: Any) -> Any:
-    """numpy scalars (counts and p's from the core) as JSON numbers."""
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-class _State:
-    """What a run keeps under ``out_dir`` to resume: the tenants (with their API keys:
-    a benchmark's own store, never committed), the answers as they finish, and the
-    measurements made."""
-
-    def __init__(self, out_dir: Path, signature: dict[str, Any]) -> None:
-        self.dir = out_dir
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.state_path = out_dir / "state.json"
-        self.answers_path = out_dir / "answers.jsonl"
-        self.state: dict[str, Any] = {}
-        if self.state_path.is_file():
-            self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
-            if self.state.get("signature") != signature:
-                raise ValueError(
-                    f"{out_dir} holds a run with other arguments ({self.state.get('signature')});"
-                    " use another --out-dir"
-                )
-        self.state["signature"] = signature
-
-    def save(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, default=_plain), encoding="utf-8")
-        tmp.replace(self.state_path)
-
-    def answers(self) -> dict[tuple[str, int], dict[str, Any]]:
-        if not self.answers_path.is_file():
-            return {}
-        with self.answers_path.open(encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        return {(r["tenant"], r["j"]): r["answer"] for r in rows}
-
-    def record(self, tenant: str, j: int, answer: dict[str, Any]) -> None:
-        with self.answers_path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"tenant": tenant, "j": j, "answer": answer}) + "\n")
-
-
 def run(
     count: int = 100,
     per_tenant: int = 20,
@@ -513,7 +471,7 @@ def _run(
         "temperature": temperature,
         "big_registry": big_registry,
     }
-    state = _State(out_dir, signature)
+    state = RunState(out_dir, signature, owner="tenant")
     db = out_dir / "db.sqlite3"
     settings = {
         s: bench_settings(db, detect_with_model=s == "model", **overrides) for s in STATISTICS
@@ -620,7 +578,7 @@ def _run(
         "prompts": [p for t in tenants for p in t["prompts"]],
         "answers": made,
     }
-    return dict(json.loads(json.dumps(result, default=_plain)))
+    return dict(json.loads(json.dumps(result, default=json_plain)))
 
 
 COLUMNS = ("small:model", "small:model_free", "big:model", "big:model_free")

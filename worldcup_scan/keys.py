@@ -253,9 +253,13 @@ class StoreSession:
                 expired_below[r.tenant_id] = below
         return ScanKeys(tuple(specs), registry, None, "store", expired_below)
 
-    def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None:
-        entry: RegistryEntry | None = self._run(self.store.registry_entry(tenant_id, message_id))
-        return entry
+    def registry_entries(
+        self, tenant_id: str, message_ids: list[int]
+    ) -> list[RegistryEntry | None]:
+        entries: list[RegistryEntry | None] = self._run(
+            self.store.registry_entries(tenant_id, message_ids)
+        )
+        return entries
 
     def append_audit(self, record: AuditRecord) -> None:
         self._run(self.store.append_audit(record))

@@ -164,13 +164,16 @@ def _write_part(state: Path, part: Part, rows: list[dict[str, Any]]) -> None:
 
 def _fill_registry(session: StoreSession, rows: list[dict[str, Any]]) -> None:
     """Registry metadata of the hits (the driver's job: workers never touch the store)."""
+    by_tenant: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        if row["message_id"] is None or row["tenant_id"] is None:
-            continue
-        entry = session.registry_entry(row["tenant_id"], int(row["message_id"]))
-        if entry is not None:
-            row["registry_metadata"] = json.dumps(entry.metadata, sort_keys=True)
-            row["registry_issued_at"] = iso_utc(entry.issued_at)
+        if row["message_id"] is not None and row["tenant_id"] is not None:
+            by_tenant.setdefault(row["tenant_id"], []).append(row)
+    for tenant_id, hits in by_tenant.items():  # one bulk read a tenant
+        entries = session.registry_entries(tenant_id, [int(r["message_id"]) for r in hits])
+        for row, entry in zip(hits, entries, strict=True):
+            if entry is not None:
+                row["registry_metadata"] = json.dumps(entry.metadata, sort_keys=True)
+                row["registry_issued_at"] = iso_utc(entry.issued_at)
 
 
 def _merge(state: Path, parts: Sequence[Part], out: Path, fmt: str) -> ScanSummary:

@@ -61,6 +61,7 @@ from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW, verdict_sentence
 
 ROUTE = "provenance/collection"
 GROUP_ENTRIES_LIMIT = 200_000  # registry entries read for a group search, at most
+GROUP_READ_IDS = 20_000  # entries read at once (a few round trips; bounded memory)
 
 
 async def registry_groups(
@@ -82,15 +83,25 @@ async def registry_groups(
         return {}, 0, why
     groups: dict[str, list[str]] = defaultdict(list)
     for bits, ids in listed:
-        codec = MessageIdCodec(scheme.key, bits)
-        for message_id in ids:
-            entry = await store.registry_entry(tenant_id, message_id)
-            if entry is None or entry.key_version != version:
-                continue
-            value = entry.metadata.get(field)
-            if value is None or isinstance(value, dict | list):
-                continue
-            groups[str(value)].append(codec.payload(message_id).bits)
+        values: list[str] = []
+        kept: list[int] = []
+        for start in range(0, len(ids), GROUP_READ_IDS):
+            chunk = ids[start : start + GROUP_READ_IDS]
+            entries = await store.registry_entries(tenant_id, chunk)
+            for message_id, entry in zip(chunk, entries, strict=True):
+                if entry is None or entry.key_version != version:
+                    continue
+                value = entry.metadata.get(field)
+                if value is None or isinstance(value, dict | list):
+                    continue
+                values.append(str(value))
+                kept.append(message_id)
+        if not kept:
+            continue
+        # the payloads at once (array look-ups up to 32 bits), as ``codec.payload`` each
+        payloads = MessageIdCodec(scheme.key, bits).payload_ints(np.asarray(kept, dtype=np.int64))
+        for value, payload in zip(values, payloads.tolist(), strict=True):
+            groups[value].append(format(payload, f"0{bits}b"))
     if not groups:
         return {}, total, f"no registry entry under this key holds the metadata field {field!r}"
     return dict(groups), total, None

@@ -354,11 +354,16 @@ class WatermarkService:
             ]
 
         founds = await self.offload(rescore)
+        named = {
+            n: found.message_id
+            for n, found in enumerate(founds)
+            if found is not None and not found.expired and not found.client
+        }
+        read = await self.store.registry_entries(tenant_id, list(named.values()))
+        entries = dict(zip(named, read, strict=True))  # the batch's entries, one bulk read
         outcomes = []
-        for (best, *_), found in zip(decoded, founds, strict=True):
-            entry = None
-            if found is not None and not found.expired and not found.client:
-                entry = await self.store.registry_entry(tenant_id, found.message_id)
+        for n, ((best, *_), found) in enumerate(zip(decoded, founds, strict=True)):
+            entry = entries.get(n)
             outcomes.append(
                 DecodeOutcome(
                     best.key_version,

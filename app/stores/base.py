@@ -10,6 +10,7 @@ namespace by it (Redis keys ``{prefix}:{tenant}:...``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -321,6 +322,16 @@ class Store(Protocol):
         RegistryFull (and nothing written) if the next id would exceed ``max_id``."""
 
     async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None: ...
+
+    async def registry_entries(
+        self, tenant_id: str, message_ids: Sequence[int]
+    ) -> list[RegistryEntry | None]:
+        """``registry_entry`` of each of ``message_ids`` (any order, duplicates allowed),
+        aligned with them: None where there is no entry (never issued, voided, expired,
+        out of range). A few round trips whatever the number of ids (SQLite: chunked
+        ``IN`` queries; Redis: chunked HMGETs of the ids' buckets, pipelined). This
+        default, one read an id, is for a backend without a faster way."""
+        return [await self.registry_entry(tenant_id, int(i)) for i in message_ids]
 
     async def message_ids(
         self, tenant_id: str, key_version: int, num_bits: int, after: int = 0

@@ -32,7 +32,9 @@ as issued (``msglive``), which errs towards the conservative registry-size corre
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 from redis.commands.core import AsyncScript
@@ -43,6 +45,7 @@ from app.stores.base import (
     RegistryFull,
     RegistrySize,
     StoreUnavailable,
+    check_tenant_id,
     compact_json,
 )
 from app.stores.redis_base import RedisBase
@@ -58,6 +61,9 @@ from app.stores.redis_scripts import (
 )
 
 ALLOCATE_TRIES = 8  # ids tried when the counter went back (see the module docstring)
+# bulk reads: short commands (the server never blocks long on one), a bounded reply a trip
+ENTRIES_PER_HMGET = 1_000
+HMGETS_PER_TRIP = 32
 
 
 def _entry(tenant_id: str, message_id: int, raw: str) -> RegistryEntry:
@@ -136,33 +142,43 @@ class RedisRegistry(RedisBase):
         raw = cast("str | None", await self._retry(lambda: self._redis.hget(key, field)))
         return None if raw is None else _entry(tenant_id, message_id, raw)
 
-    async def registry_entries(self, tenant_id: str, message_ids: list[int]) -> list[RegistryEntry]:
-        """The entries of these ids that exist, in one round trip (one HMGET per bucket)."""
-        by_bucket: dict[int, list[int]] = {}
-        for mid in sorted({int(m) for m in message_ids if int(m) >= 1}):
-            by_bucket.setdefault(bucket_of(mid), []).append(mid)
-        if not by_bucket:
-            return []
-        rows = await self._hmgets(tenant_id, by_bucket)
-        return [
-            _entry(tenant_id, mid, raw)
-            for ids, raws in zip(by_bucket.values(), rows, strict=True)
-            for mid, raw in zip(ids, raws, strict=True)
-            if raw is not None
-        ]
+    async def registry_entries(
+        self, tenant_id: str, message_ids: Sequence[int]
+    ) -> list[RegistryEntry | None]:
+        """HMGETs of at most ``ENTRIES_PER_HMGET`` ids of one bucket each, pipelined
+        ``HMGETS_PER_TRIP`` at a time (each trip a round trip per node)."""
+        check_tenant_id(tenant_id)
+        wanted = [int(i) for i in message_ids]
+        raws = await self._hmget_ids(tenant_id, wanted)
+        found = {mid: _entry(tenant_id, mid, raw) for mid, raw in raws.items()}
+        return [found.get(i) for i in wanted]
 
-    async def _hmgets(
-        self, tenant_id: str, by_bucket: dict[int, list[int]]
-    ) -> list[list[str | None]]:
-        """One HMGET of each bucket's ids, in one pipeline (a round trip per node)."""
+    async def _hmget_ids(self, tenant_id: str, message_ids: Iterable[int]) -> dict[int, str]:
+        """The JSON of those of ``message_ids`` that hold an entry. Every key is one
+        bucket's hash (tag ``{tenant:bucket}``), one key per command: cluster-safe."""
+        calls: list[tuple[str, list[int]]] = []
+        unique = sorted({int(m) for m in message_ids if int(m) >= 1})
+        for b, in_bucket in itertools.groupby(unique, key=bucket_of):
+            ids = list(in_bucket)
+            key = self._keys.msgs(tenant_id, b)
+            for start in range(0, len(ids), ENTRIES_PER_HMGET):
+                calls.append((key, ids[start : start + ENTRIES_PER_HMGET]))
+        found: dict[int, str] = {}
+        for start in range(0, len(calls), HMGETS_PER_TRIP):
+            trip = calls[start : start + HMGETS_PER_TRIP]
 
-        async def call() -> list[list[str | None]]:
-            pipe = self._pipeline()
-            for b, ids in by_bucket.items():
-                pipe.hmget(self._keys.msgs(tenant_id, b), [str(i) for i in ids])
-            return cast("list[list[str | None]]", await pipe.execute())
+            async def call(trip: list[tuple[str, list[int]]] = trip) -> list[list[str | None]]:
+                pipe = self._pipeline()
+                for key, ids in trip:
+                    pipe.hmget(key, [str(i) for i in ids])
+                return cast("list[list[str | None]]", await pipe.execute())
 
-        return await self._retry(call) if by_bucket else []
+            rows = await self._retry(call)
+            for (_, ids), raws in zip(trip, rows, strict=True):
+                for mid, raw in zip(ids, raws, strict=True):
+                    if raw is not None:
+                        found[mid] = raw
+        return found
 
     async def _buckets(self, tenant_id: str) -> int:
         key = self._keys.t(tenant_id, "msgseq")
@@ -214,18 +230,9 @@ class RedisRegistry(RedisBase):
     # -- lookup and retention (issue #36) -------------------------------------
 
     async def _raw_entries(self, tenant_id: str, message_ids: list[int]) -> list[str | None]:
-        """The entries' JSON, aligned with ``message_ids``: one HMGET per bucket, one
-        round trip per node."""
-        by_bucket: dict[int, list[int]] = {}
-        for mid in message_ids:
-            by_bucket.setdefault(bucket_of(mid), []).append(mid)
-        rows = await self._hmgets(tenant_id, by_bucket)
-        found = {
-            mid: raw
-            for ids, raws in zip(by_bucket.values(), rows, strict=True)
-            for mid, raw in zip(ids, raws, strict=True)
-        }
-        return [found[mid] for mid in message_ids]
+        """The entries' JSON, aligned with ``message_ids``."""
+        found = await self._hmget_ids(tenant_id, message_ids)
+        return [found.get(int(mid)) for mid in message_ids]
 
     async def registry_size(self, tenant_id: str, key_version: int, num_bits: int) -> RegistrySize:
         t, kv, bits = self._keys.t, int(key_version), int(num_bits)

@@ -11,8 +11,10 @@ handed out again (issue #36).
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 from app.stores.base import (
@@ -110,6 +112,34 @@ class SQLiteRegistry(SQLiteBase):
             metadata=json.loads(row["metadata"]),
             issued_at=row["issued_at"],
         )
+
+    async def registry_entries(
+        self, tenant_id: str, message_ids: Sequence[int]
+    ) -> list[RegistryEntry | None]:
+        """One ``IN`` query per ``_IN_CHUNK`` ids, each its own locked call (a long read
+        leaves room for other requests' queries between its chunks)."""
+        check_tenant_id(tenant_id)
+        wanted = [int(i) for i in message_ids]
+        unique = sorted(set(wanted))
+        found: dict[int, RegistryEntry] = {}
+
+        def read(chunk: list[int], c: sqlite3.Connection) -> list[RegistryEntry]:
+            rows = c.execute(
+                "SELECT message_id, key_version, num_bits, metadata, issued_at FROM messages"
+                " WHERE tenant_id = ? AND voided IS NULL"
+                f" AND message_id IN ({','.join('?' * len(chunk))})",
+                (tenant_id, *chunk),
+            ).fetchall()
+            return [
+                RegistryEntry(tenant_id, int(r[0]), int(r[1]), int(r[2]), json.loads(r[3]), r[4])
+                for r in rows
+            ]
+
+        for start in range(0, len(unique), _IN_CHUNK):
+            chunk = unique[start : start + _IN_CHUNK]
+            for entry in await self._run(functools.partial(read, chunk)):
+                found[entry.message_id] = entry
+        return [found.get(i) for i in wanted]
 
     async def message_ids(
         self, tenant_id: str, key_version: int, num_bits: int, after: int = 0
