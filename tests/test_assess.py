@@ -184,8 +184,9 @@ def test_the_model_weighted_verdict_and_the_joint_test_are_calibrated(
 ) -> None:
     """``worldcup bench calibration --statistic model --joint N`` on a small sample: the
     model-weighted verdict p at or below each level (4 SE), its exact components uniform;
-    the joint test of 5 null texts read together uniform (its group search
-    is tested in test_collection.py)."""
+    the joint verdict of 5 null texts read together at or below each level, its exact
+    components (message-free, payload length known) uniform (its group search is
+    tested in test_collection.py)."""
     chunks = human_chunks(data_dir, smollm2_tokenizer)[:400]
     weights = _text_only_weights(chunks)
     sample = null_p_values(chunks, 800, seed=36, weights=weights)
@@ -196,7 +197,10 @@ def test_the_model_weighted_verdict_and_the_joint_test_are_calibrated(
         assert stats.kstest(component, "uniform").pvalue > 1e-3
     together = null_joint_p_values(chunks, 300, seed=37, weights=weights, searched=0)
     assert len(together.joint) == 300 and len(together.group) == 0
-    assert stats.kstest(together.joint, "uniform").pvalue > 1e-3
+    for t in (0.1, 0.01):
+        assert float(np.mean(together.joint < t)) <= t + 4 * math.sqrt(t / 300)
+    for component in (together.detect, together.decode):
+        assert len(component) == 300 and stats.kstest(component, "uniform").pvalue > 1e-3
 
 
 def test_absence_needs_the_scored_tokens_the_line_asks_for() -> None:

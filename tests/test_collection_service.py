@@ -87,7 +87,10 @@ def test_one_users_texts_are_watermarked_and_the_user_named(
     assert body["p_value"] < body["threshold"] == 1e-6
     assert body["tenant_id"] == world["owner_id"] and body["key_version"] == 1
     assert body["statistic"] == "model"  # the tiny model is loaded: model-weighted
-    assert [t["test"] for t in body["tests"]] == ["detect"]
+    # message-free, and at the one payload length the key issued entries at (16 bits),
+    # each text in its own payload's cells; combined as a single text's tests
+    assert [(t["test"], t["num_bits"]) for t in body["tests"]] == [("detect", None), ("decode", 16)]
+    assert body["p_value"] == min(t["combined_p_value"] for t in body["tests"])
     group = body["group"]
     assert group["field"] == "user_id" and group["values_searched"] == USERS
     assert group["entries_searched"] == USERS + 3

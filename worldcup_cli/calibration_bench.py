@@ -23,13 +23,16 @@ embedded model itself (T 0.7, ELI5 questions, no key), the null most like the
 watermarked text the service reads.
 
 **Joint test** (:func:`null_joint_p_values`): ``size`` null texts read together
-(:func:`worldcup_core.collection.read_collection`) under a fresh key, message-free,
-and the group search over ``users`` users x ``entries`` issued entries each: every
+(:func:`worldcup_core.collection.read_collection`) under a fresh key, message-free
+and at the registry's payload length, combined as the service combines them
+(:meth:`~worldcup_core.collection.CollectionResult.tests`, one key tried), and the group
+search over ``users`` users x ``entries`` issued entries each: every
 collection is one null sample of the joint p and of the named group's corrected p.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -168,11 +171,17 @@ def null_p_values(
 
 @dataclass(frozen=True)
 class JointSample:
-    joint: F64  # the joint test's p per null collection
+    joint: F64  # the joint verdict's p per null collection (its tests combined)
     group: F64  # the best group's corrected p, per searched collection (1: none found)
     collections: int
     size: int  # texts per collection
     groups: int  # distinct values searched per collection
+    detect: F64 = dataclasses.field(
+        default_factory=lambda: np.zeros(0)
+    )  # the joint test, message-free
+    decode: F64 = dataclasses.field(
+        default_factory=lambda: np.zeros(0)
+    )  # ... at the payload length
 
 
 def null_joint_p_values(
@@ -195,7 +204,7 @@ def null_joint_p_values(
         raise ValueError(f"a collection of {size} texts needs as many chunks")
     rng = np.random.default_rng(seed)
     cfg = config or service_config()
-    joint, group = [], []
+    joint, group, detect, decode = [], [], [], []
     searched = collections if searched is None else min(searched, collections)
     for n in range(collections):
         picked = rng.choice(len(chunks), size=size, replace=False)
@@ -214,14 +223,26 @@ def null_joint_p_values(
             None,
             None if weights is None else [weights[int(i)] for i in picked],
             groups if n < searched else None,
+            lengths=(NUM_BITS,),
         )
-        joint.append(found.p_value)
+        tests = found.tests()
+        joint.append(assess(tests, 1, "one random key").p_value)
+        detect.append(float(tests[0].p_value or 1.0))
+        decode.append(float(tests[1].p_value or 1.0))
         if n < searched:
             gp = found.group_p_value
             group.append(1.0 if gp is None else gp)
         if progress is not None:
             progress(1)
-    return JointSample(np.array(joint), np.array(group), collections, size, users)
+    return JointSample(
+        np.array(joint),
+        np.array(group),
+        collections,
+        size,
+        users,
+        np.array(detect),
+        np.array(decode),
+    )
 
 
 def eli5_questions(data_dir: Path) -> list[str]:
@@ -325,15 +346,18 @@ def joint_table(sample: JointSample, levels: tuple[float, ...] = LEVELS) -> str:
         f"the group search over {sample.groups} users on {len(sample.group)} of them\n"
     )
     lines = [
-        "| level t | joint test rate (count) | SE | group named rate (count) | SE |",
-        "|---|---|---|---|---|",
+        "| level t | joint verdict rate (count) | message-free (exact) | payload length known "
+        "(exact) | SE | group named rate (count) | SE |",
+        "|---|---|---|---|---|---|---|",
     ]
     joint = tail_rows(sample.joint, levels)
+    parts = [tail_rows(x, levels) if len(x) else [] for x in (sample.detect, sample.decode)]
     group = tail_rows(sample.group, levels) if len(sample.group) else []
     for i, t in enumerate(levels):
         g = f"{group[i]['rate']:.2e} ({group[i]['count']}) | {group[i]['se']:.1e}" if group else ""
+        cells = [f"{p[i]['rate']:.2e} ({p[i]['count']})" if p else "-" for p in parts]
         lines.append(
-            f"| {t:g} | {joint[i]['rate']:.2e} ({joint[i]['count']}) | "
+            f"| {t:g} | {joint[i]['rate']:.2e} ({joint[i]['count']}) | {cells[0]} | {cells[1]} | "
             f"{joint[i]['se']:.1e} | " + (g if len(sample.group) else "- | -") + " |"
         )
     return head + "\n".join(lines)

@@ -270,6 +270,10 @@ def bench_settings(db: Path, **overrides: Any) -> Any:
         # a benchmark measures answers, not the deadline: a loaded machine must not
         # turn a slow generation into a failed run
         request_timeout_s=3600.0,
+        # nor is it probing: answers of one template (JSON under one schema) count as one
+        # text by containment, and their several measurements would spend its budget
+        probe_budget_verdict=0,
+        probe_budget_full=0,
         **overrides,
     )
 

@@ -829,6 +829,8 @@ def bench_calibration(
             "groups": together.groups,
             "searched": len(together.group),
             "test": tail_rows(together.joint),
+            "detect": tail_rows(together.detect),
+            "decode": tail_rows(together.decode),
             "group": tail_rows(together.group) if len(together.group) else None,
         }
         text += "\n\n" + joint_table(together)

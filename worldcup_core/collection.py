@@ -24,7 +24,11 @@ in one chi-square:
 * model-free (no weights): every unit at today's layer weights, Fisher.
 
 A set of one text gets that text's own statistic bit for bit (the per-text answers,
-:func:`per_text_log_p`). The weights, the de-duplication and the degrees of freedom
+:func:`per_text_log_p`). The same joint test runs at a known payload length too
+(``num_bits``: the cells the decoder reads, each text in its own payload's cells),
+and :meth:`CollectionResult.tests` hands both to :func:`~worldcup_core.assess.assess`,
+which combines them as a single text's detect and decode tests (weighted Bonferroni).
+The weights, the de-duplication and the degrees of freedom
 depend on the texts and the model only, never on the key: the sum is exactly
 chi-square under H0.
 
@@ -78,6 +82,7 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
+from worldcup_core.assess import TestP
 from worldcup_core.config import WatermarkConfig
 from worldcup_core.detector import slot_count
 from worldcup_core.detector_model import (
@@ -558,10 +563,32 @@ class CollectionResult:
     group_log10_p_value: float | None = None  # corrected for the groups searched
     groups_searched: int = 0
     group_entries: tuple[str | None, ...] = ()  # per text: the named group's best entry
+    # the joint test at each known payload length: (bits, log10 p), and each text's own
+    length_log10_p: tuple[tuple[int, float], ...] = ()
+    per_text_length_log10_p: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     @property
     def p_value(self) -> float:
         return float(10.0**self.log10_p_value)
+
+    def tests(self, key_version: int | None = None) -> list[TestP]:
+        """The joint tests, for :func:`worldcup_core.assess.assess` to combine as a
+        single text's are (weighted Bonferroni): message-free, and at each payload
+        length read (the cells the decoder reads: each text's own payload, since texts
+        of one account carry different entries)."""
+        out = [TestP("detect", self.p_value, key_version=key_version)]
+        for bits, log10_p in self.length_log10_p:
+            out.append(TestP("decode", float(10.0**log10_p), bits, key_version=key_version))
+        return out
+
+    def text_tests(self, index: int, key_version: int | None = None) -> list[TestP]:
+        """The ``index``-th text's own tests (no de-duplication across the set)."""
+        out = [TestP("detect", self.per_text_p[index], key_version=key_version)]
+        for bits, per_text in self.per_text_length_log10_p:
+            out.append(
+                TestP("decode", float(10.0 ** per_text[index]), bits, key_version=key_version)
+            )
+        return out
 
     @property
     def per_text_p(self) -> tuple[float, ...]:
@@ -591,14 +618,24 @@ def read_collection(
     token_weights: TokenWeights | None = None,
     groups: Mapping[str, Sequence[str]] | None = None,
     design: GroupDesign = DEFAULT_GROUP_DESIGN,
+    lengths: Sequence[int] = (),
 ) -> CollectionResult:
     """Read ``texts`` together under ``key``: the joint test (message-free, or at
     ``num_bits``), each text's own test, and with ``groups`` the group that best
     explains the set. Model-weighted when ``token_weights`` are given (one array per
-    text, from the text and the model only), model-free otherwise."""
+    text, from the text and the model only), model-free otherwise. ``lengths``: also
+    the joint test and each text's own at each of these payload lengths
+    (:meth:`CollectionResult.tests`)."""
     units = collection_units(config, texts, token_weights)
     joint = joint_log_p(key, config, units, num_bits)
     own = per_text_log_p(key, config, texts, num_bits, token_weights)
+    at_lengths = tuple(
+        (int(b), joint_log_p(key, config, units, int(b)) / _LN10) for b in sorted(set(lengths))
+    )
+    own_at_lengths = tuple(
+        (b, tuple(float(x) / _LN10 for x in per_text_log_p(key, config, texts, b, token_weights)))
+        for b, _ in at_lengths
+    )
     result = CollectionResult(
         log10_p_value=joint / _LN10,
         num_texts=units.num_texts,
@@ -606,6 +643,8 @@ def read_collection(
         per_text_log10_p=tuple(float(x) / _LN10 for x in own),
         statistic=units.statistic,
         num_bits=num_bits,
+        length_log10_p=at_lengths,
+        per_text_length_log10_p=own_at_lengths,
     )
     if groups is None:
         return result
@@ -617,6 +656,8 @@ def read_collection(
         per_text_log10_p=result.per_text_log10_p,
         statistic=result.statistic,
         num_bits=num_bits,
+        length_log10_p=at_lengths,
+        per_text_length_log10_p=own_at_lengths,
         best_group=found.value,
         group_log10_p_value=found.log_p / _LN10 if found.groups_searched else None,
         groups_searched=found.groups_searched,

@@ -102,7 +102,7 @@ def scan_groups(
         ids: list[list[int]] = scanner.tokenizer(
             [text for _, text in members], add_special_tokens=False
         ).input_ids
-        rows.append(_group_row(spec.fields.group, value, members, ids, bank, keys))
+        rows.append(_group_row(spec.fields.group, value, members, ids, bank, keys, scanner))
     summary.groups = len(rows)
     summary.watermarked_groups = sum(bool(r["is_watermarked"]) for r in rows)
     _write(out, fmt, rows)
@@ -116,6 +116,7 @@ def _group_row(
     ids: list[list[int]],
     bank: KeyBank,
     keys: tuple[Any, ...],
+    scanner: Scanner,
 ) -> dict[str, Any]:
     chosen, num_keys = choose_key(bank, ids, None)
     tried = max(num_keys, 1)
@@ -134,12 +135,14 @@ def _group_row(
         row.update(texts_watermarked_alone=0)
     else:
         scheme = bank.schemes[chosen.index]
-        result = read_collection(scheme.key, scheme.config, ids)
-        a = assess([TestP("detect", result.p_value)], tried, searched, result.num_units)
+        # message-free and at each payload length, combined as the service combines them
+        lengths = scanner.payload_lengths([chosen.index])
+        result = read_collection(scheme.key, scheme.config, ids, lengths=lengths)
+        a = assess(result.tests(), tried, searched, result.num_units)
         spec = keys[chosen.index]
         named = a.is_watermarked
         alone = [
-            assess([TestP("detect", p)], tried, searched).is_watermarked for p in result.per_text_p
+            assess(result.text_tests(i), tried, searched).is_watermarked for i in range(len(ids))
         ]
         row.update(
             num_units=result.num_units,

@@ -252,7 +252,7 @@ class Scanner:
         schemes = [self.schemes[i] for i in indices]  # the verdict's statistics: as the service
         detect_p = math.exp(float(best_verdict_log_p(schemes, [ids], None)[0][0]))
         issued = sorted({b for i in indices for b in self._registry(i)})
-        lengths = issued or [self.spec.keys.num_bits or self.spec.default_num_bits]
+        lengths = self.payload_lengths(indices)
         tests = [TestP("detect", detect_p, key_version=best)]
         chosen: _Decoded | None = None
         for num_bits in lengths:
@@ -269,6 +269,12 @@ class Scanner:
         return _Assessed(said, key_index, chosen, scored)
 
     # ------------------------------------------------------------------ payload and registry
+    def payload_lengths(self, indices: list[int]) -> list[int]:
+        """The payload lengths the verdict decodes at for these keys: those their
+        registries hold entries at, else the spec's default length."""
+        issued = sorted({b for i in indices for b in self._registry(i)})
+        return issued or [self.spec.keys.num_bits or self.spec.default_num_bits]
+
     def _registry(self, key_index: int) -> dict[int, list[int]]:
         spec = self.spec.keys.keys[key_index]
         return self.spec.keys.registry.get((spec.tenant_id, spec.version), {})

@@ -17,7 +17,11 @@ bound covers any data-dependent choice among them).
 
 **The joint test** is exact under H0 (the texts written without the key), with each
 (context, token) counted once across the set, model-weighted where the served model
-is loaded and model-free otherwise (``statistic`` says which).
+is loaded and model-free otherwise (``statistic`` says which). Under the chosen key it
+runs message-free and at each payload length the key has issued entries at (each text
+read in its own payload's cells), and these combine as a single text's tests do
+(:meth:`worldcup_core.collection.CollectionResult.tests`, weighted Bonferroni; the
+answer's ``tests`` list them). Each text's own answer combines its own tests alike.
 
 **The group** (``group_by``): the registry entries issued under the deciding key
 version, grouped by the metadata field's value, searched by
@@ -28,7 +32,6 @@ distinct values searched. A value is named only when the joint verdict is
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
@@ -180,24 +183,33 @@ async def read_together(
     if chosen is not None:
         scheme = bank.schemes[chosen.index]
         tenant_id, version = refs[chosen.index]
-        groups = None
+        # the joint test at every payload length the key has issued entries at, beside
+        # the message-free one, combined as a single text's tests are
+        issued = await runtime.store.registry_bit_lengths(tenant_id, version)
+        lengths = issued or [runtime.settings.default_num_bits]
+        result = await watermark.offload(
+            lambda: read_collection(
+                scheme.key, scheme.config, ids, None, weights, None, lengths=lengths
+            )
+        )
         # a value is named only under a watermarked joint verdict: the group search (its
         # exact sign-flip guard is costly on sets with no watermark) runs only then
-        chosen_p = math.exp(chosen.log_p)
-        named_possible = assess([TestP("detect", chosen_p)], tried, keys).is_watermarked
+        named_possible = assess(result.tests(version), tried, keys).is_watermarked
         if body.group_by is not None and not named_possible:
             why = "not searched: the joint verdict is not watermarked, so no value is named"
         elif body.group_by is not None:
             found_groups, entries, why = await registry_groups(
                 runtime.store, scheme, tenant_id, version, body.group_by
             )
-            groups = found_groups or None
-        result = await watermark.offload(
-            lambda: read_collection(scheme.key, scheme.config, ids, None, weights, groups)
-        )
+            if found_groups:
+                result = await watermark.offload(
+                    lambda: read_collection(
+                        scheme.key, scheme.config, ids, None, weights, found_groups, lengths=lengths
+                    )
+                )
     num_units = result.num_units if result is not None else 0
-    joint_p = None if result is None else result.p_value
-    joint = assess([TestP("detect", joint_p, key_version=version)], tried, keys, num_units)
+    tests = result.tests(version) if result is not None else [TestP("detect", None)]
+    joint = assess(tests, tried, keys, num_units)
     statistic = result.statistic if result is not None else "model_free"
     group = (
         _group_answer(body.group_by, result, entries, why, joint)
@@ -276,8 +288,8 @@ def _per_text(
     for pos, (index, text_ids) in enumerate(zip(good, ids, strict=True)):
         own = np.asarray(text_ids, dtype=np.int64)
         scored = len(ScoredTokensV2.of(own, width)) if width is not None else 0
-        p = None if result is None else result.per_text_p[pos]
-        a = assess([TestP("detect", p)], tried, keys, scored)
+        own_tests = [TestP("detect", None)] if result is None else result.text_tests(pos)
+        a = assess(own_tests, tried, keys, scored)
         out[index] = CollectionText(
             index=index,
             verdict=a.verdict,
