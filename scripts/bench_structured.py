@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -32,66 +33,15 @@ from worldcup_core.models import load_model
 from worldcup_core.prf import WatermarkKey
 from worldcup_core.scheme import WorldCup
 
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "review": {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string", "maxLength": 60},
-            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
-            "pros": {"type": "array", "items": {"type": "string", "maxLength": 60},
-                     "minItems": 1, "maxItems": 2},
-            "cons": {"type": "array", "items": {"type": "string", "maxLength": 60},
-                     "minItems": 1, "maxItems": 2},
-            "summary": {"type": "string", "maxLength": 160},
-        },
-        "required": ["title", "rating", "pros", "cons", "summary"],
-        "additionalProperties": False,
-    },
-    "ticket": {
-        "type": "object",
-        "properties": {
-            "category": {"enum": ["billing", "bug", "account", "feature"]},
-            "priority": {"enum": ["low", "medium", "high"]},
-            "subject": {"type": "string", "maxLength": 80},
-            "description": {"type": "string", "maxLength": 300},
-        },
-        "required": ["category", "priority", "subject", "description"],
-        "additionalProperties": False,
-    },
-    "event": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 60},
-            "city": {"type": "string", "maxLength": 40},
-            "attendees": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "maxLength": 40},
-                        "role": {"enum": ["speaker", "guest", "organiser"]},
-                    },
-                    "required": ["name", "role"],
-                    "additionalProperties": False,
-                },
-                "minItems": 1,
-                "maxItems": 3,
-            },
-            "notes": {"type": "string", "maxLength": 160},
-        },
-        "required": ["name", "city", "attendees", "notes"],
-        "additionalProperties": False,
-    },
-}  # fmt: skip
-TOPICS = [
-    "a pair of hiking boots", "a coffee shop downtown", "a science fiction novel",
-    "a budget smartphone", "a cooking class", "a city bike rental", "a noise-cancelling headset",
-    "a weekend music festival", "a standing desk", "an online language course",
-]  # fmt: skip
-ASK = {
-    "review": "Write a review of {t} as JSON with title, rating, pros, cons and summary.",
-    "ticket": "Write a customer support ticket about {t} as JSON.",
-    "event": "Describe an event about {t} as JSON: name, city, attendees and notes.",
+# the schemas and requests `worldcup bench first-use --prompt-set structured` answers too
+_DATA = json.loads(
+    (Path(__file__).parent.parent / "worldcup_cli" / "data" / "structured_prompts.json").read_text(
+        encoding="utf-8"
+    )
+)
+SCHEMAS: dict[str, dict[str, Any]] = _DATA["schemas"]
+ASKED: dict[str, list[str]] = {
+    name: [r["prompt"] for r in _DATA["requests"] if r["schema"] == name] for name in SCHEMAS
 }
 
 
@@ -111,8 +61,8 @@ def main() -> None:
         spec = grammar.GrammarSpec("json_schema", schema, "bench")
         compiled = grammar.compile_spec(tok, spec)
         for i in range(args.per_schema):
-            topic = TOPICS[i % len(TOPICS)]
-            messages = [{"role": "user", "content": ASK[name].format(t=topic)}]
+            asked = ASKED[name]
+            messages = [{"role": "user", "content": asked[i % len(asked)]}]
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
             key = WatermarkKey(rng.randbytes(32))
