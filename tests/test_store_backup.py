@@ -42,12 +42,14 @@ def _wipe_redis(client: Any, prefix: str) -> int:
 
 def _state(c: TestClient, auth: dict[str, str], texts: list[dict[str, Any]], case_id: str,
            tenant_id: str) -> dict[str, Any]:  # fmt: skip
-    """What the drill must find again: each text's registry match, the case, the keys."""
+    """What the drill must find again: each text's registry match and its similarity to
+    the issued text (the entry's fingerprint came back too), the case, the keys."""
     matches = []
     for g in texts:
         r = c.post("/decode", json={"text": g["text"], "num_bits": 16}, headers=auth)
         assert r.status_code == 200, r.text
-        matches.append(r.json()["registry_match"])
+        coverage = r.json()["coverage"] or {}
+        matches.append((r.json()["registry_match"], coverage.get("issued_text_similarity")))
     case = c.get(f"/console/api/cases/{case_id}", headers=ADMIN)
     keys = c.get(f"/admin/tenants/{tenant_id}/api-keys", headers=ADMIN)
     assert case.status_code == 200 and keys.status_code == 200, (case.text, keys.text)
@@ -79,8 +81,9 @@ def test_backup_wipe_restore_drill(
         assert r.status_code == 201, r.text
         case_id = r.json()["case"]["case_id"]
         before = _state(c, auth, texts, case_id, tenant_id)
-    for g, match in zip(texts, before["matches"], strict=True):  # the drill's premise
+    for g, (match, similarity) in zip(texts, before["matches"], strict=True):  # the premise
         assert match is not None and match["message_id"] == g["message_id"], match
+        assert similarity == 1.0, similarity  # the issued text's fingerprint was recorded
 
     out = tmp_path / "store.backup"
     done = runner.invoke(cli, ["store", "backup", "--out", str(out), *where], env=env)

@@ -305,6 +305,39 @@ async def test_allocate_message_ids_and_persistence(store: Store) -> None:
     assert await store.registry_entry(tid, 0) is None
 
 
+async def test_set_fingerprint_is_stored_with_the_entry(store: Store) -> None:
+    """The issued text's fingerprint (issue #45): set after allocation, read back by
+    both reads, replaced by a later call; refused (False) without a live entry. The
+    metadata may hold a field of the same name: it stays the metadata's."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    meta = {"fingerprint": "ab", "nested": {"fingerprint": "cd"}}
+    e1 = await store.allocate_message(tid, 1, 32, meta, 1_712_345_678.123456)
+    e2 = await store.allocate_message(tid, 1, 32, {}, 1.5)
+    assert e1.fingerprint is None
+    assert (await store.registry_entry(tid, 1)) == e1  # none recorded yet
+    fp, other = bytes(range(16)), b"\xff" * 16
+    assert await store.set_fingerprint(tid, 1, fp)
+    assert await store.set_fingerprint(tid, 1, fp)  # a retry: the same value
+    got = await store.registry_entry(tid, 1)
+    assert got is not None and got.fingerprint == fp
+    assert got.metadata == meta and got.issued_at == e1.issued_at and got.num_bits == 32
+    assert await store.set_fingerprint(tid, 2, other)
+    assert await store.set_fingerprint(tid, 1, other)  # replaced
+    read = await store.registry_entries(tid, [2, 1, 3])
+    assert [r.fingerprint if r else None for r in read] == [other, other, None]
+    assert read[1] is not None and read[1].metadata == meta
+    assert read[0] is not None and read[0].metadata == {} and read[0].issued_at == e2.issued_at
+    assert not await store.set_fingerprint(tid, 3, fp)  # never issued
+    assert not await store.set_fingerprint(tid, 0, fp)
+    assert await store.registry_entry(tid, 3) is None
+    assert await store.void_message(tid, 2, "test")
+    assert not await store.set_fingerprint(tid, 2, fp)  # voided
+    assert await store.registry_entry(tid, 2) is None
+    assert await store.message_ids(tid, 1, 32) == [1]
+
+
 async def test_message_ids_filter_by_key_version_and_bits(store: Store) -> None:
     tenant, key = tenant_records("acme")
     await store.create_tenant(tenant, key)
@@ -802,6 +835,33 @@ async def test_sqlite_file_from_before_scheme_versions_is_migrated(tmp_path: Pat
         v2 = KeyRecord(**{**key_record("t1", 2).__dict__, "scheme": "worldcup-v2"})
         await store.add_key_version(v2)
         assert [k.scheme for k in await store.key_versions("t1")] == ["worldcup-v1", "worldcup-v2"]
+    finally:
+        await store.close()
+
+
+async def test_sqlite_registry_from_before_fingerprints_is_migrated(tmp_path: Path) -> None:
+    """A messages table without the fingerprint column gets it on open: its entries read
+    with none, and one can be recorded."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        """
+        CREATE TABLE messages (tenant_id TEXT NOT NULL, message_id INTEGER NOT NULL,
+            key_version INTEGER NOT NULL, num_bits INTEGER NOT NULL, metadata TEXT NOT NULL,
+            issued_at REAL NOT NULL, voided TEXT, PRIMARY KEY (tenant_id, message_id));
+        INSERT INTO messages VALUES ('t1', 1, 1, 32, '{"u":1}', 2.0, NULL);
+        """
+    )
+    old.commit()
+    old.close()
+    store = SQLiteStore(path)
+    try:
+        assert await store.registry_entry("t1", 1) == RegistryEntry("t1", 1, 1, 32, {"u": 1}, 2.0)
+        assert await store.set_fingerprint("t1", 1, b"\x01" * 16)
+        (got,) = await store.registry_entries("t1", [1])
+        assert got is not None and got.fingerprint == b"\x01" * 16
     finally:
         await store.close()
 

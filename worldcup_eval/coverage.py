@@ -14,7 +14,9 @@ service's generation path, the tenant's key, per-request registry payloads):
 * the piggyback edits of :func:`worldcup_eval.forgery.piggyback_edits` (an inserted
   human paragraph, negations, 10/30/50 % rewritten), judged at the production verdict:
   per edit, the texts that name an entry (before: every such answer implied the whole
-  text was the issued one) and those still ``whole`` (after), each with a
+  text was the issued one), those still ``whole`` by the coverage alone (after), and
+  those ``whole`` as the service now answers (``whole_with_fingerprint``: the coverage
+  and the issued-text fingerprint, :mod:`worldcup_core.fingerprint`), each with a
   Clopper-Pearson interval.
 
 Results are kept under ``--out`` (answers and edits resume); the summary is printed
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from worldcup_core.fingerprint import SIMILARITY_THRESHOLD
 from worldcup_eval.forgery import (
     ForgeryConfig,
     Judge,
@@ -53,6 +56,22 @@ def text_coverage(tenant: Tenant, tokenizer: Any, text: str, num_bits: int) -> A
     ids = tokenizer(text, add_special_tokens=False).input_ids
     marks = {m.index: m.z for m in text_evidence(tenant.worldcup(), ids, num_bits)}
     return island_coverage([marks.get(i) for i in range(len(ids))])
+
+
+def issued_similarities(key: Any, edits: list[dict[str, Any]]) -> list[float]:
+    """Each edit's similarity to its answer's unedited text (the text the service issued
+    and fingerprinted), as the service computes it (:mod:`worldcup_core.fingerprint`)."""
+    from worldcup_core.fingerprint import fingerprint_similarity, text_fingerprint
+
+    issued = {
+        int(e["answer"]): text_fingerprint(key, str(e["text"]))
+        for e in edits
+        if e["edit"] == "unedited"
+    }
+    return [
+        fingerprint_similarity(issued[int(e["answer"])], text_fingerprint(key, str(e["text"])))
+        for e in edits
+    ]
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
@@ -149,17 +168,32 @@ def measure(out: Path, answers: int, budget_tokens: int, show_progress: bool) ->
     kinds: dict[str, list[dict[str, Any]]] = {}
     for e in edits:
         kinds.setdefault(str(e["edit"]), []).append(e)
+    sims = dict(
+        zip(
+            (str(e["key"]) for e in edits),
+            issued_similarities(tenant.worldcup().key, edits),
+            strict=True,
+        )
+    )
     for kind, group in kinds.items():
         said = judge.judge([str(e["text"]) for e in group])
         named = [e for e, s in zip(group, said, strict=True) if s["named"] is not None]
         covs = [text_coverage(tenant, lm.tokenizer, str(e["text"]), config.num_bits) for e in named]
+        similar = [sims[str(e["key"])] for e in named]
+        # "whole" as the service now answers it: the coverage and the issued-text fingerprint
+        fingerprinted = sum(
+            c.attribution == "whole" and x >= SIMILARITY_THRESHOLD
+            for c, x in zip(covs, similar, strict=True)
+        )
         summary["piggyback"].append(
             {
                 "edit": kind,
                 "texts": len(group),
                 "named_before": rate(len(named), len(group)),
                 "whole_after": rate(sum(c.attribution == "whole" for c in covs), len(group)),
+                "whole_with_fingerprint": rate(fingerprinted, len(group)),
                 "coverage_named": _quantiles([c.share for c in covs]) if covs else None,
+                "similarity_named": _quantiles(similar) if similar else None,
                 "shares": [round(c.share, 4) for c in covs],
             }
         )

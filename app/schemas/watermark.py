@@ -173,7 +173,9 @@ COVERAGE_DESCRIPTION = (
     "score significantly below it. attribution is 'whole' when the islands hold at least "
     "`threshold` of them, else 'part': then only the islands' tokens are the watermarked "
     "(issued) text, and the rest was written or edited by someone else (a quoted or "
-    "piggybacked answer). The threshold is measured (SECURITY.md, Forgery and framing)."
+    "piggybacked answer). The threshold is measured (SECURITY.md, Forgery and framing). "
+    "When the answer names a registry entry issued with a fingerprint of its text, "
+    "'whole' also needs issued_text_similarity at or above 0.92 (worldcup_core.fingerprint)."
 )
 
 
@@ -189,6 +191,15 @@ class CoverageOut(StrictModel):
     attribution: Literal["whole", "part"]
     threshold: float = Field(description="The least share for 'whole'.")
     islands: list[CoverageSpan]
+    issued_text_similarity: float | None = Field(
+        None,
+        description="The submitted text's similarity to the text the named registry entry "
+        "was issued with: the estimated cosine of their word 3-gram sets, from the keyed "
+        "fingerprint recorded at issue (1.0: the same words, whatever the spacing and "
+        "case; below 0.92 the whole text is not the issued one: attribution 'part'). "
+        "Null when no entry is named or its entry has no fingerprint (issued before "
+        "fingerprints were recorded).",
+    )
     message: str
 
 

@@ -30,12 +30,14 @@ from app.schemas.watermark import (
     verdict_fields,
 )
 from app.services import intake
-from app.services.evidence import coverage_out
+from app.services.evidence import coverage_out, issued_similarity
 from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal, UnknownKeyVersion
 from app.services.watermark import Assessed, DecodeOutcome, best_length
 from app.services.weights import Statistic
+from app.stores.base import RegistryEntry
+from worldcup_core import WatermarkKey
 from worldcup_core.assess import Assessment
 from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
@@ -210,7 +212,10 @@ async def decode(
     )[0]
     answer = _decode_response(runtime, outcome, assessment, statistic)
     if not _is_verdict(principal):
-        await _add_coverage(runtime, principal, [answer], [ids], [outcome.result.num_bits])
+        await _add_coverage(
+            runtime, principal, [answer], [ids], [outcome.result.num_bits],
+            [(outcome.entry, body.text)],
+        )  # fmt: skip
     if body.evidence:
         answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
@@ -246,16 +251,18 @@ async def decode_batch(
     answered: list[int] = []
     answered_ids: list[list[int]] = []
     lengths: list[int] = []
+    issued: list[tuple[RegistryEntry | None, str]] = []
     for index, text_ids, (outcome, assessment, statistic) in zip(good, ids, outcomes, strict=True):
         try:
             answers.append(_decode_response(runtime, outcome, assessment, statistic))
             answered.append(index)
             answered_ids.append(text_ids)
             lengths.append(outcome.result.num_bits)
+            issued.append((outcome.entry, body.texts[index]))
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)
     if not _is_verdict(principal):
-        await _add_coverage(runtime, principal, answers, answered_ids, lengths)
+        await _add_coverage(runtime, principal, answers, answered_ids, lengths, issued)
     items, watermarked = _batch_results(
         principal, len(body.texts), answered, answers, errors, _decode_verdict
     )
@@ -296,9 +303,14 @@ async def _add_coverage(
     answers: Sequence[DecodeResponse | DetectResponse],
     ids: list[list[int]],
     lengths: list[int],
+    issued: Sequence[tuple[RegistryEntry | None, str]] | None = None,
 ) -> None:
     """Each watermarked answer's ``coverage``: how much of its text carries the
-    watermark, under the key version that decided (whether or not evidence was asked)."""
+    watermark, under the key version that decided (whether or not evidence was asked).
+    ``issued``: each decode answer's registry entry and submitted text; where the answer
+    names an entry that has a fingerprint, the text's similarity to the issued one
+    decides 'whole' too (issue #45)."""
+    tenant_id = principal.tenant.tenant_id
     want: list[int] = []
     items: list[tuple[list[int], int, int]] = []
     for i, a in enumerate(answers):
@@ -307,11 +319,27 @@ async def _add_coverage(
             items.append((ids[i], a.key_version, lengths[i]))
     if not want:
         return
-    found = await runtime.watermark.coverage(principal.tenant.tenant_id, items)
+    found = await runtime.watermark.coverage(tenant_id, items)
+    checks: list[tuple[int, WatermarkKey, RegistryEntry, str]] = []
+    for i in want:
+        answer = answers[i]
+        if issued is None or not isinstance(answer, DecodeResponse):
+            continue
+        entry, text = issued[i]
+        match = answer.registry_match
+        if entry is None or entry.fingerprint is None or match is None:
+            continue
+        if match.message_id == entry.message_id:
+            key = (await runtime.tenants.version(tenant_id, entry.key_version)).scheme.key
+            checks.append((i, key, entry, text))
+    sims: dict[int, float | None] = {}
+    if checks:
+        got = await runtime.offload(lambda: [issued_similarity(k, e, t) for _, k, e, t in checks])
+        sims = {i: s for (i, *_), s in zip(checks, got, strict=True)}
     for i, cov in zip(want, found, strict=True):
         answer = answers[i]
         named = isinstance(answer, DecodeResponse) and answer.registry_match is not None
-        answer.coverage = coverage_out(cov, named)
+        answer.coverage = coverage_out(cov, named, sims.get(i))
 
 
 async def _admit_batch(runtime: Runtime, principal: Principal, texts: list[str]) -> None:

@@ -16,9 +16,16 @@ from app.schemas.watermark import (
     IslandOut,
     TokenEvidenceOut,
 )
-from worldcup_core import WorldCup
+from app.stores.base import RegistryEntry
+from worldcup_core import WatermarkKey, WorldCup
 from worldcup_core.decoder import DecodeResult
 from worldcup_core.evidence import text_evidence
+from worldcup_core.fingerprint import (
+    FINGERPRINT_BYTES,
+    SIMILARITY_THRESHOLD,
+    fingerprint_similarity,
+    text_fingerprint,
+)
 from worldcup_core.islands import Coverage, locate_islands
 
 
@@ -84,12 +91,35 @@ def evidence_block(
     )
 
 
-def coverage_out(cov: Coverage, named: bool) -> CoverageOut:
+def issued_similarity(key: WatermarkKey, entry: RegistryEntry | None, text: str) -> float | None:
+    """The text's similarity to the one ``entry`` was issued with (``key``: the entry's
+    key version), from the fingerprint recorded at issue; None without one."""
+    if entry is None or entry.fingerprint is None or len(entry.fingerprint) != FINGERPRINT_BYTES:
+        return None
+    return fingerprint_similarity(entry.fingerprint, text_fingerprint(key, text))
+
+
+def coverage_out(cov: Coverage, named: bool, similarity: float | None = None) -> CoverageOut:
     """An answer's ``coverage`` (``named``: the answer names a registry entry or
-    client payload, which then holds for the islands only when ``part``)."""
+    client payload, which then holds for the islands only when ``part``;
+    ``similarity``: the text's to the named entry's issued text, if fingerprinted).
+    ``whole`` needs both the statistical coverage and, when there is one, the
+    fingerprint: a text that differs from the issued one is never claimed whole."""
     pct = f"{100 * cov.share:.0f} %"
-    if cov.attribution == "whole":
+    differs = similarity is not None and similarity < SIMILARITY_THRESHOLD
+    attribution = "part" if differs else cov.attribution
+    if cov.attribution == "whole" and not differs:
         message = f"the watermark spans the text ({pct} of its scored tokens)"
+        if similarity is not None:
+            message += f" and it is the issued text (about {100 * similarity:.0f} % similar)"
+    elif cov.attribution == "whole":
+        assert similarity is not None
+        message = (
+            f"the watermark spans the text ({pct} of its scored tokens), but the text "
+            f"differs from the issued one (about {100 * max(similarity, 0.0):.0f} % similar "
+            f"by word 3-grams, below {100 * SIMILARITY_THRESHOLD:.0f} %): the whole text is "
+            "not the issued one; parts of it were rewritten, added or removed by someone else"
+        )
     else:
         what = "the named entry's text" if named else "watermarked"
         message = (
@@ -97,11 +127,14 @@ def coverage_out(cov: Coverage, named: bool) -> CoverageOut:
             f"{len(cov.islands)} stretch(es)): only those tokens are {what}; the rest was "
             "written or edited by someone else, so the whole text is not the issued one"
         )
+        if similarity is not None:
+            message += f" (about {100 * max(similarity, 0.0):.0f} % similar to it)"
     return CoverageOut(
         share=round(cov.share, 4),
         scored_tokens=cov.scored,
-        attribution=cov.attribution,  # type: ignore[arg-type]  # 'whole' or 'part'
+        attribution=attribution,  # type: ignore[arg-type]  # 'whole' or 'part'
         threshold=cov.threshold,
         islands=[CoverageSpan(start=i.start, end=i.end, scored=i.scored) for i in cov.islands],
+        issued_text_similarity=None if similarity is None else round(similarity, 4),
         message=message,
     )

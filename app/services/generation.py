@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -27,12 +28,15 @@ from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from worldcup_core import Payload, SamplingConfig
+from worldcup_core.fingerprint import text_fingerprint
 from worldcup_core.generation import (
     GenerationRequest,
     GenerationResult,
     StepEvent,
     TokenConstraint,
 )
+
+logger = logging.getLogger("worldcup.generate")
 
 
 def parse_payload(
@@ -300,6 +304,24 @@ async def next_event(sample: Sample) -> StepEvent | GenerationResult:
     if isinstance(item, BaseException):
         raise APIError(500, "generation failed; it has been logged", "generation_failed")
     return item
+
+
+async def record_fingerprint(sample: Sample, text: str) -> None:
+    """Record the fingerprint of the text a registered sample returns with its entry
+    (issue #45), under the key version it was issued with. A failed write never fails
+    the generation: the entry then has no fingerprint, and answers that name it fall
+    back to the statistical coverage alone."""
+    if sample.message_id is None or sample.payload is None:
+        return
+    fp = text_fingerprint(sample.key.scheme.key, text)
+    try:
+        await sample.runtime.store.set_fingerprint(sample.tenant_id, sample.message_id, fp)
+    except Exception as exc:  # a store error, an outage: the text is still issued
+        logger.warning(
+            "issued-text fingerprint of registry entry %d not recorded (%s)",
+            sample.message_id,
+            type(exc).__name__,
+        )
 
 
 WATERMARK_FAILED = "watermark_failed"

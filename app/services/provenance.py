@@ -32,7 +32,12 @@ from app.schemas.watermark import (
     TokenScore,
     verdict_fields,
 )
-from app.services.evidence import coverage_out, evidence_block, unmatched_evidence
+from app.services.evidence import (
+    coverage_out,
+    evidence_block,
+    issued_similarity,
+    unmatched_evidence,
+)
 from app.services.intake import (
     admit_one,
     check_text,
@@ -155,7 +160,9 @@ async def provenance(
         ids, pieces = await runtime.offload(lambda: token_pieces(runtime.tokenizer, body.text))
     else:
         ids = await _tenant_ids(runtime, who, body.text)
-    return await _search(runtime, who, ids, pieces, body.evidence, body.include_token_scores)
+    return await _search(
+        runtime, who, ids, pieces, body.evidence, body.include_token_scores, body.text
+    )
 
 
 async def provenance_batch(
@@ -171,7 +178,7 @@ async def provenance_batch(
     good, ids, parts, errors = await take_batch(runtime, who.principal, route, texts, evidence)
     found: dict[int, ProvenanceResponse | ProvenanceVerdict] = {}
     for index, text_ids, pieces in zip(good, ids, parts, strict=True):
-        found[index] = await _search(runtime, who, text_ids, pieces, evidence, False)
+        found[index] = await _search(runtime, who, text_ids, pieces, evidence, False, texts[index])
     return [found[i] if i in found else errors[i] for i in range(len(texts))]
 
 
@@ -182,6 +189,7 @@ async def _search(
     pieces: list[str],
     evidence: bool,
     token_scores: bool,
+    text: str,
 ) -> ProvenanceResponse | ProvenanceVerdict:
     """Search every tenant for one tokenised text, audit the query, answer it."""
     settings = runtime.settings
@@ -244,7 +252,18 @@ async def _search(
         key, bits = outcome.scheme, outcome.decoded.result.num_bits
         cov = await runtime.offload(lambda: text_coverage(key, ids, bits))
         named = match is not None and match.registry_entry is not None
-        coverage = coverage_out(cov, named)
+        entry = outcome.decoded.entry
+        similarity = None
+        if (
+            match is not None
+            and match.registry_entry is not None
+            and entry is not None
+            and entry.fingerprint is not None
+            and match.registry_entry.message_id == entry.message_id
+            and entry.key_version == outcome.key_version  # the key that issued it
+        ):
+            similarity = await runtime.offload(lambda: issued_similarity(key.key, entry, text))
+        coverage = coverage_out(cov, named, similarity)
     message = (
         f"watermarked for tenant {outcome.tenant.name!r}"
         if outcome.significant and outcome.tenant is not None

@@ -143,6 +143,9 @@ class RegistryEntry:
     num_bits: int
     metadata: dict[str, Any] = field(default_factory=dict)
     issued_at: float = 0.0
+    # the issued text's keyed SimHash (worldcup_core.fingerprint), set once the text is
+    # generated; None for entries issued before it existed or whose write failed
+    fingerprint: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,11 @@ class Store(Protocol):
         RegistryFull (and nothing written) if the next id would exceed ``max_id``."""
 
     async def registry_entry(self, tenant_id: str, message_id: int) -> RegistryEntry | None: ...
+
+    async def set_fingerprint(self, tenant_id: str, message_id: int, fingerprint: bytes) -> bool:
+        """Record the issued text's fingerprint with its entry (after generation; a
+        later call replaces it). False, and nothing written, if there is no such entry
+        (voided, expired, never issued)."""
 
     async def registry_entries(
         self, tenant_id: str, message_ids: Sequence[int]

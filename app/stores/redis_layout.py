@@ -40,7 +40,7 @@ One tenant (tag ``{t}``: one slot)::
 One registry bucket of a tenant (tag ``{t:b}``; ``BUCKET_IDS`` consecutive ids, so a
 big tenant's registry spreads over slots, hence over shards)::
 
-    p:{t:b}:msgs              hash  message id -> RegistryEntry JSON
+    p:{t:b}:msgs              hash  message id -> RegistryEntry JSON (``fingerprint``: hex)
     p:{t:b}:idx:<kv>:<bits>   zset  ids of the bucket issued under (key version, bits)
 
 Legacy layout (before cluster support; read only by ``worldcup migrate-store``): the

@@ -57,6 +57,7 @@ from app.stores.redis_scripts import (
     NEXT_ID,
     NEXT_IDS,
     PUT_ENTRY,
+    SET_FINGERPRINT,
     VOID_ENTRY,
 )
 
@@ -75,6 +76,7 @@ def _entry(tenant_id: str, message_id: int, raw: str) -> RegistryEntry:
         num_bits=int(d["num_bits"]),
         metadata=d["metadata"],
         issued_at=float(d["issued_at"]),
+        fingerprint=bytes.fromhex(d["fingerprint"]) if "fingerprint" in d else None,
     )
 
 
@@ -83,6 +85,7 @@ class RedisRegistry(RedisBase):
         self._next_id = self._script(NEXT_ID)
         self._put_entry = self._script(PUT_ENTRY)
         self._void_entry = self._script(VOID_ENTRY)
+        self._set_fingerprint = self._script(SET_FINGERPRINT)
         self._next_ids = self._script(NEXT_IDS)
         self._move_expired = self._script(MOVE_EXPIRED)
         self._advance_watermark = self._script(ADVANCE_WATERMARK)
@@ -141,6 +144,16 @@ class RedisRegistry(RedisBase):
         field = str(int(message_id))
         raw = cast("str | None", await self._retry(lambda: self._redis.hget(key, field)))
         return None if raw is None else _entry(tenant_id, message_id, raw)
+
+    async def set_fingerprint(self, tenant_id: str, message_id: int, fingerprint: bytes) -> bool:
+        """One script in the id's bucket slot (acknowledged by replicas when set); safe
+        to retry: it writes the same value."""
+        if int(message_id) < 1:
+            return False
+        keys = [self._keys.msgs(tenant_id, bucket_of(message_id))]
+        args = [int(message_id), bytes(fingerprint).hex()]
+        put = functools.partial(self._eval_acked, self._set_fingerprint, keys, args)
+        return bool(int(await self._retry(put)))
 
     async def registry_entries(
         self, tenant_id: str, message_ids: Sequence[int]

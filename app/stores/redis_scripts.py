@@ -129,6 +129,19 @@ redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
 return 1
 """
 
+# KEYS: bucket hash. ARGV: id, fingerprint (hex). 1 if set, 0 if the id holds no entry.
+# The entry's JSON gets (or has replaced) a last top-level field "fingerprint": the
+# anchored pattern only meets that field, never one inside the metadata (which is
+# followed by at least one more '}'). Idempotent: a retry writes the same value.
+SET_FINGERPRINT = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local base = (string.gsub(cur, ',"fingerprint":"%x*"}$', '}'))
+redis.call('HSET', KEYS[1], ARGV[1],
+  string.sub(base, 1, -2) .. ',"fingerprint":"' .. ARGV[2] .. '"}')
+return 1
+"""
+
 # KEYS: bucket hash, bucket index zset. ARGV: id. 1 if an entry was removed.
 VOID_ENTRY = """
 local removed = redis.call('HDEL', KEYS[1], ARGV[1])

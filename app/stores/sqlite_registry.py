@@ -54,6 +54,10 @@ def _expired_below(c: sqlite3.Connection, tenant_id: str) -> int:
     return int(row[0]) if row is not None else 0
 
 
+def _blob(value: bytes | None) -> bytes | None:
+    return None if value is None else bytes(value)
+
+
 class SQLiteRegistry(SQLiteBase):
     # -- allocation and reads -------------------------------------------------
 
@@ -111,7 +115,22 @@ class SQLiteRegistry(SQLiteBase):
             num_bits=row["num_bits"],
             metadata=json.loads(row["metadata"]),
             issued_at=row["issued_at"],
+            fingerprint=_blob(row["fingerprint"]),
         )
+
+    async def set_fingerprint(self, tenant_id: str, message_id: int, fingerprint: bytes) -> bool:
+        check_tenant_id(tenant_id)
+        fp = bytes(fingerprint)
+
+        def op(c: sqlite3.Connection) -> bool:
+            done = c.execute(
+                "UPDATE messages SET fingerprint = ?"
+                " WHERE tenant_id = ? AND message_id = ? AND voided IS NULL",
+                (fp, tenant_id, int(message_id)),
+            )
+            return done.rowcount > 0
+
+        return await self._write(op)
 
     async def registry_entries(
         self, tenant_id: str, message_ids: Sequence[int]
@@ -125,13 +144,16 @@ class SQLiteRegistry(SQLiteBase):
 
         def read(chunk: list[int], c: sqlite3.Connection) -> list[RegistryEntry]:
             rows = c.execute(
-                "SELECT message_id, key_version, num_bits, metadata, issued_at FROM messages"
+                "SELECT message_id, key_version, num_bits, metadata, issued_at, fingerprint"
+                " FROM messages"
                 " WHERE tenant_id = ? AND voided IS NULL"
                 f" AND message_id IN ({','.join('?' * len(chunk))})",
                 (tenant_id, *chunk),
             ).fetchall()
             return [
-                RegistryEntry(tenant_id, int(r[0]), int(r[1]), int(r[2]), json.loads(r[3]), r[4])
+                RegistryEntry(
+                    tenant_id, int(r[0]), int(r[1]), int(r[2]), json.loads(r[3]), r[4], _blob(r[5])
+                )
                 for r in rows
             ]
 

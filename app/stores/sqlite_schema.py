@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS messages (
     num_bits    INTEGER NOT NULL,
     metadata    TEXT NOT NULL,
     issued_at   REAL NOT NULL,
+    fingerprint BLOB,
     PRIMARY KEY (tenant_id, message_id)
 );
 CREATE INDEX IF NOT EXISTS messages_by_key
@@ -140,6 +141,8 @@ def migrate(conn: sqlite3.Connection) -> None:
     columns = {row["name"] for row in conn.execute("PRAGMA table_info(messages)")}
     if "voided" not in columns:  # void_message: the row stays, so its id is never reused
         conn.execute("ALTER TABLE messages ADD COLUMN voided TEXT")
+    if "fingerprint" not in columns:  # the issued text's fingerprint (issue #45)
+        conn.execute("ALTER TABLE messages ADD COLUMN fingerprint BLOB")
     counted = conn.execute("SELECT 1 FROM registry_counts LIMIT 1").fetchone()
     if counted is None:  # a registry written before the counters existed: count it once
         conn.execute(
