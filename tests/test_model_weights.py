@@ -43,7 +43,12 @@ from worldcup_core.detector_weighted import (
     weighted_log_p_many,
 )
 from worldcup_core.registry_lookup import exhaustive_match, list_match, payload_list, text_cells
-from worldcup_core.token_weights import informativeness, token_weights_from_logits
+from worldcup_core.token_weights import (
+    informativeness,
+    ngram_bans,
+    token_weights_from_logits,
+    token_weights_from_top,
+)
 
 PRESET = WATERMARK_PRESETS[SERVICE_PRESET]
 CONFIG = WatermarkConfig(groups=PRESET.groups, layers=PRESET.layers, alpha=PRESET.alpha)
@@ -293,6 +298,45 @@ def test_batched_model_weights_are_the_numpy_function_on_each_text() -> None:
     banned = model_token_weights(model, [texts[1]], sampling)[0]
     free = model_token_weights(model, [texts[1]], SamplingConfig(temperature=0.7))[0]
     assert not np.allclose(banned[8:], free[8:])
+
+
+def test_weights_from_the_top_rows_are_the_full_rows_weights() -> None:
+    """vLLM's prompt log-probs (each position's top N, issue #44): the top 64 of every
+    row give the full rows' weights (bans included), a top 5 does not, and positions
+    without a row (or whose whole row is banned) are NaN."""
+    rng = np.random.default_rng(7)
+    vocab = 1000
+    loop = [11, 12, 13, 14, 15, 16]
+    text = [int(t) for t in rng.integers(0, vocab, size=10)] + loop * 4 + [3, 4]
+    sampling = SamplingConfig(temperature=0.7, top_k=50, top_p=0.95, no_repeat_ngram_size=4)
+    logits = rng.normal(size=(len(text) - 1, vocab)) * 3.0
+    bans = ngram_bans(text, 4)
+    banned_rows = [i for i in range(len(logits)) if bans[i + 1]]
+    assert len(banned_rows) > 10
+    for i in banned_rows:  # the banned ids lead their rows: the bans change a_t
+        logits[i, list(bans[i + 1])] = logits[i].max() + 2.0
+    logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+
+    def top(n: int) -> list[list[tuple[int, float]] | None]:
+        order = np.argsort(-logprobs, axis=1)[:, :n]
+        return [[(int(t), float(logprobs[i, t])) for t in row] for i, row in enumerate(order)]
+
+    want = token_weights_from_logits(logits, text, sampling)
+    got = token_weights_from_top(top(64), text, sampling)
+    assert np.isnan(got[0]) and not np.isnan(got[1:]).any()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12, equal_nan=True)
+    unbanned = token_weights_from_logits(logits, text, SamplingConfig(temperature=0.7))
+    assert np.abs(unbanned - want)[1:][banned_rows].min() > 1e-3  # the bans mattered
+    short = token_weights_from_top(top(5), text, sampling)
+    assert np.nanmean(np.abs(short - want)) > 0.01  # a top 5 misses candidates
+    rows = top(64)
+    rows[3] = None
+    rows[banned_rows[0]] = [(t, 0.0) for t in bans[banned_rows[0] + 1]]
+    holes = token_weights_from_top(rows, text, sampling)
+    assert np.isnan(holes[[0, 4, banned_rows[0] + 1]]).all()
+    assert np.isnan(holes).sum() == 3
+    with pytest.raises(ValueError):
+        token_weights_from_top(rows, text[:-1], sampling)
 
 
 def test_top_values_and_informativeness_are_the_full_filters() -> None:

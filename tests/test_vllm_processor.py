@@ -247,6 +247,72 @@ def test_engine_args_map_the_logprobs_mode_setting() -> None:
     assert Settings(_env_file=None, env="dev").vllm_logprobs_mode == "sampled"  # type: ignore[call-arg]
 
 
+class _Stoppable:
+    def shutdown(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@pytest.mark.anyio
+async def test_detection_weights_are_bounded_windowed_and_stop() -> None:
+    """VLLMEngine.token_weights without vLLM (its prompt log-probs faked): the weights
+    are token_weights_from_top's on each text's rows, a 1-token text is NaN, a long
+    text is read in windows; at most weights_texts requests run at once (detection
+    keeps off half of vLLM's slots: max_batch_size // 2), and stop() fails the
+    waiting callers with EngineStopped."""
+    import asyncio
+
+    from app.core.metrics import Metrics
+    from app.engines.base import EngineStopped
+    from app.engines.vllm import WEIGHT_LOGPROBS, VLLMEngine
+    from worldcup_core.token_weights import token_weights_from_top
+
+    engine = VLLMEngine(_Stoppable(), _Stoppable(), [0], Metrics(), 4, 8)  # type: ignore[arg-type]
+    assert engine.weights_texts == 2 and engine.weigher is engine
+    engine.weights_window = 30
+    engine.start()
+    running, most, seen = 0, 0, []
+    hold = asyncio.Event()
+    hold.set()
+
+    def rows_of(ids: list[int]) -> list[list[tuple[int, float]] | None]:
+        rng = np.random.default_rng(len(ids))
+        return [
+            [(int(t), float(-v)) for t, v in enumerate(rng.exponential(2.0, size=WEIGHT_LOGPROBS))]
+            for _ in ids[1:]
+        ]
+
+    async def fake(ids: list[int]) -> list[list[tuple[int, float]] | None]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        seen.append(len(ids))
+        await hold.wait()
+        await asyncio.sleep(0.01)
+        running -= 1
+        return rows_of(ids)
+
+    engine._prompt_top = fake  # type: ignore[method-assign]
+    texts = [list(range(100, 112)), [5], list(range(200, 270)), list(range(300, 320))]
+    got = await engine.token_weights(texts)
+    assert most == 2 and sorted(seen) == [10, 12, 20, 30, 30]
+    assert [len(w) for w in got] == [12, 1, 70, 20]
+    assert np.isnan(got[1]).all()
+    want = token_weights_from_top(rows_of(texts[0]), texts[0])
+    np.testing.assert_array_equal(got[0], want)
+    long = got[2]  # windows of 30, each from its own start: NaN at 0, 30, 60
+    assert np.flatnonzero(np.isnan(long)).tolist() == [0, 30, 60]
+    hold.clear()
+    pending = asyncio.ensure_future(engine.token_weights(texts))
+    await asyncio.sleep(0.05)
+    assert running == 2
+    engine.stop()
+    with pytest.raises(EngineStopped):
+        await pending
+    with pytest.raises(EngineStopped):
+        await engine.token_weights(texts)
+
+
 @pytest.mark.vllm
 def test_every_grammar_kind_reaches_vllm_through_the_one_table() -> None:
     """The vllm engine reads a request's grammar from its constraint's ``spec`` and

@@ -123,3 +123,48 @@ def token_weights_from_logits(
     if x.shape[0]:
         out[first : first + x.shape[0]] = informativeness(filtered_distributions(x, sampling))
     return out
+
+
+def token_weights_from_top(
+    rows: Sequence[Sequence[tuple[int, float]] | None],
+    token_ids: Sequence[int],
+    sampling: SamplingConfig = DETECTION_SAMPLING,
+    first: int = 1,
+) -> F64:
+    """:func:`token_weights_from_logits` from each position's top N alone (issue #44).
+
+    ``rows[i]`` is None (no distribution: NaN there) or the (token id, log-prob) pairs
+    of the ``N`` most likely tokens of the model's next-token distribution before token
+    ``first + i`` (what vLLM's ``prompt_logprobs=N`` returns). Log-probs differ from
+    logits by a constant per row, so the same computation runs on the sparse row: the
+    text's n-gram bans drop their ids, then temperature, top-k and top-p filter what is
+    left. The filter renormalises over the top k after the bans only, so the result is
+    **exact** (to rounding) wherever a row holds that whole top k (``N >= top_k`` plus
+    the row's bans); a shorter row misses candidates and ``a_t`` comes out lower. A row
+    whose every entry is banned says nothing of the rest of the vocabulary: NaN there
+    (the full-row function would have ranked the tokens beyond N).
+    """
+    ids = [int(t) for t in token_ids]
+    if first < 0 or first + len(rows) > len(ids):
+        raise ValueError(
+            f"{len(rows)} rows do not fit a text of {len(ids)} tokens from position {first}"
+        )
+    size = sampling.no_repeat_ngram_size
+    bans = ngram_bans(ids, size) if size else [()] * len(ids)
+    kept: list[tuple[int, list[float]]] = []
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        banned = set(bans[first + i])
+        values = [float(v) for t, v in row if int(t) not in banned and np.isfinite(v)]
+        if values:
+            kept.append((first + i, values))
+    out = np.full(len(ids), np.nan)
+    if kept:
+        width = max(len(v) for _, v in kept)
+        x = np.full((len(kept), width), -np.inf)
+        for j, (_, values) in enumerate(kept):
+            x[j, : len(values)] = values
+        at = np.array([t for t, _ in kept])
+        out[at] = informativeness(filtered_distributions(x, sampling))
+    return out

@@ -123,9 +123,12 @@ class Settings(BaseSettings):
     # worse than naming none (the soak run saw 2 such mix-ups in 322 at 16 bits).
     registry_min_confidence: Annotated[float, Field(ge=0, le=1)] = 0.95
 
-    # detection's forward passes (issue #44): with an engine that offers them (hf),
+    # detection's forward passes (issue #44): with an engine that offers them (hf, vllm),
     # every test weighs each token by its informativeness under the served model;
-    # false, or the detector role, or vllm: model-free (every answer says which).
+    # false, or the detector role: model-free (every answer says which). vllm reads them
+    # from its prompt log-probs (top 64), at most min(weights_batch_texts,
+    # max_batch_size // 2) texts and weights_batch_tokens tokens at once, in windows of
+    # weights_max_tokens (app/engines/vllm.py); the other weights_* fields are hf's.
     # The hf engine runs them in batches of at most weights_batch_texts texts and
     # weights_batch_tokens padded tokens, between two generation steps, at
     # most weights_max_pending texts queued; texts longer than weights_max_tokens are

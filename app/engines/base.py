@@ -16,8 +16,10 @@ An engine may also run detection's forward passes (:attr:`Engine.weigher`, issue
 #44): the informativeness of every token of a text under the served model
 (:mod:`worldcup_core.token_weights`), which the detection statistics weigh tokens
 by. ``hf`` runs them in its own batches, interleaved with generation steps
-(:mod:`app.engines.hf`); ``vllm`` offers none, so its deployments detect
-model-free and say so.
+(:mod:`app.engines.hf`); ``vllm`` from its own prompt log-probs over each position's
+top tokens (:meth:`app.engines.vllm.VLLMEngine.token_weights`). With
+``WORLDCUP_DETECT_WITH_MODEL=false`` an engine offers none, and detection is
+model-free and says so.
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ class GenerationJob:
 
 
 F64 = npt.NDArray[np.float64]
+
+
+def windows(ids: Sequence[int], width: int) -> list[list[int]]:
+    """A text cut into windows of at most ``width`` tokens (one window if it fits)."""
+    tokens = [int(t) for t in ids]
+    if len(tokens) <= width:
+        return [tokens]
+    return [tokens[i : i + width] for i in range(0, len(tokens), width)]
 
 
 class TokenWeigher(Protocol):

@@ -48,7 +48,7 @@ import numpy as np
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.engines.base import F64, EngineStopped, GenerationJob, QueueFull
+from app.engines.base import F64, EngineStopped, GenerationJob, QueueFull, windows
 from worldcup_core import SamplingConfig
 from worldcup_core.batched import warm_up
 from worldcup_core.generation import (
@@ -92,14 +92,6 @@ class WeightsJob:
             self.loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the request's event loop is gone (shutdown)
             pass
-
-
-def windows(ids: Sequence[int], width: int) -> list[list[int]]:
-    """A text cut into windows of at most ``width`` tokens (one window if it fits)."""
-    tokens = [int(t) for t in ids]
-    if len(tokens) <= width:
-        return [tokens]
-    return [tokens[i : i + width] for i in range(0, len(tokens), width)]
 
 
 class HFEngine:

@@ -36,6 +36,19 @@ forces it off in any case. A request whose row fails a guard of the processor
 (``app.engines.vllm_keys.Fault``) fails, counted in
 ``worldcup_watermark_faults_total``: never a text returned as watermarked
 without its watermark.
+
+**Detection's token weights** (issue #44, :meth:`VLLMEngine.token_weights`, with
+``WORLDCUP_DETECT_WITH_MODEL``, the default) come from vLLM itself: one request per
+text (or window of ``weights_max_tokens``), the text as the prompt, one token
+generated, ``prompt_logprobs`` = :data:`WEIGHT_LOGPROBS`: each position's top 64
+log-probs of the model's own distribution (no processor, no watermark: the row has no
+handle). :func:`worldcup_core.token_weights.token_weights_from_top` filters them as
+the hf engine filters the full rows (bans, temperature 0.7, top-k 50, top-p 0.95):
+exact wherever the top 64 hold the top 50 left after the text's n-gram bans, i.e.
+nearly everywhere (``scripts/vllm_weights_approx.py --engine vllm``). At most
+``min(weights_batch_texts, max_batch_size // 2)`` such requests (at least one) and
+``weights_batch_tokens`` prompt tokens run at once, so detection never holds more
+than half of vLLM's sequence slots and generation keeps the rest.
 """
 
 from __future__ import annotations
@@ -45,11 +58,21 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.engines.base import EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
+from app.engines.base import (
+    F64,
+    EngineStopped,
+    GenerationJob,
+    QueueFull,
+    UnwatermarkedError,
+    windows,
+)
 from app.engines.grammar import GRAMMARS
 from app.engines.vllm_keys import (
     EOS_ARGS_KEY,
@@ -70,6 +93,7 @@ from worldcup_core.generation import (
     TokenLogprobs,
 )
 from worldcup_core.models import EMBEDDED_MODEL_ID, resolve_model_dir
+from worldcup_core.token_weights import DETECTION_SAMPLING, token_weights_from_top
 
 logger = logging.getLogger("worldcup.engine.vllm")
 
@@ -79,6 +103,9 @@ PROCESSORS = {
     "v2": "app.engines.vllm_mrv2:WorldCupMRv2Processor",
 }
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# prompt log-probs per position for detection's token weights: the top 50 that
+# DETECTION_SAMPLING keeps, and room for the text's n-gram bans (vLLM's max_logprobs)
+WEIGHT_LOGPROBS = 64
 _set_by_us: dict[str, str] = {}  # the value this process gave RUNNER_ENV (not a deployment's)
 
 
@@ -158,6 +185,8 @@ def engine_args(
         "tensor_parallel_size": settings.vllm_tensor_parallel_size,
         "seed": 0,
         "disable_log_stats": True,
+        # detection's prompt log-probs (VLLMEngine.token_weights); vLLM's default is 20
+        "max_logprobs": WEIGHT_LOGPROBS,
         # V1's token lists carry placeholders under it; MRv2's device history does not
         "async_scheduling": runner == "v2" and cuda,
         # logprobs_mode is engine-wide in vLLM (WORLDCUP_VLLM_LOGPROBS_MODE): "sampled",
@@ -240,6 +269,20 @@ class VLLMEngine:
         engine.scores = os.environ.get(SCORES_ENV) if watermark else None
         engine.tokenizer = tokenizer if engine.scores is not None else None  # debug readback
         engine.logprobs_mode = settings.vllm_logprobs_mode
+        engine.weigh = settings.detect_with_model
+        engine.weights_texts = max(
+            1, min(settings.weights_batch_texts, settings.max_batch_size // 2)
+        )
+        engine.weights_tokens = settings.weights_batch_tokens
+        # a window must fit the model's context with the one token generated after it
+        engine.weights_window = max(
+            2,
+            min(
+                settings.weights_max_tokens,
+                settings.weights_batch_tokens,
+                config.model_config.max_model_len - 1,
+            ),
+        )
         return engine, tokenizer, settings.model_path or EMBEDDED_MODEL_ID
 
     def __init__(
@@ -265,6 +308,15 @@ class VLLMEngine:
         # (engine-wide in vLLM: WORLDCUP_VLLM_LOGPROBS_MODE)
         self._tasks: dict[GenerationJob, asyncio.Task[None]] = {}
         self._running = False
+        # detection's token weights (token_weights): on, and its bounds (load sets them)
+        self.weigh = True
+        self.weights_texts = max(1, max_batch // 2)  # requests in flight at once
+        self.weights_tokens = 1024  # their prompt tokens at once (one may exceed it)
+        self.weights_window = 2048  # longer texts are read in windows of this many
+        self._weighing: set[asyncio.Task[Any]] = set()
+        self._weigh_room: asyncio.Condition | None = None
+        self._weigh_texts = 0
+        self._weigh_tokens = 0
 
     def __repr__(self) -> str:
         return f"VLLMEngine({len(self._tasks)} in flight)"
@@ -278,12 +330,105 @@ class VLLMEngine:
         return len(self._tasks)
 
     @property
-    def weigher(self) -> None:
-        """None: this engine does not run detection's forward passes yet (issue #44
-        item 1 names prompt log-probs over the top tokens as the way), so a vLLM
-        deployment detects model-free, and every answer says ``statistic:
-        "model_free"`` (docs/api.md)."""
-        return None
+    def weigher(self) -> VLLMEngine | None:
+        """This engine (:meth:`token_weights`: vLLM's prompt log-probs over each
+        position's top :data:`WEIGHT_LOGPROBS`, exact wherever they hold the filtered
+        top 50, i.e. nearly everywhere), or None with ``WORLDCUP_DETECT_WITH_MODEL=false``:
+        detection is then model-free and every answer says ``statistic: "model_free"``."""
+        return self if self.weigh else None
+
+    async def token_weights(self, texts: Sequence[Sequence[int]]) -> list[F64]:
+        """Each text's informativeness ``a_t`` from vLLM's prompt log-probs (module
+        docstring): one vLLM request per text, or per window of ``weights_window``
+        tokens (each read from its own start, as on the hf engine), at most
+        ``weights_texts`` requests and ``weights_tokens`` tokens in flight; the others
+        wait on the event loop. Raises :class:`EngineStopped` when the engine stops."""
+        if not self._running:
+            raise EngineStopped()
+        if self._weigh_room is None:
+            self._weigh_room = asyncio.Condition()
+        cut = [windows(t, self.weights_window) for t in texts]
+        found = await asyncio.gather(*(self._weigh(w) for parts in cut for w in parts))
+        joined: list[F64] = []
+        at = 0
+        for parts in cut:
+            joined.append(np.concatenate(found[at : at + len(parts)]))
+            at += len(parts)
+        return joined
+
+    async def _weigh(self, ids: list[int]) -> F64:
+        if len(ids) < 2:
+            return np.full(len(ids), np.nan)
+        room = self._weigh_room
+        assert room is not None
+        size = len(ids)
+        async with room:
+            await room.wait_for(
+                lambda: (
+                    self._weigh_texts < self.weights_texts
+                    and (self._weigh_texts == 0 or self._weigh_tokens + size <= self.weights_tokens)
+                )
+            )
+            self._weigh_texts += 1
+            self._weigh_tokens += size
+        task = asyncio.current_task()
+        try:
+            if not self._running:
+                raise EngineStopped()
+            if task is not None:
+                self._weighing.add(task)
+            rows = await self._prompt_top(ids)
+        except asyncio.CancelledError:
+            if self._running:
+                raise  # the caller's own cancellation
+            raise EngineStopped() from None
+        except EngineStopped:
+            raise
+        except Exception as exc:
+            if not self._running:
+                raise EngineStopped() from exc
+            raise
+        finally:
+            if task is not None:
+                self._weighing.discard(task)
+            async with room:
+                self._weigh_texts -= 1
+                self._weigh_tokens -= size
+                room.notify_all()
+        return await asyncio.to_thread(token_weights_from_top, rows, ids, DETECTION_SAMPLING, 1)
+
+    async def _prompt_top(self, ids: list[int]) -> list[list[tuple[int, float]] | None]:
+        """vLLM's top :data:`WEIGHT_LOGPROBS` prompt log-probs before each token after
+        the first (the model's raw distribution: rows without a WorldCup handle are left
+        alone by the processor, and prompt log-probs do not pass through it)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=WEIGHT_LOGPROBS,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final: Any = None
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        async for out in self._llm.generate(prompt, params, f"weights-{uuid.uuid4().hex}"):
+            final = out
+        entries = None if final is None else final.prompt_logprobs
+        if entries is None or len(entries) != len(ids):
+            raise RuntimeError("vLLM returned no prompt log-probs for a detection text")
+        return [
+            None
+            if entry is None
+            else [
+                (int(i), float(lp.logprob))
+                for i, lp in entry.items()
+                if lp.rank is not None and lp.rank <= WEIGHT_LOGPROBS
+            ]
+            for entry in entries[1:]
+        ]
 
     def start(self) -> None:
         self._running = True
@@ -441,6 +586,9 @@ class VLLMEngine:
         self._running = False
         for job in list(self._tasks):
             self.cancel(job)
+        for task in list(self._weighing):  # their callers get EngineStopped
+            if not task.done():
+                task.get_loop().call_soon_threadsafe(task.cancel)
         try:
             self._llm.shutdown()
         finally:
