@@ -49,6 +49,7 @@ from worldcup_cli.first_use_bench import (
     generate_answers,
     prompt_set,
 )
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 FIELD = "user_id"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -152,10 +153,18 @@ def read_set(client: Any, texts: list[str], right: str | None) -> dict[str, Any]
     body = r.json()
     group = body["group"] or {}
     named = group.get("value")
+    tests = {
+        t["test"] if t["num_bits"] is None else f"{t['test']}@{t['num_bits']}": t["p_value"]
+        for t in body["tests"]
+    }
+    detect = tests.get("detect")
     return {
         "user": right,
         "verdict": body["verdict"],
         "p_value": body["p_value"],
+        "tests": tests,  # each joint test alone, before the corrections
+        # the verdict the message-free joint test alone gives (before it had company)
+        "message_free_p": None if detect is None else min(1.0, body["num_keys"] * detect),
         "statistic": body["statistic"],
         "named": named,
         "right": right is not None and named == right,
@@ -188,6 +197,9 @@ def summarize(rows: list[dict[str, Any]], single: list[str]) -> dict[str, Any]:
     return {
         "collections": n,
         "watermarked": share(sum(r["verdict"] == "watermarked" for r in rows), n),
+        "watermarked_message_free_only": share(
+            sum((r.get("message_free_p") or 1.0) < VERDICT_WATERMARKED_BELOW for r in rows), n
+        ),
         "right_user": share(sum(r["right"] for r in rows), n),
         "wrong_user": share(sum(r["wrong"] for r in rows), n),
         "single_watermarked": share(sum(v == "watermarked" for v in single), len(single)),
@@ -419,6 +431,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     for label, key in (
         ('joint verdict "watermarked"', "watermarked"),
+        ("... from the message-free joint test alone", "watermarked_message_free_only"),
         ("right user named", "right_user"),
         ("wrong user named", "wrong_user"),
         ('each text alone "watermarked" (/detect/batch)', "single_watermarked"),
