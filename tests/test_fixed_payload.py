@@ -9,20 +9,21 @@ and each payload is counted per key version in the store (SQLite and Redis here)
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 from fastapi.testclient import TestClient
-from test_service_api import ADMIN, assert_error, fixed_watermark_keys, make_settings, new_tenant
+from test_service_api import (
+    ADMIN,
+    assert_error,
+    fixed_watermark_keys,
+    new_tenant,
+    store_client,
+)
 
-from app.main import create_app
-
-REDIS_URL = "redis://127.0.0.1:6379/15"
 BODY: dict[str, Any] = {"prompt": "Tides.", "max_new_tokens": 4, "seed": 1}
 FIXED = {**BODY, "payload": {"bits": "1011"}}
 
@@ -30,21 +31,8 @@ FIXED = {**BODY, "payload": {"bits": "1011"}}
 @pytest.fixture(params=["sqlite", "redis"])
 def client(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Any]:
     overrides: dict[str, Any] = {"fixed_payload_repeats": 3}
-    prefix = None
-    if request.param == "redis":
-        prefix = f"fixedpl{secrets.token_hex(6)}"
-        overrides |= {"redis_url": REDIS_URL, "redis_prefix": prefix}
-    app = create_app(make_settings(tiny_model_dir, tmp_path, **overrides))
-    try:
-        with TestClient(app, raise_server_exceptions=False) as c:
-            yield c
-    finally:
-        if prefix is not None:
-            r = redis.Redis.from_url(REDIS_URL)
-            keys = list(r.scan_iter(f"{prefix}*"))
-            if keys:
-                r.delete(*keys)
-            r.close()
+    with store_client(request.param, tiny_model_dir, tmp_path, "fixedpl", **overrides) as c:
+        yield c
 
 
 def served(c: TestClient, auth: dict[str, str]) -> str:

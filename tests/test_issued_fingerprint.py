@@ -9,21 +9,17 @@ whole text only if the submitted text is the issued one (similarity at or above
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from fastapi.testclient import TestClient
-from test_service_api import ADMIN, fixed_watermark_keys, make_settings, new_tenant
+from test_service_api import ADMIN, fixed_watermark_keys, new_tenant, store_client
 
-from app.main import create_app
 from app.stores.base import Store, StoreUnavailable
 from worldcup_core.fingerprint import SIMILARITY_THRESHOLD
 
-REDIS_URL = "redis://127.0.0.1:6379/15"
 HUMAN = (
     "harbour quiet storm fishermen mended nets stone quay arguing price diesel council "
     "repair broken lamp chandlery children ran between stacked crates daring touch cold "
@@ -34,21 +30,8 @@ HUMAN = (
 @pytest.fixture(params=["sqlite", "redis"])
 def client(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Any]:
     overrides: dict[str, Any] = {}
-    prefix = None
-    if request.param == "redis":
-        prefix = f"issuedfp{secrets.token_hex(6)}"
-        overrides |= {"redis_url": REDIS_URL, "redis_prefix": prefix}
-    app = create_app(make_settings(tiny_model_dir, tmp_path, **overrides))
-    try:
-        with TestClient(app, raise_server_exceptions=False) as c:
-            yield c
-    finally:
-        if prefix is not None:
-            r = redis.Redis.from_url(REDIS_URL)
-            keys = list(r.scan_iter(f"{prefix}*"))
-            if keys:
-                r.delete(*keys)
-            r.close()
+    with store_client(request.param, tiny_model_dir, tmp_path, "issuedfp", **overrides) as c:
+        yield c
 
 
 def _body(seed: int) -> dict[str, Any]:

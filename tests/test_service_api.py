@@ -99,6 +99,36 @@ def tenant(client: TestClient) -> tuple[str, dict[str, str]]:
         return new_tenant(client)
 
 
+STORE_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"  # tests' own DB, each under its own prefix
+
+
+@contextmanager
+def store_client(
+    store: str, model_dir: Path, db_dir: Path, label: str, **overrides: Any
+) -> Iterator[TestClient]:
+    """An app over ``store`` ("sqlite", or "redis" under a fresh ``label`` prefix that is
+    deleted after), as a TestClient."""
+    import secrets
+
+    import redis
+
+    prefix = None
+    if store == "redis":
+        prefix = f"{label}{secrets.token_hex(6)}"
+        overrides |= {"redis_url": STORE_TEST_REDIS_URL, "redis_prefix": prefix}
+    app = create_app(make_settings(model_dir, db_dir, **overrides))
+    try:
+        with TestClient(app, raise_server_exceptions=False) as c:
+            yield c
+    finally:
+        if prefix is not None:
+            r = redis.Redis.from_url(STORE_TEST_REDIS_URL)
+            keys = list(r.scan_iter(f"{prefix}*"))
+            if keys:
+                r.delete(*keys)
+            r.close()
+
+
 # --------------------------------------------------------------------------- helpers
 @contextmanager
 def fixed_watermark_keys(seed: int) -> Iterator[None]:
