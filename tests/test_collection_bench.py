@@ -60,7 +60,10 @@ def test_tiny_run(
         assert m["collections"] == 2 and m["wrong_user"]["k"] == 0
         assert m["single_watermarked"]["n"] == 6
         for row in m["rows"]:
-            assert row["values_searched"] == 4 and row["entries_searched"] == 40
+            # the group search runs under a watermarked joint verdict only (a short cut
+            # of the tiny model's answers may fall short of it under some keys)
+            searched = (4, 40) if row["verdict"] == "watermarked" else (0, 0)
+            assert (row["values_searched"], row["entries_searched"]) == searched, row
             assert row["named"] in (None, row["user"])
         assert m["seconds_per_collection"]["median"] > 0
     # the tiny model's answers carry a strong watermark: whole answers (3 x 40 tokens: the
