@@ -68,15 +68,7 @@ def test_a_genuine_answer_is_whole_and_half_of_one_is_part(client: TestClient) -
     _, auth = new_tenant(client)
     wholes: list[tuple[str, dict[str, Any]]] = []
     for seed in range(6):
-        body = {
-            "prompt": "Write about tides.",
-            "max_new_tokens": 120,
-            "min_new_tokens": 120,
-            "seed": seed,
-            "metadata": {"u": "me"},
-            "num_bits": 16,
-        }
-        r = client.post("/generate", json=body, headers=auth)
+        r = client.post("/generate", json=tides_body(seed), headers=auth)
         assert r.status_code == 200, r.text
         answer = r.json()["text"]
         got: dict[str, Any] = client.post(
@@ -106,3 +98,15 @@ def test_a_genuine_answer_is_whole_and_half_of_one_is_part(client: TestClient) -
     # a verdict that is not "watermarked" says nothing about coverage
     clean = client.post("/detect", json={"text": HUMAN}, headers=auth).json()
     assert clean["verdict"] != "watermarked" and clean["coverage"] is None, clean
+
+
+def tides_body(seed: int) -> dict[str, Any]:
+    """A registered 120-token answer about tides, 16-bit payload (seeded)."""
+    return {
+        "prompt": "Write about tides.",
+        "max_new_tokens": 120,
+        "min_new_tokens": 120,
+        "seed": seed,
+        "metadata": {"u": "me"},
+        "num_bits": 16,
+    }

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from test_coverage import tides_body
 from test_service_api import ADMIN, fixed_watermark_keys, new_tenant, store_client
 
 from app.stores.base import Store, StoreUnavailable
@@ -32,17 +33,6 @@ def client(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path)
     overrides: dict[str, Any] = {}
     with store_client(request.param, tiny_model_dir, tmp_path, "issuedfp", **overrides) as c:
         yield c
-
-
-def _body(seed: int) -> dict[str, Any]:
-    return {
-        "prompt": "Write about tides.",
-        "max_new_tokens": 120,
-        "min_new_tokens": 120,
-        "seed": seed,
-        "metadata": {"u": "me"},
-        "num_bits": 16,
-    }
 
 
 def _decode(c: TestClient, auth: dict[str, str], text: str) -> dict[str, Any]:
@@ -90,7 +80,7 @@ def test_verbatim_is_the_issued_text_and_a_rewrite_is_never_whole(client: Any) -
     with fixed_watermark_keys(45):
         tenant_id, auth = new_tenant(client)
     for seed in range(4):
-        r = client.post("/generate", json=_body(seed), headers=auth)
+        r = client.post("/generate", json=tides_body(seed), headers=auth)
         assert r.status_code == 200, r.text
         issued = r.json()
         entry = client.portal.call(_store(client).registry_entry, tenant_id, issued["message_id"])
@@ -130,7 +120,9 @@ def test_verbatim_is_the_issued_text_and_a_rewrite_is_never_whole(client: Any) -
 def test_streamed_and_openai_texts_are_fingerprinted(client: Any) -> None:
     with fixed_watermark_keys(46):
         tenant_id, auth = new_tenant(client)
-    with client.stream("POST", "/generate", json={**_body(7), "stream": True}, headers=auth) as r:
+    with client.stream(
+        "POST", "/generate", json={**tides_body(7), "stream": True}, headers=auth
+    ) as r:
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line]
     i = events.index("event: result")
@@ -171,7 +163,7 @@ def test_a_failed_fingerprint_write_does_not_fail_the_generation(
         raise StoreUnavailable("store unavailable: test")
 
     monkeypatch.setattr(_store(client), "set_fingerprint", down)
-    r = client.post("/generate", json=_body(0), headers=auth)
+    r = client.post("/generate", json=tides_body(0), headers=auth)
     assert r.status_code == 200, r.text
     issued = r.json()
     entry = client.portal.call(_store(client).registry_entry, tenant_id, issued["message_id"])

@@ -48,7 +48,7 @@ import numpy as np
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.engines.base import F64, EngineStopped, GenerationJob, QueueFull, windows
+from app.engines.base import F64, EngineStopped, GenerationJob, QueueFull, join_windows, windows
 from worldcup_core import SamplingConfig
 from worldcup_core.batched import warm_up
 from worldcup_core.generation import (
@@ -218,12 +218,7 @@ class HFEngine:
         out: list[F64] = [np.empty(0)] * len(flat)
         for i, w in zip(order, (w for part in found for w in part), strict=True):
             out[i] = w
-        joined: list[F64] = []
-        at = 0
-        for parts in cut:
-            joined.append(np.concatenate(out[at : at + len(parts)]))
-            at += len(parts)
-        return joined
+        return join_windows(cut, out)
 
     async def _weigh_chunk(self, chunk: list[list[int]]) -> list[F64]:
         room = self._room

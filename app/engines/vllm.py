@@ -71,6 +71,7 @@ from app.engines.base import (
     GenerationJob,
     QueueFull,
     UnwatermarkedError,
+    join_windows,
     windows,
 )
 from app.engines.grammar import GRAMMARS
@@ -349,12 +350,7 @@ class VLLMEngine:
             self._weigh_room = asyncio.Condition()
         cut = [windows(t, self.weights_window) for t in texts]
         found = await asyncio.gather(*(self._weigh(w) for parts in cut for w in parts))
-        joined: list[F64] = []
-        at = 0
-        for parts in cut:
-            joined.append(np.concatenate(found[at : at + len(parts)]))
-            at += len(parts)
-        return joined
+        return join_windows(cut, found)
 
     async def _weigh(self, ids: list[int]) -> F64:
         if len(ids) < 2:
