@@ -160,3 +160,22 @@ def test_the_coverage_harness_compares_each_edit_with_its_issued_text() -> None:
     sims = issued_similarities(KEY, edits)
     assert sims[0] == sims[1] == sims[3] == 1.0
     assert sims[2] < SIMILARITY_THRESHOLD
+
+
+def test_a_verbatim_text_is_whole_whatever_its_coverage() -> None:
+    """The README's round trip: a verbatim T 0.7 answer whose evidence sits in 10 % of its
+    tokens was answered 'part ... written or edited by someone else (100 % similar)'.
+    The fingerprint is exact there: whole. Below VERBATIM_SIMILARITY the coverage rules."""
+    from app.services.evidence import coverage_out
+    from worldcup_core.fingerprint import VERBATIM_SIMILARITY
+    from worldcup_core.islands import Coverage
+
+    low = Coverage(0.1, 98, (), 0.8)
+    assert low.attribution == "part"
+    exact = coverage_out(low, True, 1.0)
+    assert exact.attribution == "whole" and "it is the issued text" in exact.message
+    assert coverage_out(low, True, VERBATIM_SIMILARITY).attribution == "whole"
+    assert coverage_out(low, True, 0.99).attribution == "part"  # 3+ bits away: the coverage
+    assert coverage_out(low, True, None).attribution == "part"  # no fingerprint: as before
+    high = Coverage(0.95, 98, (), 0.8)
+    assert coverage_out(high, True, 0.5).attribution == "part"  # a rewrite is never whole

@@ -53,6 +53,12 @@ SUBKEY_LABEL: Final = "issued-text-fingerprint"
 # but lets a 30 % rewrite through at 5e-4 to 1.4e-3 a text (binomial tail at a cosine of
 # 0.67-0.70); at 0.92 that is 8e-5 to 3e-4.
 SIMILARITY_THRESHOLD: Final = 0.92
+# At or above this (hamming distance 2 or less) the text is the issued one, verbatim up to
+# case, whitespace and punctuation: then the answer claims the whole text even where the
+# watermark's statistical coverage is low (a T 0.7 answer's low-entropy stretches carry no
+# evidence). A 30 % rewrite (cosine about 0.67) or an inserted quarter (about 0.89) reaches
+# it with probability below 1e-6 (binomial tail of 128 bits).
+VERBATIM_SIMILARITY: Final = math.cos(math.pi * 2 / FINGERPRINT_BITS)
 
 _WORD = re.compile(r"\w+")
 

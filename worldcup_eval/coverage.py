@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from worldcup_core.fingerprint import SIMILARITY_THRESHOLD
+from worldcup_core.fingerprint import SIMILARITY_THRESHOLD, VERBATIM_SIMILARITY
 from worldcup_eval.forgery import (
     ForgeryConfig,
     Judge,
@@ -180,9 +180,10 @@ def measure(out: Path, answers: int, budget_tokens: int, show_progress: bool) ->
         named = [e for e, s in zip(group, said, strict=True) if s["named"] is not None]
         covs = [text_coverage(tenant, lm.tokenizer, str(e["text"]), config.num_bits) for e in named]
         similar = [sims[str(e["key"])] for e in named]
-        # "whole" as the service now answers it: the coverage and the issued-text fingerprint
+        # "whole" as the service now answers it (app.services.evidence.coverage_out): the
+        # coverage and the issued-text fingerprint, or a fingerprint that finds it verbatim
         fingerprinted = sum(
-            c.attribution == "whole" and x >= SIMILARITY_THRESHOLD
+            x >= VERBATIM_SIMILARITY or (c.attribution == "whole" and x >= SIMILARITY_THRESHOLD)
             for c, x in zip(covs, similar, strict=True)
         )
         summary["piggyback"].append(

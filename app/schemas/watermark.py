@@ -175,7 +175,8 @@ COVERAGE_DESCRIPTION = (
     "(issued) text, and the rest was written or edited by someone else (a quoted or "
     "piggybacked answer). The threshold is measured (SECURITY.md, Forgery and framing). "
     "When the answer names a registry entry issued with a fingerprint of its text, "
-    "'whole' also needs issued_text_similarity at or above 0.92 (worldcup_core.fingerprint)."
+    "'whole' also needs issued_text_similarity at or above 0.92, and a text it finds verbatim "
+    "(at or above 0.9988) is 'whole' whatever its share (worldcup_core.fingerprint)."
 )
 
 

@@ -23,6 +23,7 @@ from worldcup_core.evidence import text_evidence
 from worldcup_core.fingerprint import (
     FINGERPRINT_BYTES,
     SIMILARITY_THRESHOLD,
+    VERBATIM_SIMILARITY,
     fingerprint_similarity,
     text_fingerprint,
 )
@@ -104,11 +105,20 @@ def coverage_out(cov: Coverage, named: bool, similarity: float | None = None) ->
     client payload, which then holds for the islands only when ``part``;
     ``similarity``: the text's to the named entry's issued text, if fingerprinted).
     ``whole`` needs both the statistical coverage and, when there is one, the
-    fingerprint: a text that differs from the issued one is never claimed whole."""
+    fingerprint: a text that differs from the issued one is never claimed whole. A text
+    the fingerprint finds verbatim is the issued one whatever its coverage says."""
     pct = f"{100 * cov.share:.0f} %"
     differs = similarity is not None and similarity < SIMILARITY_THRESHOLD
-    attribution = "part" if differs else cov.attribution
-    if cov.attribution == "whole" and not differs:
+    verbatim = similarity is not None and similarity >= VERBATIM_SIMILARITY
+    attribution = "whole" if verbatim else "part" if differs else cov.attribution
+    if verbatim and cov.attribution != "whole":
+        assert similarity is not None
+        message = (
+            f"it is the issued text (its fingerprint matches: about {100 * similarity:.0f} % "
+            f"similar); the watermark's evidence sits in {pct} of its scored tokens (stretches "
+            "the model wrote almost deterministically carry none)"
+        )
+    elif cov.attribution == "whole" and not differs:
         message = f"the watermark spans the text ({pct} of its scored tokens)"
         if similarity is not None:
             message += f" and it is the issued text (about {100 * similarity:.0f} % similar)"
