@@ -64,7 +64,7 @@ def test_a_genuine_answer_is_whole_and_half_of_one_is_part(client: TestClient) -
     falls significantly below the rest by chance: 2 of 12 measured, and the real model's
     rate is in SECURITY.md), so of six at least three must be whole (four or more 'part'
     has probability below 1 % at that rate); one of them, followed by as much human
-    text, is 'part'."""
+    text, is 'part'. Verbatim, each is 'whole' by its issued-text fingerprint anyway."""
     _, auth = new_tenant(client)
     wholes: list[tuple[str, dict[str, Any]]] = []
     for seed in range(6):
@@ -76,10 +76,13 @@ def test_a_genuine_answer_is_whole_and_half_of_one_is_part(client: TestClient) -
         ).json()
         assert got["verdict"] == "watermarked" and got["registry_match"] is not None, got
         cov = got["coverage"]
-        assert cov["attribution"] == ("whole" if cov["share"] >= cov["threshold"] else "part")
-        if cov["attribution"] == "whole":
+        # verbatim: the issued-text fingerprint says so, whole whatever the share
+        assert cov["issued_text_similarity"] == 1.0 and cov["attribution"] == "whole", cov
+        if cov["share"] >= cov["threshold"]:  # the statistical coverage agrees
             assert cov["islands"] and "spans the text" in cov["message"], cov
             wholes.append((answer, got))
+        else:
+            assert "it is the issued text" in cov["message"], cov
     assert len(wholes) >= 3, len(wholes)
     text = wholes[0][0]
     detected = client.post("/detect", json={"text": text}, headers=auth).json()
