@@ -297,7 +297,7 @@ class Sample:
     started: float  # time.monotonic()
     ended: float
     retry_after: str | None = None
-    error: str | None = None  # transport error, if any
+    error: str | None = None  # transport error (status 0), or the error envelope's message
 
     @property
     def latency(self) -> float:
@@ -551,9 +551,13 @@ class _Run:
         if r.status_code >= 400:
             try:
                 code = str(r.json()["error"]["code"])
-            except (ValueError, KeyError, TypeError):
-                code = "(no envelope)"
-        elif kind == "generate":
+                message = str(r.json()["error"].get("message", ""))[:160]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                code, message = "(no envelope)", r.text[:160]
+            return Sample(
+                kind, r.status_code, code, started, ended, r.headers.get("Retry-After"), message
+            )
+        if kind == "generate":
             out = r.json()
             self.report.generated.append(
                 GenerateRecord(
@@ -719,6 +723,9 @@ def _judge(report: SoakReport) -> None:
     down = (o.down_at, o.up_at + c.recovery_grace_s) if o is not None else None
     for s in report.samples:
         what = f"{s.endpoint} -> {s.status} {s.code or ''} after {s.latency:.2f}s".rstrip()
+        when = f" (started {s.started - o.up_at:+.2f}s from Redis up)" if o is not None else ""
+        if s.error and s.status:
+            what += f"{when}: {s.error}"
         if s.status == 0:
             v.append(f"{what}: no answer ({s.error})")
         elif s.status == 503:

@@ -14,6 +14,7 @@ The harness lives in ``tests/soaklib.py``; ``make soak`` runs the same loop bigg
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import time
@@ -103,6 +104,23 @@ def _assert_store_unavailable(r: httpx.Response) -> None:
     assert r.headers.get("Retry-After"), r.headers
 
 
+class _StoreWarnings(logging.Handler):
+    """The service's 'store unavailable' warnings, each with its monotonic time: a
+    failing run says what each late 503 met (a refused connect, a timeout, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("store unavailable"):
+            self.seen.append((time.monotonic(), message))
+
+    def around(self, since: float) -> list[str]:
+        return [f"{t - since:+.2f}s {m}" for t, m in self.seen if t >= since - 0.5]
+
+
 def test_mixed_load_survives_a_redis_kill(
     live: LiveServer, redis: RedisServer, data_dir: Path
 ) -> None:
@@ -118,10 +136,26 @@ def test_mixed_load_survives_a_redis_kill(
         seed=1,
     )
     starts = redis.starts
-    report = asyncio.run(run_soak(live.url, config, texts, prompts, redis=redis))
+    warnings = _StoreWarnings()
+    api = logging.getLogger("worldcup.api")  # the service logs at ERROR here: keep its
+    level, propagate = api.level, api.propagate  # 503 warnings for this test only
+    api.addHandler(warnings)
+    api.setLevel(logging.WARNING)
+    api.propagate = False
+    try:
+        report = asyncio.run(run_soak(live.url, config, texts, prompts, redis=redis))
+    finally:
+        api.removeHandler(warnings)
+        api.setLevel(level)
+        api.propagate = propagate
     print("\n" + "\n".join(report.lines()) + "\n" + report.verdict())
 
-    assert report.ok, "\n".join(report.violations[:20])
+    up = report.outage.up_at if report.outage is not None else 0.0
+    late = warnings.around(up)
+    print(f"store warnings: {len(warnings.seen)}, from 0.5 s before Redis was up: {late[-3:]}")
+    assert report.ok, "\n".join(
+        report.violations[:20] + ["store warnings from Redis up:", *late[-20:]]
+    )
     # The rules run_soak judged, spelled out:
     assert redis.starts == starts + 1  # SIGKILLed once, restarted from its AOF
     assert set(report.status_counts()) <= {200, 429, 503}  # no other 5xx, no 4xx

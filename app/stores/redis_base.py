@@ -92,6 +92,13 @@ def unavailable(exc: BaseException) -> bool:
     return isinstance(exc, UNAVAILABLE) or torn_connection(exc)
 
 
+def stall_allowance(timeout_s: float) -> float:
+    """How late a store deadline's timer may fire before the lateness counts as this
+    process's own stall rather than the store's slowness: a fifth of the deadline, at
+    least 50 ms (a running loop fires timers within milliseconds)."""
+    return max(0.05, 0.2 * timeout_s)
+
+
 T = TypeVar("T")
 REFRESH_INTERVAL_S = 0.1  # slot-map re-reads at most this often (a failover's burst)
 
@@ -196,10 +203,18 @@ class RedisBase:
         after an outage error or an unacknowledged write, all within one deadline of
         ``timeout_s``. Before the second attempt the slot map is re-read (cluster), so it
         goes to whichever node serves the slot now. A hung node uses the whole deadline
-        in the first attempt: then there is no second."""
+        in the first attempt: then there is no second.
+
+        A deadline that passed while this process's event loop was stalled (the timer
+        fired late by :func:`stall_allowance` or more: CPU or GIL starvation, a blocking
+        callback) measures the process, not the store: the reply may have sat unread in
+        the socket. The call then gets one fresh deadline, once, so an overloaded
+        replica does not report a healthy store as unavailable (worst case: about two
+        deadlines, then 503)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
-        for attempt in (1, 2):
+        attempt, extended = 1, False
+        while True:
             try:
                 async with asyncio.timeout_at(deadline), self._slots:
                     if self._cluster and not self._ready:
@@ -211,11 +226,19 @@ class RedisBase:
             except Exception as exc:
                 if not unavailable(exc):
                     raise
-                last = attempt == 2 or loop.time() >= deadline
-                await self._refresh(loop.time(), exc, None if last else deadline)
+                now = loop.time()
+                if (
+                    isinstance(exc, TimeoutError | RedisTimeoutError)
+                    and not extended
+                    and now - deadline >= stall_allowance(self._timeout_s)
+                ):
+                    extended, deadline = True, now + self._timeout_s
+                    continue  # our stall, not the store's: the same attempt again
+                last = attempt == 2 or now >= deadline
+                await self._refresh(now, exc, None if last else deadline)
                 if last:
                     raise StoreUnavailable(f"redis unavailable: {self._reason(exc)}") from None
-        raise AssertionError("unreachable")
+            attempt += 1
 
     async def _initialize(self) -> None:
         """The cluster client's first slot-map read, once: concurrent first calls would
