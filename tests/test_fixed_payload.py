@@ -10,6 +10,7 @@ and each payload is counted per key version in the store (SQLite and Redis here)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,16 @@ import pytest
 from fastapi.testclient import TestClient
 from test_service_api import (
     ADMIN,
+    MASTER_KEY,
     assert_error,
     fixed_watermark_keys,
     new_tenant,
     store_client,
 )
+
+from app.services.corpus import Fields, RawRow
+from worldcup_scan.keys import StoreSession, open_store
+from worldcup_scan.scanner import Scanner, ScanSpec
 
 BODY: dict[str, Any] = {"prompt": "Tides.", "max_new_tokens": 4, "seed": 1}
 FIXED = {**BODY, "payload": {"bits": "1011"}}
@@ -162,3 +168,56 @@ def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> 
     dec = client.post("/decode", json={"text": r.json()["text"], "num_bits": 16}, headers=auth)
     match = dec.json()["registry_match"]
     assert match["message_id"] == r.json()["message_id"] and not match["client_payload"], match
+
+
+def test_a_scan_of_the_store_names_a_client_payload_as_the_api_does(
+    client: Any, smollm2_tokenizer: Any
+) -> None:
+    """``worldcup scan`` reads the payloads the service recorded: a text under a
+    client-chosen payload one bit from another user's entry is reported as the client's
+    payload (``client_payload``, no ``message_id``), as /decode names it, never as that
+    entry, which the same scan without the recorded payloads names."""
+    with fixed_watermark_keys(71):
+        tenant_id, auth = new_tenant(client)
+    entries = []
+    for i in range(6):  # other users' entries
+        body = {**BODY, "max_new_tokens": 1, "metadata": {"u": i}, "num_bits": 16}
+        r = generate(client, auth, body)
+        assert r.status_code == 200, r.text
+        entries.append((r.json()["message_id"], r.json()["payload"]["bits"]))
+    near_id, near_bits = entries[2]  # the client's payload: one bit from this entry's
+    bits = near_bits[:7] + ("1" if near_bits[7] == "0" else "0") + near_bits[8:]
+    body = {
+        "prompt": "Write about tides.",
+        "max_new_tokens": 64,
+        "min_new_tokens": 64,
+        "seed": 5,
+        "payload": {"bits": bits},
+    }
+    r = generate(client, auth, body)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    dec = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
+    assert dec["registry_match"]["client_payload"] is True, dec
+    # the scan, keys and registry read from the service's store
+    settings = client.app.state.runtime.settings
+    if settings.redis_url:
+        store = open_store(settings.redis_url, redis_prefix=settings.redis_prefix)
+    else:
+        store = open_store(str(settings.sqlite_path))
+    session = StoreSession(store, bytes.fromhex(MASTER_KEY))
+    try:
+        keys = session.load_keys(tenant_id)
+    finally:
+        session.close()
+    assert keys.client_payloads == {(tenant_id, 1): {16: [int(bits, 2)]}}
+    spec = ScanSpec(keys, "detect", Fields("text", "id"))
+    rows = [RawRow("under-client-payload", "api", 0, text, None)]
+    row = Scanner(spec, smollm2_tokenizer).scan_rows(rows)[0]
+    assert row["verdict"] == "watermarked" and row["key_version"] == 1, row
+    assert row["client_payload"] is True and row["message_id"] is None, row
+    assert not row["registry_ambiguous"] and not row["registry_expired"], row
+    # the scan before it read them: the neighbour, another user's entry, was named
+    blind = replace(spec, keys=replace(keys, client_payloads={}))
+    before = Scanner(blind, smollm2_tokenizer).scan_rows(rows)[0]
+    assert before["message_id"] == near_id and before["client_payload"] is False, before

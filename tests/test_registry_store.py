@@ -10,6 +10,13 @@ import pytest
 from test_store_contract import clock, store, tenant_records  # noqa: F401 - fixtures
 
 from app.stores.base import RegistrySize, Store
+from app.stores.client_payloads import (
+    client_key,
+    client_payload_count,
+    payload_digest,
+    record_client_payload,
+    recorded_client_payloads,
+)
 from app.stores.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -112,3 +119,33 @@ async def test_sqlite_counts_a_registry_written_before_the_counters(tmp_path: Pa
         assert (await s.registry_size(tenant.tenant_id, 1, 16)).live == 1
     finally:
         await s.close()
+
+
+async def test_recorded_client_payloads_are_listed_per_key_version(store: Store) -> None:  # noqa: F811
+    """What ``worldcup scan`` reads: every client-chosen payload recorded under one key
+    version, per length; at the registry's lengths only where their counter says so."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    assert await recorded_client_payloads(store, tid, 1) == {}
+    for bits in ["1011", "0110", "1011", "01011", "1000000000000001"]:
+        await record_client_payload(store, tid, 1, bits)
+    await record_client_payload(store, tid, 2, "1111")
+    await record_client_payload(store, tid + "x", 1, "0001")  # another tenant
+    # an API key's probe accounting beside them is no payload
+    await store.probe_hit(tid, "k1", payload_digest(4, 3), b"0011", [], 60.0, 5)
+    assert await recorded_client_payloads(store, tid, 1) == {
+        4: [0b0110, 0b1011], 5: [0b01011], 16: [0x8001],
+    }  # fmt: skip
+    assert await client_payload_count(store, tid, 1, 4) == 2  # the service's counter agrees
+    assert await recorded_client_payloads(store, tid, 1, [4, 16, 8]) == {
+        4: [0b0110, 0b1011], 16: [0x8001],
+    }  # fmt: skip
+    assert await recorded_client_payloads(store, tid, 1, [8]) == {}
+    assert await recorded_client_payloads(store, tid, 2) == {4: [0b1111]}
+    assert await recorded_client_payloads(store, tid, 3) == {}
+    assert await recorded_client_payloads(store, tid + "x", 1) == {4: [0b0001]}
+    # the store's own read: payloads and the per-length counters, by cluster id
+    clusters = await store.probe_clusters(tid, client_key(1))
+    assert len(clusters) == 4 + 3 and clusters == sorted(clusters)
+    assert ("count4", b"-") in clusters and (payload_digest(4, 0b0110), b"0110") in clusters

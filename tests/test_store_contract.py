@@ -1116,6 +1116,34 @@ async def test_probe_candidates_most_pointed_to_first(store: Store, clock: FakeC
     assert await store.probe_candidates(tid, "t", anchors, 0) == []
 
 
+async def test_probe_clusters_lists_one_key_of_one_tenant(store: Store, clock: FakeClock) -> None:
+    """The offline listing of a probe key (``worldcup scan`` reads the recorded client
+    payloads with it): every live cluster with a sketch, by id; no other key's or
+    tenant's, even where their names extend this one's (Redis: a SCAN pattern)."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    assert await store.probe_clusters(tid, "k") == []
+    sketches = {c: os.urandom(16) for c in ("c2", "c1", "c3")}
+    for c, sk in sketches.items():
+        assert (await store.probe_hit(tid, "k", c, sk, [f"b-{c}"], 60.0, 5)).allowed
+    await store.probe_hit(tid, "k", "c1", None, [], 60.0, 5)  # a hit keeps its sketch
+    moved = os.urandom(16)
+    await store.probe_hit(tid, "k", "c3", moved, [], 60.0, 5)  # a new sketch replaces it
+    await store.probe_hit(tid, "k", "gone", b"x", [], 0.5, 5)  # expires below
+    await store.probe_hit(tid, "k", "nosketch", None, [], 60.0, 5)  # hits, no cluster
+    await store.probe_hit(tid, "kk", "c9", b"other key", [], 60.0, 5)
+    await store.probe_hit(tid, "k*", "c8", b"glob key", [], 60.0, 5)  # '*' is literal
+    await store.probe_hit(tid + "x", "k", "c7", b"other tenant", [], 60.0, 5)
+    await store.probe_hit(tid[:-1] + "?", "k", "c6", b"glob tenant", [], 60.0, 5)
+    await advance(store, clock, 0.6)
+    want = [("c1", sketches["c1"]), ("c2", sketches["c2"]), ("c3", moved)]
+    assert await store.probe_clusters(tid, "k") == want
+    assert await store.probe_clusters(tid, "k*") == [("c8", b"glob key")]
+    assert await store.probe_clusters(tid[:-1] + "?", "k") == [("c6", b"glob tenant")]
+    assert await store.probe_clusters(tid, "none") == []
+
+
 async def test_probe_window_slides(store: Store, clock: FakeClock) -> None:
     tenant, key = tenant_records("acme")
     await store.create_tenant(tenant, key)

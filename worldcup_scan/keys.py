@@ -7,9 +7,9 @@ watermark configuration of that key version. Secrets never appear in a
 version, or by the key file's name.
 
 The store is touched only by the driver: :class:`StoreSession` lists tenants,
-key versions and registry message ids before the scan, fetches registry
-metadata for hits and appends the audit record afterwards. It never writes
-keys or registry entries.
+key versions, registry message ids and the recorded client-chosen payloads before
+the scan, fetches registry metadata for hits and appends the audit record
+afterwards. It never writes keys or registry entries.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class ScanKeys:
     expired_below: dict[str, int] = field(default_factory=dict)
     # client-chosen payloads (integers) recorded as candidates, as the service records
     # them: ``client_payloads[(tenant_id, version)][num_bits]``; a text matching one is
-    # named by no entry (app.services.registry, client-chosen payloads)
+    # named by no entry (app.stores.client_payloads; the store's are read by
+    # StoreSession.load_keys)
     client_payloads: dict[tuple[str, int], dict[int, list[int]]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -205,6 +206,7 @@ class StoreSession:
     def load_keys(self, tenant: str | None = None) -> ScanKeys:
         """Every tenant's every key version (``tenant`` None), or one tenant's."""
         from app.core.security import KeyUnwrapError
+        from app.stores.client_payloads import recorded_client_payloads
 
         tenants = {t.tenant_id: t for t in self._run(self.store.list_tenants())}
         if tenant is not None:
@@ -219,6 +221,7 @@ class StoreSession:
         specs = []
         registry: dict[tuple[str, int], dict[int, list[int]]] = {}
         expired_below: dict[str, int] = {}
+        client_payloads: dict[tuple[str, int], dict[int, list[int]]] = {}
         for r in records:
             try:
                 secret = self._wrapper.unwrap(r.tenant_id, r.version, r.wrapped_key)
@@ -251,7 +254,16 @@ class StoreSession:
                 size = self._run(self.store.registry_size(r.tenant_id, r.version, bits))
                 below = max(expired_below.get(r.tenant_id, 0), size.expired_below)
                 expired_below[r.tenant_id] = below
-        return ScanKeys(tuple(specs), registry, None, "store", expired_below)
+            # the payloads its clients chose, at the lengths the registry test runs at (as
+            # the service's: a text under one is named as that payload, never an entry)
+            chosen = self._run(
+                recorded_client_payloads(self.store, r.tenant_id, r.version, lengths)
+            )
+            if chosen:
+                client_payloads[(r.tenant_id, r.version)] = chosen
+        return ScanKeys(
+            tuple(specs), registry, None, "store", expired_below, client_payloads=client_payloads
+        )
 
     def registry_entries(
         self, tenant_id: str, message_ids: list[int]

@@ -25,7 +25,8 @@ from app.services.corpus import InputError, Part, check_fields, discover, plan
 from worldcup_scan.keys import StoreSession
 from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema, iso_utc
 
-MANIFEST_VERSION = 3  # 2: the registry_expired column; 3: statistic (model_free)
+# 2: the registry_expired column; 3: statistic (model_free); 4: the client_payload column
+MANIFEST_VERSION = 4
 
 
 class ScanStateError(ValueError):

@@ -72,6 +72,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("registry_ambiguous", "bool"),
     # the text matches an entry past the tenant's retention: issued by it, entry deleted
     ("registry_expired", "bool"),
+    # the text matches a payload a client of the tenant chose, recorded as a candidate:
+    # no entry named (as the API's registry_match.client_payload); ``bits`` decoded
+    ("client_payload", "bool"),
     ("num_tokens", "int64"),
     ("num_scored_tokens", "int64"),
     ("short_text", "bool"),
@@ -209,6 +212,7 @@ class Scanner:
                 short_text=found.scored < self.spec.short_tokens,
                 registry_ambiguous=False,
                 registry_expired=False,
+                client_payload=False,
             )
             if said.is_watermarked and found.key_index is not None:
                 spec = self.spec.keys.keys[found.key_index]
@@ -223,6 +227,8 @@ class Scanner:
                             row["registry_ambiguous"] = True  # as the API's
                         elif decoded.expired:  # as the API's registry_expired
                             row["registry_expired"] = True
+                        elif decoded.message_id is None:  # a recorded client payload
+                            row["client_payload"] = True
                         else:
                             row["message_id"] = decoded.message_id
         return out

@@ -23,10 +23,10 @@ from fastapi import Request
 
 from app.core.errors import APIError
 from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
-from app.services.registry import record_client_payload
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
+from app.stores.client_payloads import record_client_payload
 from worldcup_core import Payload, SamplingConfig
 from worldcup_core.fingerprint import text_fingerprint
 from worldcup_core.generation import (
@@ -111,8 +111,8 @@ async def fixed_payload(
                 param="payload",
             )
     # a registry candidate from now on: texts under it are named as this payload, never
-    # as another user's entry (app.services.registry, client-chosen payloads)
-    await record_client_payload(runtime.store, tenant_id, key.version, payload)
+    # as another user's entry (app.stores.client_payloads)
+    await record_client_payload(runtime.store, tenant_id, key.version, payload.bits)
     return payload
 
 

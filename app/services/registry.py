@@ -13,13 +13,13 @@
 Either way the p-value is Bonferroni-corrected by the registry's size from counters
 the store keeps at write time, and ids past the tenant's retention stay candidates,
 so a text issued for an expired entry is reported as such (``expired``) rather than
-matched to a live neighbour.
+matched to a live neighbour. The payloads clients chose (:mod:`app.stores.client_payloads`)
+are candidates too, so their texts are named as the client's payload, never as an entry.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from app.core.config import Settings
 from app.stores.base import RegistrySize, Store, StoreError
-from worldcup_core import Payload
+from app.stores.client_payloads import client_key, client_payload_count, payload_digest
 from worldcup_core.assess import Assessment
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.message import MessageIdCodec
@@ -208,11 +208,12 @@ class RegistryLookup:
         self, tenant_id: str, version: int, num_bits: int, listed: list[U64]
     ) -> list[U64]:
         """Per text, the recorded client-chosen payloads among its listed payloads (one
-        store read for the whole batch)."""
+        store read for the whole batch; how they are recorded:
+        :mod:`app.stores.client_payloads`)."""
         digests = [[payload_digest(num_bits, int(x)) for x in p] for p in listed]
         bands = sorted({d for ds in digests for d in ds})
         found = await self.store.probe_candidates(
-            tenant_id, _client_key(version), bands, limit=len(bands)
+            tenant_id, client_key(version), bands, limit=len(bands)
         )
         recorded = {c for c, _ in found}
         return [
@@ -221,49 +222,6 @@ class RegistryLookup:
             )
             for p, ds in zip(listed, digests, strict=True)
         ]
-
-
-# ------------------------------------------------------------- client-chosen payloads
-# A payload a client chose (``payload`` on /generate, ``watermark.payload`` on /v1) is
-# no registry entry, but the texts under it must not be named as another user's entry:
-# each such payload is recorded once per tenant key version (in the store's probe
-# accounting tables, which SQLite, Redis and Redis Cluster all keep; kept for a
-# century) with a counter per payload length, and the registry test matches a text
-# against the recorded payloads among its likeliest as well (``client_payload`` in the
-# answer), Bonferroni-corrected for them too.
-_FOREVER_S = 100 * 365 * 86_400.0
-_NO_LIMIT = 1 << 62
-
-
-def _client_key(version: int) -> str:
-    return f"cpayload-v{version}"
-
-
-def payload_digest(num_bits: int, payload: int) -> str:
-    """One payload's name in the store (the same bits in any spelling: one name)."""
-    bits = format(payload, f"0{num_bits}b")
-    return hashlib.sha256(f"{num_bits}:{bits}".encode()).hexdigest()[:32]
-
-
-async def record_client_payload(
-    store: Store, tenant_id: str, version: int, payload: Payload
-) -> None:
-    """Record ``payload`` as a candidate of the tenant's registry test (idempotent)."""
-    num_bits = payload.num_bits
-    digest = payload_digest(num_bits, int(payload.bits, 2))
-    key = _client_key(version)
-    sketch = payload.bits.encode("ascii")
-    first = await store.probe_hit(tenant_id, key, digest, sketch, [digest], _FOREVER_S, 1)
-    if first.allowed:  # a payload not recorded before: one more candidate
-        await store.probe_hit(tenant_id, key, f"count{num_bits}", b"-", [], _FOREVER_S, _NO_LIMIT)
-
-
-async def client_payload_count(store: Store, tenant_id: str, version: int, num_bits: int) -> int:
-    """How many client-chosen payloads of ``num_bits`` are recorded (a read: budget 0)."""
-    decision = await store.probe_hit(
-        tenant_id, _client_key(version), f"count{num_bits}", None, [], _FOREVER_S, 0
-    )
-    return decision.count
 
 
 async def sweep_registries(store: Store, now: float) -> dict[str, int]:

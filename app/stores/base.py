@@ -433,6 +433,12 @@ class Store(Protocol):
         ``sketch`` is given, the cluster's sketch becomes it and ``bands`` point to
         the cluster. Everything expires ``window_s`` after its last use."""
 
+    async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
+        """(cluster id, sketch) of every live cluster of this key that has a sketch, by
+        cluster id. A listing for offline readers (``worldcup scan``), never a
+        request's path: SQLite reads the key's range of its primary key, Redis SCANs
+        the keys of the node that serves the tenant's slot (its whole keyspace)."""
+
     # rate limits
     async def take_tokens(
         self, tenant_id: str, rate_per_s: float, burst: float, cost: float

@@ -19,6 +19,7 @@ taken over once its ``creating`` marker (TTL) has expired.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import secrets
@@ -42,7 +43,7 @@ from app.stores.base import (
     compact_json,
 )
 from app.stores.redis_cases import RedisCases
-from app.stores.redis_layout import LAYOUT_VERSION
+from app.stores.redis_layout import LAYOUT_VERSION, glob_escape
 from app.stores.redis_registry import RedisRegistry
 from app.stores.redis_scripts import (
     ADD_KEY,
@@ -58,6 +59,9 @@ from app.stores.redis_scripts import (
 )
 
 __all__ = ["RedisStore"]
+
+_SCAN_COUNT = 1000  # keys a SCAN step visits (probe_clusters)
+_MGET_KEYS = 1000  # keys per MGET of a listing
 
 AUDIT_MAXLEN = 1_000_000  # approximate trim; older records go first
 CREATING_TTL_MS = 60_000  # a creation older than this died half way: its claims are free
@@ -421,6 +425,54 @@ class RedisStore(RedisRegistry, RedisCases):
         return [
             (c, base64.b64decode(sk)) for c, sk in zip(ids, sketches, strict=True) if sk is not None
         ]
+
+    async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
+        head = self._probe(tenant_id, key_id, "sk", "")
+        found = await self._scan_tenant(tenant_id, glob_escape(head) + "*")
+        ids = sorted(k[len(head) :] for k in found)
+        out: list[tuple[str, bytes]] = []
+        for i in range(0, len(ids), _MGET_KEYS):
+            chunk = ids[i : i + _MGET_KEYS]
+            names = [head + c for c in chunk]
+            # one tenant's keys: one slot, so MGET is allowed
+            sketches = cast(
+                "list[str | None]",
+                await self._retry(functools.partial(self._redis.mget, names)),
+            )
+            out += [
+                (c, base64.b64decode(sk))
+                for c, sk in zip(chunk, sketches, strict=True)
+                if sk is not None  # expired since the SCAN saw it
+            ]
+        return out
+
+    async def _scan_tenant(self, tenant_id: str, match: str) -> set[str]:
+        """The keys ``match`` matches, ``match`` naming keys of this tenant only: a SCAN
+        of the server, or of the cluster node that serves the tenant's slot; one step
+        per round trip, each retried. Where another node serves the slot at a step (a
+        failover), the SCAN starts again there (the keys found so far are kept)."""
+        slot_key = self._keys.t(tenant_id, "tenant")
+        found: set[str] = set()
+        cursor, serving = 0, ""
+
+        async def step(at: int, node_name: str) -> tuple[str, int, list[str]]:
+            if not self._cluster:
+                nxt, keys = await self._redis.scan(at, match=match, count=_SCAN_COUNT)
+                return "", int(nxt), list(keys)
+            node = self._redis.get_node_from_key(slot_key)
+            if node.name != node_name:
+                at = 0  # a cursor is one node's: start again on the node serving the slot
+            cursors, keys = await self._redis.scan(
+                at, match=match, count=_SCAN_COUNT, target_nodes=node
+            )
+            return str(node.name), int(cursors[node.name]), list(keys)
+
+        while True:
+            name, nxt, keys = await self._retry(functools.partial(step, cursor, serving))
+            found.update(keys)
+            cursor, serving = nxt, name
+            if cursor == 0:
+                return found
 
     async def probe_hit(
         self,

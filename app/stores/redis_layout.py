@@ -33,7 +33,9 @@ One tenant (tag ``{t}``: one slot)::
     p:{t}:ratelimit-op:<op>   str   one debit's decision, for its retry (TTL: the deadline + 1 s)
     p:{t}:apikeys             hash  key id -> ApiKeyRecord JSON
     p:{t}:apikeys-revoked     hash  key id -> revocation time
-    p:{t}:probe:<k>:...       str/zset probe accounting of API key k (TTL)
+    p:{t}:probe:<k>:...       str/zset probe accounting of API key k (TTL); k =
+                                        ``cpayload-v<kv>``: the recorded client-chosen
+                                        payloads (app.stores.client_payloads)
     p:{t}:idem:<key>          str   IdempotencyRecord JSON, with a TTL
     p:{t}:response:<id>       str   a stored /v1/responses record, with a TTL
 
@@ -50,6 +52,8 @@ global keys above under the same names, and the tenant's keys as ``p:t:<name>``
 
 from __future__ import annotations
 
+import re
+
 from app.stores.base import check_tenant_id
 
 LAYOUT_VERSION = "2"
@@ -63,6 +67,11 @@ def bucket_of(message_id: int) -> int:
 def bucket_ids(bucket: int) -> range:
     """The message ids of one bucket."""
     return range(int(bucket) * BUCKET_IDS + 1, (int(bucket) + 1) * BUCKET_IDS + 1)
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal in a SCAN ``MATCH`` pattern (``*?[]\\`` escaped)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def check_prefix(prefix: str) -> str:

@@ -21,7 +21,6 @@ kept unless ``delete_legacy`` is set (after a successful copy).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from app.stores.redis import RedisStore
-from app.stores.redis_layout import LAYOUT_VERSION, Layout, bucket_of
+from app.stores.redis_layout import LAYOUT_VERSION, Layout, bucket_of, glob_escape
 
 # short-lived per-tenant keys that are not carried over
 _SKIPPED = ("ratelimit", "probe")
@@ -47,10 +46,6 @@ class MigrationReport:
     global_keys: int = 0
     legacy_deleted: int = 0
     already_migrated: bool = False
-
-
-def _glob(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 async def _scan(client: Any, pattern: str) -> list[bytes]:
@@ -99,7 +94,7 @@ async def migrate_store(
             for name in _GLOBAL_KEYS:
                 report.global_keys += await _copy(src, dst, layout.g(name), layout.g(name))
             for pattern in _GLOBAL_PATTERNS:
-                for key in await _scan(src, _glob(layout.g("")) + pattern):
+                for key in await _scan(src, glob_escape(layout.g("")) + pattern):
                     report.global_keys += await _copy(src, dst, key, key.decode())
             progress(f"{report.global_keys} global keys")
         await dst.set(layout.g("layout"), LAYOUT_VERSION)
@@ -117,7 +112,7 @@ async def _migrate_tenant(
 ) -> tuple[int, int, list[bytes]]:
     """(keys copied, registry entries, the tenant's legacy keys)."""
     base = layout.legacy(tid, "")
-    old_keys = await _scan(src, _glob(base) + "*")
+    old_keys = await _scan(src, glob_escape(base) + "*")
     copied = entries = 0
     for key in old_keys:
         rest = key.decode()[len(base) :]
@@ -141,7 +136,7 @@ async def _migrate_tenant(
         entries += len(chunk)
         if cursor == 0:
             break
-    for index in await _scan(src, _glob(layout.legacy(tid, "msgidx:")) + "*"):
+    for index in await _scan(src, glob_escape(layout.legacy(tid, "msgidx:")) + "*"):
         kv, bits = index.decode().rsplit(":", 2)[-2:]
         # the live counter the lookup's registry size reads (the legacy layout had none)
         await dst.set(layout.t(tid, "msglive", int(kv), int(bits)), int(await src.zcard(index)))

@@ -40,6 +40,15 @@ class SQLiteLimits(SQLiteBase):
         )
         return [(r["cluster_id"], bytes(r["sketch"])) for r in rows]
 
+    async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
+        check_tenant_id(tenant_id)
+        rows = await self._all(
+            "SELECT cluster_id, sketch FROM probe_clusters WHERE tenant_id = ? AND key_id = ?"
+            " AND expires_at > ? ORDER BY cluster_id",
+            (tenant_id, key_id, self._clock()),
+        )
+        return [(r["cluster_id"], bytes(r["sketch"])) for r in rows]
+
     async def probe_hit(
         self,
         tenant_id: str,

@@ -1,0 +1,105 @@
+"""Client-chosen payloads recorded as candidates of a tenant's registry test.
+
+A payload a client chose (``payload`` on /generate, ``watermark.payload`` on /v1) is
+no registry entry, but the texts under it must not be named as another user's entry:
+each such payload is recorded once per tenant key version (in the store's probe
+accounting tables, which SQLite, Redis and Redis Cluster all keep; kept for a
+century) with a counter per payload length, and the registry test matches a text
+against the recorded payloads among its likeliest as well (``client_payload`` in the
+answer; :mod:`app.services.registry`), Bonferroni-corrected for them too.
+
+The layout, under the probe key :func:`client_key` of the key version: one cluster per
+payload, its id :func:`payload_digest`, its sketch the payload's bits (ASCII ``0``/``1``)
+and its one band the id itself (so :meth:`~app.stores.base.Store.probe_candidates`
+answers "which of these payloads are recorded"); and one cluster ``count<num_bits>``
+per length (sketch ``-``) whose hits count the payloads of that length.
+
+The service records and asks (:func:`record_client_payload`, :func:`client_payload_count`,
+``probe_candidates``); offline readers list them (:func:`recorded_client_payloads`:
+``worldcup scan``, which may read ``app.stores`` but not the services).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from app.stores.base import Store
+
+FOREVER_S = 100 * 365 * 86_400.0  # how long a recorded payload stays a candidate
+_NO_LIMIT = 1 << 62
+
+
+def client_key(version: int) -> str:
+    """The probe key that holds the client-chosen payloads of one key version."""
+    return f"cpayload-v{int(version)}"
+
+
+def payload_digest(num_bits: int, payload: int) -> str:
+    """One payload's name in the store (the same bits in any spelling: one name)."""
+    bits = format(payload, f"0{num_bits}b")
+    return hashlib.sha256(f"{num_bits}:{bits}".encode()).hexdigest()[:32]
+
+
+def _check_bits(bits: str) -> str:
+    if not bits or set(bits) - {"0", "1"}:
+        raise ValueError("a payload is a non-empty string of 0 and 1")
+    return bits
+
+
+async def record_client_payload(store: Store, tenant_id: str, version: int, bits: str) -> None:
+    """Record the payload ``bits`` as a candidate of the tenant's registry test under
+    key ``version`` (idempotent)."""
+    num_bits = len(_check_bits(bits))
+    digest = payload_digest(num_bits, int(bits, 2))
+    key = client_key(version)
+    sketch = bits.encode("ascii")
+    first = await store.probe_hit(tenant_id, key, digest, sketch, [digest], FOREVER_S, 1)
+    if first.allowed:  # a payload not recorded before: one more candidate
+        await store.probe_hit(tenant_id, key, f"count{num_bits}", b"-", [], FOREVER_S, _NO_LIMIT)
+
+
+async def client_payload_count(store: Store, tenant_id: str, version: int, num_bits: int) -> int:
+    """How many client-chosen payloads of ``num_bits`` are recorded (a read: budget 0)."""
+    decision = await store.probe_hit(
+        tenant_id, client_key(version), f"count{num_bits}", None, [], FOREVER_S, 0
+    )
+    return decision.count
+
+
+def _payload_of(cluster_id: str, sketch: bytes) -> str | None:
+    """The bits of a payload's cluster; None for a counter (or anything not a payload)."""
+    try:
+        bits = sketch.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if not bits or set(bits) - {"0", "1"}:
+        return None
+    return bits if payload_digest(len(bits), int(bits, 2)) == cluster_id else None
+
+
+async def recorded_client_payloads(
+    store: Store, tenant_id: str, version: int, lengths: Iterable[int] | None = None
+) -> dict[int, list[int]]:
+    """The client-chosen payloads recorded under the tenant's key ``version``: payload
+    integers (bit 0 of the bits is the most significant) per length, ascending; every
+    payload ever recorded (the listing reads the clusters themselves).
+
+    With ``lengths``, only the lengths among them whose counter says payloads are
+    recorded, as the service's registry test takes them (none where the counter reads
+    0), and no listing at all when every such counter reads 0: the listing reads every
+    cluster of the key version (on Redis a SCAN of the tenant's node), the counters one
+    key each."""
+    wanted: set[int] | None = None
+    if lengths is not None:
+        wanted = {
+            n for n in set(lengths) if await client_payload_count(store, tenant_id, version, n)
+        }
+        if not wanted:
+            return {}
+    found: dict[int, set[int]] = {}
+    for cluster_id, sketch in await store.probe_clusters(tenant_id, client_key(version)):
+        bits = _payload_of(cluster_id, sketch)
+        if bits is not None and (wanted is None or len(bits) in wanted):
+            found.setdefault(len(bits), set()).add(int(bits, 2))
+    return {n: sorted(found[n]) for n in sorted(found)}
