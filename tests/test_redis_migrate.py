@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from app.stores import redis_layout
 from app.stores.base import CaseRecord, IdempotencyRecord, StoreUnavailable
+from app.stores.client_payloads import record_client_payload, recorded_client_payloads
 from app.stores.redis import RedisStore
 from app.stores.redis_migrate import migrate_store
 from worldcup_cli.main import app as cli
@@ -42,6 +43,7 @@ async def _fill(store: RedisStore) -> list[str]:
     for i in range(23):
         await store.allocate_message(tids[0], 1 + i % 2, 32 if i % 3 else 16, {"i": i}, float(i))
     await store.allocate_message(tids[1], 1, 32, {"other": True}, 5.0)
+    await record_client_payload(store, tids[0], 1, "1011001110001111")  # a durable probe record
     await store.void_message(tids[0], 7, "test")
     await store.add_api_key(api_key_record(tids[0], "k1", key_hash="ab" * 32))
     await store.idempotency_put(tids[0], "req-1", IdempotencyRecord("h", 200, {"a": 1}), 600)
@@ -67,6 +69,7 @@ async def _snapshot(store: RedisStore, tids: list[str]) -> dict[str, Any]:
             ],
             "api": await store.api_keys(tid),
             "idem": await store.idempotency_get(tid, "req-1"),
+            "client": await recorded_client_payloads(store, tid, 1),
         }
     out["case"] = await store.get_case("c1", time.time())
     out["api_by_hash"] = await store.api_key_by_hash("ab" * 32)
@@ -83,6 +86,7 @@ async def test_migrate_in_place_keeps_everything(monkeypatch: pytest.MonkeyPatch
             before = await _snapshot(store, tids)
             assert len(before[tids[0]]["ids"][(1, 32)]) > 4  # spans buckets
             assert before[tids[0]]["entries"][6] is None  # the voided id
+            assert before[tids[0]]["client"] == {16: [0b1011001110001111]}
             with Redis.from_url(REDIS_URL) as client:
                 assert downgrade(client, prefix) > 10
                 assert client.hlen(f"{prefix}:{tids[0]}:msgs") == 22

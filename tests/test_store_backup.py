@@ -1,6 +1,8 @@
 """The backup drill of docs/operations.md, on each store: texts issued through the
 service, ``worldcup store backup``, the store wiped, ``worldcup store restore``; then
-every text decodes to its own entry, the case, the API keys and the counter survived.
+every text decodes to its own entry, the case, the API keys and the counter survived,
+and so did the client-chosen payload's record (its text still decodes as the client's
+payload, not as an entry) and its repeat count (the cap still holds).
 SQLite in a temporary folder; Redis on the test server (DB 15) under a private prefix.
 The cluster drill is in tests/test_redis_cluster.py."""
 
@@ -56,34 +58,52 @@ def _state(c: TestClient, auth: dict[str, str], texts: list[dict[str, Any]], cas
     return {"matches": matches, "case": case.json(), "api_keys": keys.json()}
 
 
+def _client_match(c: TestClient, auth: dict[str, str], text: str) -> tuple[Any, Any]:
+    """How /decode names a text under a client-chosen payload: (client_payload, id)."""
+    r = c.post("/decode", json={"text": text, "num_bits": 16}, headers=auth)
+    assert r.status_code == 200, r.text
+    match = r.json()["registry_match"] or {}
+    return match.get("client_payload"), match.get("message_id")
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
 def test_backup_wipe_restore_drill(
     kind: str, tiny_model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     db = tmp_path / "db.sqlite3"
+    cap = {"fixed_payload_repeats": 2}
     if kind == "redis":
         prefix = request.getfixturevalue("redis_prefix")
-        settings = make_settings(tiny_model_dir, tmp_path, redis_url=REDIS_URL, redis_prefix=prefix)
+        settings = make_settings(
+            tiny_model_dir, tmp_path, redis_url=REDIS_URL, redis_prefix=prefix, **cap
+        )
         where = ["--redis-url", REDIS_URL, "--prefix", prefix]
     else:
-        settings = make_settings(tiny_model_dir, tmp_path)
+        settings = make_settings(tiny_model_dir, tmp_path, **cap)
         where = ["--sqlite-path", str(db)]
     env = {"WORLDCUP_REDIS_URL": "", "WORLDCUP_REDIS_CLUSTER": "false"}
     with TestClient(create_app(settings)) as c:
-        r = c.post("/admin/tenants", json={"name": f"drill-{kind}"}, headers=ADMIN)
+        tenant = {"name": f"drill-{kind}", "scopes": ["fixed_payload"]}
+        r = c.post("/admin/tenants", json=tenant, headers=ADMIN)
         assert r.status_code == 201, r.text
         tenant_id, auth = r.json()["tenant_id"], {"Authorization": f"Bearer {r.json()['api_key']}"}
         body = {"name": "analyst", "scopes": ["provenance"], "detail": "full"}
         r = c.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
         assert r.status_code == 201, r.text
         texts = [generate(c, auth, seed=i, max_new_tokens=96, min_new_tokens=96) for i in range(3)]
+        chosen = {"payload": {"bits": "1011001110001111"}, "max_new_tokens": 96}
+        mine = [generate(c, auth, seed=10 + i, min_new_tokens=96, **chosen) for i in range(2)]
         r = c.post("/console/api/cases", json={"text": texts[0]["text"]}, headers=ADMIN)
         assert r.status_code == 201, r.text
         case_id = r.json()["case"]["case_id"]
         before = _state(c, auth, texts, case_id, tenant_id)
+        before["mine"] = _client_match(c, auth, mine[0]["text"])
+        r = c.post("/generate", json={"prompt": "Tides?", "seed": 12, **chosen}, headers=auth)
+        assert r.status_code == 429, r.text  # the cap: 2 texts per payload
     for g, (match, similarity) in zip(texts, before["matches"], strict=True):  # the premise
         assert match is not None and match["message_id"] == g["message_id"], match
         assert similarity == 1.0, similarity  # the issued text's fingerprint was recorded
+    assert before["mine"] == (True, None), before["mine"]  # the client's payload, no entry
 
     out = tmp_path / "store.backup"
     done = runner.invoke(cli, ["store", "backup", "--out", str(out), *where], env=env)
@@ -102,5 +122,9 @@ def test_backup_wipe_restore_drill(
     assert again.exit_code == 2 and "--force" in again.output, again.output
 
     with TestClient(create_app(settings)) as c:
-        assert _state(c, auth, texts, case_id, tenant_id) == before
+        after = _state(c, auth, texts, case_id, tenant_id)
+        after["mine"] = _client_match(c, auth, mine[0]["text"])
+        assert after == before
         assert generate(c, auth, seed=9)["message_id"] == 4  # the counter came back too
+        r = c.post("/generate", json={"prompt": "Tides?", "seed": 13, **chosen}, headers=auth)
+        assert r.status_code == 429, r.text  # and the payload's repeat count

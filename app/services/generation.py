@@ -26,7 +26,7 @@ from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull, Un
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
-from app.stores.client_payloads import record_client_payload
+from app.stores.client_payloads import record_client_payload, repeats_key
 from worldcup_core import Payload, SamplingConfig
 from worldcup_core.fingerprint import text_fingerprint
 from worldcup_core.generation import (
@@ -95,7 +95,7 @@ async def fixed_payload(
         # a sketch, so that the SQLite store's probe sweep keeps the count (it drops
         # hits of clusters without one)
         decision = await runtime.store.probe_hit(
-            tenant_id, f"payload-v{key.version}", digest, b"-", [], window, cap
+            tenant_id, repeats_key(key.version), digest, b"-", [], window, cap
         )
         if not decision.allowed:
             runtime.metrics.rejections.labels("payload_repeats_exceeded").inc()

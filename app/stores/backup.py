@@ -9,7 +9,9 @@ Redis (one server or a cluster): a logical dump through the store's key layout
 (:mod:`app.stores.redis_layout`). Every key under the prefix (SCAN on every primary),
 by type, with its remaining TTL, as JSON lines; keys are written without the prefix,
 so a dump restores under any prefix and into one Redis or a cluster alike. Skipped:
-the short-lived rate-limit, probe-accounting and creation-marker keys. The registry's
+the short-lived rate-limit, probe-accounting and creation-marker keys (but not the
+probe tables' durable records: the recorded client-chosen payloads and their repeat
+counts, :mod:`app.stores.client_payloads`). The registry's
 counters (``msgseq``, ``msglive``, ``msgexp``) are read last: they only grow, so a
 dump taken while texts are issued never holds an entry above its tenant's counter
 (texts issued during the dump may or may not be in it). Restore refuses a namespace
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from app.stores.client_payloads import durable_probe_key
 from app.stores.redis_layout import check_prefix
 
 FORMAT = "worldcup-store-backup"
@@ -122,11 +125,15 @@ def _client(url: str, cluster: bool) -> Any:
 
 
 def _kind(rest: str) -> str:
-    """The layout's kind of a key (its prefix removed): ``{t}:msgseq`` -> ``msgseq``."""
+    """The layout's kind of a key (its prefix removed): ``{t}:msgseq`` -> ``msgseq``;
+    a durable probe record (``{t}:probe:cpayload-v1:...``) is ``probe-record``."""
     parts = rest.split(":")
     if rest.startswith("{"):
         tag_end = next(i for i, p in enumerate(parts) if p.endswith("}"))
-        return parts[tag_end + 1] if tag_end + 1 < len(parts) else ""
+        kind = parts[tag_end + 1] if tag_end + 1 < len(parts) else ""
+        if kind == "probe" and tag_end + 2 < len(parts) and durable_probe_key(parts[tag_end + 2]):
+            return "probe-record"
+        return kind
     return parts[0]
 
 

@@ -35,6 +35,23 @@ def client_key(version: int) -> str:
     return f"cpayload-v{int(version)}"
 
 
+def repeats_key(version: int) -> str:
+    """The probe key that counts each client-chosen payload's texts under one key
+    version (the cap ``WORLDCUP_FIXED_PAYLOAD_REPEATS``, app.services.generation)."""
+    return f"payload-v{int(version)}"
+
+
+# Probe keys that hold records, not short-lived accounting: a backup and a migration
+# carry them over (losing them would let texts under a client payload be named as
+# another user's entry again, and reset every payload's repeat cap).
+DURABLE_PROBE_KEYS = ("cpayload-v", "payload-v")
+
+
+def durable_probe_key(key_id: str) -> bool:
+    """Whether probe key ``key_id`` holds records a backup must keep."""
+    return key_id.startswith(DURABLE_PROBE_KEYS)
+
+
 def payload_digest(num_bits: int, payload: int) -> str:
     """One payload's name in the store (the same bits in any spelling: one name)."""
     bits = format(payload, f"0{num_bits}b")

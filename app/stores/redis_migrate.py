@@ -7,7 +7,8 @@ names. The migration reads the source (one Redis, legacy layout) and writes the 
 (the same Redis, another one, or a Redis Cluster):
 
 - every tenant's keys are copied under their new names (``DUMP``/``RESTORE``, TTLs
-  kept); rate-limit buckets and probe counters (short-lived) are left behind;
+  kept); rate-limit buckets and probe counters (short-lived) are left behind, but
+  not the probe tables' durable records (recorded client payloads, repeat counts);
 - the registry's entries and indexes are re-written bucket by bucket, and each
   index's live counter is set from its size; message ids, the id counter and key
   versions are unchanged, so every text issued before decodes to its entry afterwards;
@@ -27,6 +28,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from app.stores.client_payloads import durable_probe_key
 from app.stores.redis import RedisStore
 from app.stores.redis_layout import LAYOUT_VERSION, Layout, bucket_of, glob_escape
 
@@ -116,8 +118,9 @@ async def _migrate_tenant(
     copied = entries = 0
     for key in old_keys:
         rest = key.decode()[len(base) :]
-        kind = rest.split(":", 1)[0]
-        if kind in _SKIPPED or kind in ("msgs", "msgidx"):
+        kind, _, after = rest.partition(":")
+        durable = kind == "probe" and durable_probe_key(after.split(":", 1)[0])
+        if (kind in _SKIPPED and not durable) or kind in ("msgs", "msgidx"):
             continue
         copied += await _copy(src, dst, key, layout.t(tid, rest))
     # the registry: one hash -> buckets of BUCKET_IDS ids
