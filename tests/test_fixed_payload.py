@@ -131,26 +131,36 @@ def test_repeats_of_one_payload_are_capped_per_key_version(client: Any) -> None:
         assert generate(client, auth, {**BODY, "metadata": {"i": i}}).status_code == 200
 
 
+CHOSEN = {"prompt": "Write about tides.", "max_new_tokens": 64, "min_new_tokens": 64}
+
+
+def _other_entries(client: Any, auth: dict[str, str]) -> list[tuple[int, str]]:
+    """Six registry entries of other users: (message id, payload bits)."""
+    entries = []
+    for i in range(6):
+        body = {**BODY, "max_new_tokens": 1, "metadata": {"u": i}, "num_bits": 16}
+        r = generate(client, auth, body)
+        assert r.status_code == 200, r.text
+        entries.append((r.json()["message_id"], r.json()["payload"]["bits"]))
+    return entries
+
+
+def _text_under(client: Any, auth: dict[str, str], bits: str) -> str:
+    """A 64-token text under the client-chosen payload ``bits``."""
+    r = generate(client, auth, {**CHOSEN, "seed": 5, "payload": {"bits": bits}})
+    assert r.status_code == 200, r.text
+    return str(r.json()["text"])
+
+
 def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> None:
     """A client-chosen payload is recorded as a registry candidate: its texts are named
     as the client's own payload (``client_payload``), never as another user's entry,
     by /decode and /provenance alike."""
     with fixed_watermark_keys(71):
         tenant_id, auth = new_tenant(client)
-    for i in range(6):  # other users' entries the text could be mistaken for
-        body = {**BODY, "max_new_tokens": 1, "metadata": {"u": i}, "num_bits": 16}
-        assert generate(client, auth, body).status_code == 200
+    _other_entries(client, auth)  # other users' entries the text could be mistaken for
     bits = "0110100111000101"
-    body = {
-        "prompt": "Write about tides.",
-        "max_new_tokens": 64,
-        "min_new_tokens": 64,
-        "seed": 5,
-        "payload": {"bits": bits},
-    }
-    r = generate(client, auth, body)
-    assert r.status_code == 200, r.text
-    text = r.json()["text"]
+    text = _text_under(client, auth, bits)
     dec = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
     assert dec["verdict"] == "watermarked", dec
     match = dec["registry_match"]
@@ -161,8 +171,7 @@ def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> 
     entry = found["match"]["registry_entry"]
     assert found["match"]["tenant_id"] == tenant_id and entry["client_payload"] is True, found
     # a registry-issued text of the same tenant still names its own entry
-    body = {**body, "payload": None, "metadata": {"u": "me"}, "num_bits": 16, "seed": 6}
-    del body["payload"]
+    body = {**CHOSEN, "metadata": {"u": "me"}, "num_bits": 16, "seed": 6}
     r = generate(client, auth, body)
     assert r.status_code == 200, r.text
     dec = client.post("/decode", json={"text": r.json()["text"], "num_bits": 16}, headers=auth)
@@ -179,24 +188,10 @@ def test_a_scan_of_the_store_names_a_client_payload_as_the_api_does(
     entry, which the same scan without the recorded payloads names."""
     with fixed_watermark_keys(71):
         tenant_id, auth = new_tenant(client)
-    entries = []
-    for i in range(6):  # other users' entries
-        body = {**BODY, "max_new_tokens": 1, "metadata": {"u": i}, "num_bits": 16}
-        r = generate(client, auth, body)
-        assert r.status_code == 200, r.text
-        entries.append((r.json()["message_id"], r.json()["payload"]["bits"]))
+    entries = _other_entries(client, auth)
     near_id, near_bits = entries[2]  # the client's payload: one bit from this entry's
     bits = near_bits[:7] + ("1" if near_bits[7] == "0" else "0") + near_bits[8:]
-    body = {
-        "prompt": "Write about tides.",
-        "max_new_tokens": 64,
-        "min_new_tokens": 64,
-        "seed": 5,
-        "payload": {"bits": bits},
-    }
-    r = generate(client, auth, body)
-    assert r.status_code == 200, r.text
-    text = r.json()["text"]
+    text = _text_under(client, auth, bits)
     dec = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
     assert dec["registry_match"]["client_payload"] is True, dec
     # the scan, keys and registry read from the service's store
