@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -385,3 +386,40 @@ def test_bfloat16_weights_are_near_float32_and_keep_the_null_exact() -> None:
         p.extend(np.exp(model_log_p_many(key, CONFIG, texts, None, got)).tolist())
     assert stats.kstest(p, "uniform").pvalue > 1e-3
     assert abs(np.mean(np.array(p) < 0.05) - 0.05) <= 4 * math.sqrt(0.05 * 0.95 / len(p))
+
+
+def test_forced_bfloat16_without_native_support_is_flagged() -> None:
+    """'auto' never picks emulated bfloat16; asking for it where the device lacks AMX or
+    AVX512-BF16 is flagged (the hf engine warns at load: about 5x slower on AVX2)."""
+    from worldcup_core.model_weights import emulated_bfloat16, native_bfloat16
+
+    cpu = torch.device("cpu")
+    assert emulated_bfloat16("bfloat16", cpu) is (not native_bfloat16(cpu))
+    assert emulated_bfloat16("bfloat16", "meta")  # no native bfloat16 there
+    assert not emulated_bfloat16("auto", "meta") and not emulated_bfloat16("float32", "meta")
+
+
+def test_the_hf_engine_warns_when_bfloat16_is_forced_and_emulated(
+    tiny_model_dir: Any, tmp_path: Any
+) -> None:
+    import logging
+
+    from fastapi.testclient import TestClient
+    from test_service_api import make_settings
+
+    from app.main import create_app
+    from worldcup_core.model_weights import native_bfloat16
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    engine_log = logging.getLogger("worldcup.engine.hf")
+    engine_log.addHandler(handler)
+    try:
+        settings = make_settings(tiny_model_dir, tmp_path, weights_dtype="bfloat16")
+        with TestClient(create_app(settings)) as c:
+            assert c.get("/ready").status_code == 200
+    finally:
+        engine_log.removeHandler(handler)
+    warned = any("WORLDCUP_WEIGHTS_DTYPE=bfloat16" in m for m in seen)
+    assert warned is (not native_bfloat16(torch.device("cpu"))), seen

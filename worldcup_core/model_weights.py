@@ -43,6 +43,13 @@ def native_bfloat16(device: torch.device) -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
+def emulated_bfloat16(name: str, device: torch.device | str) -> bool:
+    """Whether the weights dtype ``name`` asks for bfloat16 where ``device`` does not
+    compute it natively: on an AVX2-only CPU its forward passes are about 5 times
+    slower than float32 (measured: 0.47 against 2.25 texts/s of 128 tokens, 2 cores)."""
+    return name == "bfloat16" and not native_bfloat16(torch.device(device))
+
+
 def weights_dtype(name: str, model: Any) -> torch.dtype:
     """The dtype detection's forward passes run in: ``float32`` or ``bfloat16`` as named;
     ``auto`` is bfloat16 where the model's device computes it natively
