@@ -402,6 +402,33 @@ def decode_all(arm: _Arm, texts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def detect_throughput(arm: _Arm, texts: list[dict[str, Any]]) -> dict[str, Any]:
+    """``/detect/batch`` over every watermarked text, twice (the first warms): texts/s of
+    the faster, and the statistic the answers took (``model`` when the engine's model
+    weighed the tokens)."""
+    import httpx
+
+    bodies = [g["text"] for g in texts]
+    seconds, answer = [], {}
+    for _ in range(2):
+        t = time.perf_counter()
+        r = httpx.post(
+            f"{arm.url}/detect/batch", json={"texts": bodies}, headers=arm.auth, timeout=600
+        )
+        r.raise_for_status()
+        seconds.append(time.perf_counter() - t)
+        answer = r.json()
+    results = [item["result"] for item in answer["results"] if item["result"]]
+    return {
+        "texts": len(bodies),
+        "seconds": [round(s, 3) for s in seconds],
+        "texts_per_s": round(len(bodies) / min(seconds), 1),
+        "statistic": sorted({str(res.get("statistic")) for res in results}),
+        "num_watermarked": answer["num_watermarked"],
+        "num_errors": answer["num_errors"],
+    }
+
+
 def step_timings(device: str, batches: list[int], repeats: int) -> dict[str, Any]:
     """The fused v2 step alone (the compiled loop on a CPU), eager and under a CUDA graph."""
     import numpy as np
@@ -515,10 +542,22 @@ def drive(args: argparse.Namespace) -> None:
                 "bits_match": sum(d["bits_match"] for d in decodes),
                 "registry_match": sum(d["registry_match"] for d in decodes),
                 "decodes": decodes,
+                "texts_scored": texts,
             }
-            brief = {k: v for k, v in levels[str(level)].items() if k != "decodes"}
+            brief = {
+                k: v
+                for k, v in levels[str(level)].items()
+                if k not in ("decodes", "texts_scored")
+            }
             print(json.dumps({"level": level, **brief}), flush=True)  # noqa: T201
         report["levels"] = levels
+        texts_all = [t for r in (levels[str(v)]["texts_scored"] for v in args.levels) for t in r]
+        try:
+            report["detect_batch"] = detect_throughput(arms[0], texts_all)
+        except Exception as exc:  # noqa: BLE001 - the report keeps what did run
+            report["detect_batch"] = {"error": f"{type(exc).__name__}: {exc}"}
+        for row in levels.values():
+            row.pop("texts_scored")
     finally:
         for arm in arms:
             arm.stop()
@@ -545,6 +584,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"{row['ratio']} | {row['bits_match']}/{row['texts']} / "
             f"{row['registry_match']}/{row['texts']} | {row['max_p_value']:.2g} |"
         )
+    det = report.get("detect_batch", {})
+    if "texts_per_s" in det:
+        lines += [
+            "",
+            f"`/detect/batch` over the {det['texts']} watermarked texts: "
+            f"{det['texts_per_s']} texts/s (statistic {', '.join(det['statistic'])}; "
+            f"{det['num_watermarked']} watermarked, {det['num_errors']} errors).",
+        ]
+    elif det:
+        lines += ["", f"`/detect/batch` failed: {det.get('error')}"]
     step = report.get("step", {})
     lines += ["", f"The v2 step alone ({step.get('path')} path), µs a step, median:", ""]
     lines += ["| batch | eager | CUDA graph | eager ≤ 30 µs |", "|---|---|---|---|"]

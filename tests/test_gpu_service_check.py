@@ -93,9 +93,13 @@ def test_the_dry_run_completes(tmp_path: Path) -> None:
         assert row["texts"] == int(level) * report["rounds"] == len(row["decodes"])
         for dec in row["decodes"]:
             assert 0.0 <= dec["p_value"] <= 1.0 and dec["message_id"] >= 1
+    det = report["detect_batch"]  # every watermarked text through /detect/batch, timed
+    assert det["texts"] == 7 * report["rounds"] and det["num_errors"] == 0
+    assert det["texts_per_s"] > 0 and det["statistic"] == ["model"]
+    assert "texts_scored" not in report["levels"]["1"]
     step = report["step"]
     assert step["1"]["eager_us"] > 0 and step["4"]["eager_us"] > 0
     table = (out / "report.md").read_text()
     assert "| concurrent | watermarked tok/s | plain tok/s |" in table
-    assert "Device: cpu" in table
+    assert "Device: cpu" in table and "`/detect/batch` over the 14 watermarked texts" in table
     assert not list(tmp_path.glob("gpu-check.*")), "the work folder was left behind"
