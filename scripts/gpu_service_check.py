@@ -545,9 +545,7 @@ def drive(args: argparse.Namespace) -> None:
                 "texts_scored": texts,
             }
             brief = {
-                k: v
-                for k, v in levels[str(level)].items()
-                if k not in ("decodes", "texts_scored")
+                k: v for k, v in levels[str(level)].items() if k not in ("decodes", "texts_scored")
             }
             print(json.dumps({"level": level, **brief}), flush=True)  # noqa: T201
         report["levels"] = levels
