@@ -1039,6 +1039,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--model", default=None, help="a local HF directory (default: embedded)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument(
+        "--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -1057,7 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
     )
-    summary = run_forgery(config, args.out, load_model(args.model), args.data_dir)
+    lm = load_model(args.model, device=args.device)
+    summary = run_forgery(config, args.out, lm, args.data_dir)
     sys.stdout.write(report(summary))
     return 0
 
