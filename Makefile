@@ -60,7 +60,7 @@ bench: setup
 
 ## The GPU service check's offline bundle in gpu-bundle/ (ignored, never committed): the
 ## project wheel, the service's wheels a CUDA host lacks (cp312), the embedded model, in
-## parts of <= 64 MiB, loads of <= 30 MiB, sha256 manifest. Then on the GPU host:
+## parts of <= 64 MiB, loads of <= 27 MiB, sha256 manifest. Then on the GPU host:
 ## `bash scripts/gpu_service_check.sh` (`--dry-run` here; make test runs it).
 gpu-bundle: setup
 	$(VENV)/python scripts/gpu_service_check.py build --out gpu-bundle

@@ -13,8 +13,10 @@
 # does not travel). What comes back in --out: forgery.tar.xz cut in parts of 15 MiB
 # (forgery.tar.xz.partNN) and forgery.sha256; reassemble with
 # `cat forgery.tar.xz.part* | sha256sum -c`-checked, then `tar -xJf -`.
-# --small: a tiny budget on the CPU, to check the script itself
-# (tests/test_gpu_service_check.py runs it).
+# --small: tiny spoof and control counts, to check the script itself on the CPU before a
+# lease (`PYTHON=.venv/bin/python bash scripts/gpu_forgery.sh --small --device cpu
+# --budget 400 --batch 8 --seconds 400`: about 4 minutes on 2 cores); the harness
+# itself is tested in tests/test_forgery.py.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bundle="$here/gpu-bundle"

@@ -610,7 +610,7 @@ def main() -> None:
     b.add_argument("--out", type=Path, default=ROOT / "gpu-bundle")
     b.add_argument("--python-version", default="3.12")
     b.add_argument("--part-mib", type=int, default=64)
-    b.add_argument("--load-mib", type=int, default=30)
+    b.add_argument("--load-mib", type=int, default=27)
     b.add_argument("--offline", action="store_true")
     v = sub.add_parser("verify")
     v.add_argument("--bundle", type=Path, required=True)

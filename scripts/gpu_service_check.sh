@@ -8,7 +8,7 @@
 # lacks ships beside this script as the bundle `make gpu-bundle` builds (gpu-bundle/:
 # the project's wheel, the service's missing dependencies as cp312 manylinux wheels, the
 # embedded SmolLM2 GGUF; every file in parts of at most 64 MiB, grouped in load-N/
-# folders of at most 30 MiB, each file's sha256 in manifest.json; never committed).
+# folders of at most 27 MiB, each file's sha256 in manifest.json; never committed).
 # The flow (scripts/gpu_service_check.py has the Python half):
 #   1. verify: reassemble every file from its parts, check size and sha256 (fatal, named);
 #   2. install: the wheels, --no-deps, into a private target (the host's torch untouched);

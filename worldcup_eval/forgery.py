@@ -353,7 +353,11 @@ def run_jobs(
                 on_done(job, list(result.token_ids), base[: len(result.token_ids)])
                 if progress is not None:
                     progress(len(result.token_ids))
-            if done_rows:
+            # rows join in groups: each join re-pads the whole cache, so one row at a time
+            # would spend about a quarter of the run re-padding
+            if done_rows and config.batch_size - len(batch) >= max(1, config.batch_size // 4):
+                refill()
+            elif not len(batch):
                 refill()
 
 
