@@ -32,6 +32,8 @@ from worldcup_eval.forgery import (
     Tenant,
     clopper_pearson,
     collect_answers,
+    human_chunks,
+    judge_weights,
     load_prompts,
     negate,
     read_jsonl,
@@ -241,3 +243,16 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     said = judge.judge([word_lm.tokenizer.decode(a["tokens"]) for a in answers])
     assert sum(s["watermarked"] for s in said) >= 12
     assert sum(s["named"] == a["message_id"] for s, a in zip(said, answers, strict=True)) >= 8
+    assert {s["statistic"] for s in said} == {"model_free"}
+    # the generator replica's verdict: every test weighed by the model's token weights
+    by_model = replace(config, judge="model")
+    # (the inner model's weights: the word mask keeps only the last position's logits)
+    weigh = judge_weights(replace(word_lm, model=word_lm.model.inner), by_model)
+    assert weigh is not None and judge_weights(word_lm, config) is None
+    model_judge = Judge(by_model, tenant, word_lm.tokenizer, tenant.registry_ids(answers), weigh)
+    said = model_judge.judge([word_lm.tokenizer.decode(a["tokens"]) for a in answers])
+    assert {s["statistic"] for s in said} == {"model"}
+    assert sum(s["watermarked"] for s in said) >= 12
+    assert sum(s["named"] == a["message_id"] for s, a in zip(said, answers, strict=True)) >= 8
+    humans = human_chunks(load_prompts(data_dir, 4), word_lm.tokenizer, 30, 120)
+    assert not any(s["watermarked"] for s in model_judge.judge(humans))

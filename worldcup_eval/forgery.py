@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any, Final
 
 SCENARIOS: Final = ("fixed", "per-request", "kgw")
+JUDGES: Final = ("model", "model_free")
 ANSWERS: Final = "answers.jsonl"
 SPOOFS: Final = "spoofs-{budget}.jsonl"  # per budget: the spoofer learned from that many
 EDITS: Final = "piggyback-{budget}.jsonl"
@@ -103,6 +104,9 @@ class ForgeryConfig:
     bystanders: int = 1000  # registry entries issued to the tenant's other users
     victim: int = 17  # the bystander entry a targeted spoof frames (its payload leaked)
     seed: int = 0
+    # the verdict judged: "model" (every test weighed by the model's token weights, as a
+    # generator replica answers) or "model_free" (as the detector role answers)
+    judge: str = "model_free"
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -111,6 +115,8 @@ class ForgeryConfig:
             raise ValueError("budget_tokens, accounts and batch_size must be positive")
         if not 1 <= self.victim <= self.bystanders:
             raise ValueError("the victim must be one of the bystanders' entries")
+        if self.judge not in JUDGES:
+            raise ValueError(f"judge must be one of {JUDGES}, got {self.judge!r}")
 
     @property
     def watermarked_by_worldcup(self) -> bool:
@@ -712,11 +718,17 @@ class Judge:
     registry entry it names, if any. Under ``kgw``, the anchor's own z-test."""
 
     def __init__(
-        self, config: ForgeryConfig, tenant: Tenant, tokenizer: Any, registry: Sequence[int]
+        self,
+        config: ForgeryConfig,
+        tenant: Tenant,
+        tokenizer: Any,
+        registry: Sequence[int],
+        token_weights: Callable[[list[list[int]]], list[Any]] | None = None,
     ) -> None:
         self.config = config
         self.tenant = tenant
         self.tokenizer = tokenizer
+        self.token_weights = token_weights  # None: the model-free verdict
         self.kgw = tenant.kgw() if config.scenario == "kgw" else None
         self.scanner = self._scanner(tenant.key_spec(), registry)
         # a control: the same texts under another tenant's key (no registry)
@@ -740,7 +752,11 @@ class Judge:
             "forgery",
             client_payloads=client,
         )
-        return Scanner(ScanSpec(keys, mode="detect"), tokenizer=self.tokenizer)
+        return Scanner(
+            ScanSpec(keys, mode="detect"),
+            tokenizer=self.tokenizer,
+            token_weights=self.token_weights,
+        )
 
     def judge(self, texts: Sequence[str], other_key: bool = False) -> list[dict[str, Any]]:
         """Per text: ``watermarked`` (the verdict), ``p``, ``named`` (message id or
@@ -773,6 +789,7 @@ class Judge:
                 "p": r["p_value"],
                 "named": r["message_id"],
                 "ambiguous": bool(r["registry_ambiguous"]),
+                "statistic": r["statistic"],
                 **({} if o is None else {"other_key": o["verdict"] == "watermarked"}),
             }
             for r, o in zip(said, others, strict=True)
@@ -918,7 +935,8 @@ def run_forgery(
 ) -> dict[str, Any]:
     """The whole measurement of one scenario (see the module docstring), resuming from
     what ``out`` holds; returns the summary (also written to ``summary-BUDGET.json``
-    and, as a table, ``report-BUDGET.md``). Answers are shared by every budget (a larger
+    and, as a table, ``report-BUDGET.md``; ``-BUDGET-model`` when judged by the model
+    verdict). Answers are shared by every budget (a larger
     one extends them); spoofs and edits are kept per budget. ``lm``: a loaded model
     (default: the embedded SmolLM2)."""
     from worldcup_core.models import load_model
@@ -937,7 +955,9 @@ def run_forgery(
     cpu.lap("learning")
     spoofs = generate_spoofs(lm, config, tenant, prompts, learned, out, show_progress)
     cpu.lap("spoofs")
-    judge = Judge(config, tenant, lm.tokenizer, tenant.registry_ids(answers))
+    judge = Judge(
+        config, tenant, lm.tokenizer, tenant.registry_ids(answers), judge_weights(lm, config)
+    )
     summary: dict[str, Any] = {
         "config": asdict(config),
         "answers": len(answers),
@@ -964,9 +984,25 @@ def run_forgery(
     }
     cpu.lap("judging")
     summary["cpu_seconds"] = dict(cpu.spent)
-    (out / f"summary-{config.budget_tokens}.json").write_text(json.dumps(summary, indent=1))
-    (out / f"report-{config.budget_tokens}.md").write_text(report(summary))
+    name = f"{config.budget_tokens}" + ("-model" if config.judge == "model" else "")
+    (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
+    (out / f"report-{name}.md").write_text(report(summary))
     return summary
+
+
+def judge_weights(lm: Any, config: ForgeryConfig) -> Callable[[list[list[int]]], list[Any]] | None:
+    """The served model's token weights for the judge (``config.judge == "model"``), as a
+    generator replica computes them; None for the model-free verdict and for KGW."""
+    if config.judge != "model" or config.scenario == "kgw":
+        return None
+    from worldcup_core.model_weights import model_token_weights, weights_model
+
+    weigher = weights_model(lm.model)
+
+    def weights(texts: list[list[int]]) -> list[Any]:
+        return model_token_weights(weigher, texts, pad_token_id=lm.pad_token_id)
+
+    return weights
 
 
 def report(summary: dict[str, Any]) -> str:
@@ -976,7 +1012,8 @@ def report(summary: dict[str, Any]) -> str:
     accept = "KGW z-test p < 1e-3" if kgw else "verdict watermarked (p < 1e-6)"
     lines = [
         f"## Forgery: scenario `{cfg['scenario']}`, {cfg['accounts']} account(s), "
-        f"budget {cfg['budget_tokens']:,} tokens",
+        f"budget {cfg['budget_tokens']:,} tokens, judged by the "
+        f"{cfg.get('judge', 'model_free')} verdict",
         "",
         f"{summary['answers']} answers, {summary['answer_tokens']:,} tokens; "
         f"registry entries at judging: {summary['registry_entries']}; learned: "
@@ -1046,6 +1083,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"
     )
+    ap.add_argument(
+        "--judge",
+        choices=JUDGES,
+        default="model",
+        help="the verdict judged: model (default; a generator replica's, every test weighed "
+        "by the model) or model_free (the detector role's)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -1063,6 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         human_texts=args.human_texts,
         batch_size=args.batch_size,
         seed=args.seed,
+        judge=args.judge,
     )
     lm = load_model(args.model, device=args.device)
     summary = run_forgery(config, args.out, lm, args.data_dir)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,12 @@ from app.services.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import DecodeResult, RegistryMatch
-from worldcup_core.detector_weighted import best_verdict_log_p, verdict_match
+from worldcup_core.detector_model import model_applies, model_text_cells
+from worldcup_core.detector_weighted import (
+    best_verdict_log_p,
+    verdict_decode_many,
+    verdict_match,
+)
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
 from worldcup_core.registry_lookup import (
@@ -159,12 +164,22 @@ class _Assessed:
 class Scanner:
     """Holds the tokenizer and the key bank of one worker; scans batches of rows."""
 
-    def __init__(self, spec: ScanSpec, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        spec: ScanSpec,
+        tokenizer: Any = None,
+        token_weights: Callable[[list[list[int]]], list[npt.NDArray[np.float64]]] | None = None,
+    ) -> None:
+        """``token_weights``: the served model's weights of a batch of texts
+        (:func:`worldcup_core.model_weights.model_token_weights` over a loaded model), for
+        the model statistic in every test, as the API's generator replicas answer; None:
+        model-free, as the detector role's."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
         if tokenizer is None:
             tokenizer = _tokenizer(spec.model)
         self.spec = spec
         self.tokenizer = tokenizer
+        self.token_weights = token_weights
         self.schemes: list[WorldCup] = [k.worldcup() for k in spec.keys.keys]
         self.bank = KeyBank(self.schemes) if spec.mode == "provenance" else None
         self._candidates: dict[tuple[int, int], _Registry] = {}
@@ -193,17 +208,23 @@ class Scanner:
                 except Exception:
                     ids.append([])
                     out[good[j]]["error"] = "untokenizable: the tokenizer rejected the text"
+        weights: list[npt.NDArray[np.float64] | None] = [None] * len(ids)
+        if self.token_weights is not None:
+            weighed = [j for j, t in enumerate(ids) if t and out[good[j]]["error"] is None]
+            for j, w in zip(weighed, self.token_weights([ids[j] for j in weighed]), strict=True):
+                weights[j] = w
         for j, text_ids in enumerate(ids):
             row = out[good[j]]
             if row["error"] is not None:
                 continue
-            found = self._assess(text_ids)
+            found = self._assess(text_ids, weights[j])
             said = found.assessment
+            model = weights[j] is not None and any(model_applies(s.config) for s in self.schemes)
             row.update(
                 is_watermarked=said.is_watermarked,
                 verdict=said.verdict,
                 verdict_statistic=said.statistic,
-                statistic="model_free",
+                statistic="model" if model else "model_free",
                 reason=said.reason,
                 tokens_needed=said.tokens_needed,
                 p_value=said.p_value,
@@ -234,10 +255,12 @@ class Scanner:
         return out
 
     # ------------------------------------------------------------------ scoring
-    def _assess(self, ids: list[int]) -> _Assessed:
+    def _assess(self, ids: list[int], weights: npt.NDArray[np.float64] | None = None) -> _Assessed:
         """The text's one verdict, as the service gives it to the same asker
         (:func:`worldcup_core.assess.assess`, fed the same tests): in detect mode the
-        tenant's versions, in provenance mode every key of the bank."""
+        tenant's versions, in provenance mode every key of the bank; with the text's
+        model ``weights``, every test model-weighted where the scheme allows."""
+        ws = None if weights is None else [weights]
         if self.spec.mode == "detect":
             indices = list(range(len(self.schemes)))
             per_key = [self.schemes[i].detect(ids, None, self.spec.significance) for i in indices]
@@ -256,14 +279,14 @@ class Scanner:
             best = result.best.index
             indices = [best]
         schemes = [self.schemes[i] for i in indices]  # the verdict's statistics: as the service
-        detect_p = math.exp(float(best_verdict_log_p(schemes, [ids], None)[0][0]))
+        detect_p = math.exp(float(best_verdict_log_p(schemes, [ids], None, ws)[0][0]))
         issued = sorted({b for i in indices for b in self._registry(i)})
         lengths = self.payload_lengths(indices)
         tests = [TestP("detect", detect_p, key_version=best)]
         chosen: _Decoded | None = None
         for num_bits in lengths:
-            decoded = self._decode(indices, ids, num_bits)
-            known = float(best_verdict_log_p(schemes, [ids], num_bits)[0][0])
+            decoded = self._decode(indices, ids, num_bits, weights)
+            known = float(best_verdict_log_p(schemes, [ids], num_bits, ws)[0][0])
             tests.append(TestP("decode", math.exp(known), num_bits))
             if num_bits in issued:
                 p = decoded.match.p_value if decoded.match is not None else None
@@ -306,7 +329,11 @@ class Scanner:
         return cached
 
     def _match(
-        self, key_index: int, ids: list[int], num_bits: int
+        self,
+        key_index: int,
+        ids: list[int],
+        num_bits: int,
+        weights: npt.NDArray[np.float64] | None = None,
     ) -> tuple[RegistryMatch, int | None, bool] | None:
         """The registry's best entry for the text, its id (None: a recorded client
         payload) and whether it is past the retention: exhaustive for a small registry,
@@ -317,21 +344,27 @@ class Scanner:
         if size == 0:
             return None
         scheme = self.schemes[key_index]
-        ones, trials, _ = scheme.evidence(ids).cells(scheme.config.symbols_for(num_bits))
-        cells = text_cells(ones, trials, num_bits)
+        if weights is not None and model_applies(scheme.config):  # as the service's
+            ones, trials, weighted = model_text_cells(
+                scheme.key, scheme.config, ids, num_bits, weights
+            )
+            cells = text_cells(ones, trials, num_bits, weighted)
+        else:
+            ones, trials, _ = scheme.evidence(ids).cells(scheme.config.symbols_for(num_bits))
+            cells = text_cells(ones, trials, num_bits)
         if not use_list(num_bits, size):
             payloads = np.concatenate([registry.payloads, registry.client])
             match = exhaustive_match(cells, payloads, size)
             if match is None:
                 return None
             if match.index >= registry.payloads.size:  # a client payload: no entry
-                return verdict_match(scheme, ids, match, size), None, False
+                return verdict_match(scheme, ids, match, size, weights), None, False
             expired = match.index < registry.expired
             message_id = (
                 match.index + 1 if expired else int(registry.ids[match.index - registry.expired])
             )
             # the registry test the verdict takes, as the service's (layer-weighted)
-            return verdict_match(scheme, ids, match, size), message_id, expired
+            return verdict_match(scheme, ids, match, size, weights), message_id, expired
         plist = payload_list(cells)
         listed = registry.codec.message_id_ints(plist.payloads)
         live = np.zeros(listed.shape, dtype=bool)
@@ -344,20 +377,32 @@ class Scanner:
         if found is None:
             return None
         named = None if chosen[found.match.index] else found.message_id
-        return verdict_match(scheme, ids, found.match, size), named, found.expired
+        return verdict_match(scheme, ids, found.match, size, weights), named, found.expired
 
-    def _decode(self, indices: list[int], ids: list[int], num_bits: int) -> _Decoded:
+    def _decode(
+        self,
+        indices: list[int],
+        ids: list[int],
+        num_bits: int,
+        weights: npt.NDArray[np.float64] | None = None,
+    ) -> _Decoded:
         """As the service's decode_texts: decode under each key, keep the most
         significant, and match it against that key's registry at this length."""
         best_index, best_result = indices[0], None
         for i in indices:
-            result = self.schemes[i].decode(ids, num_bits, significance=self.spec.significance)
+            if weights is not None and model_applies(self.schemes[i].config):
+                result = verdict_decode_many(
+                    self.schemes[i], [ids], num_bits, [weights],
+                    significance=self.spec.significance,
+                )[0]  # fmt: skip
+            else:
+                result = self.schemes[i].decode(ids, num_bits, significance=self.spec.significance)
             if best_result is None or (
                 result.detection.log10_p_value < best_result.detection.log10_p_value
             ):
                 best_index, best_result = i, result
         assert best_result is not None
-        matched = self._match(best_index, ids, num_bits)
+        matched = self._match(best_index, ids, num_bits, weights)
         if matched is None:
             return _Decoded(best_result, None, None, best_index)
         match, message_id, expired = matched
