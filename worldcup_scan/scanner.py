@@ -60,8 +60,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("is_watermarked", "bool"),
     ("verdict", "string"),  # worldcup_core.assess: the API's verdict for the same asker
     ("verdict_statistic", "string"),  # the test that decided
-    # which statistic the tests took: always model_free here (a scan loads the tokenizer
-    # only; the API's answers say model where the served model weighs tokens, issue #44)
+    # which statistic the tests took: model_free for `worldcup scan` (it loads the
+    # tokenizer only), model where the Scanner is given the model's token weights (the
+    # forgery judge), as the API's answers say it (issue #44)
     ("statistic", "string"),
     ("reason", "string"),  # why inconclusive: too_short or some_evidence (as the API's)
     ("tokens_needed", "int64"),  # scored tokens an inconclusive answer would need
