@@ -7,7 +7,7 @@ Prints one JSON object. For each precision of detection's forward passes
   (:meth:`app.engines.hf.HFEngine.token_weights`, its own batching policy);
 * ``model``: weights, then the tests weighted, as a /decode of the model-assisted
   statistic costs (the verdict's tests, :func:`app.services.watermark.verdict_stats`,
-  and the decoder's reading, :func:`app.services.watermark.decode_one`);
+  and the decoder's reading, :func:`worldcup_core.detector_weighted.verdict_decode_many`);
 * ``beside_generation``: generation and detection at once on the engine's thread
   (its time share), each one's rate then;
 
@@ -50,8 +50,9 @@ import torch
 
 from app.core.metrics import Metrics
 from app.engines.hf import HFEngine
-from app.services.watermark import decode_one, verdict_stats
+from app.services.watermark import verdict_stats
 from worldcup_core import SamplingConfig, WatermarkConfig, WatermarkKey, WorldCup
+from worldcup_core.detector_weighted import verdict_decode_many
 from worldcup_core.generation import GenerationRequest, GenerationResult
 from worldcup_core.model_weights import weights_model
 from worldcup_core.models import load_model
@@ -81,7 +82,7 @@ class Clock:
 def _score(scheme: WorldCup, texts: list[list[int]], weights: Any) -> None:
     verdict_stats([(1, scheme)], texts, [NUM_BITS], weights)
     for i, ids in enumerate(texts):
-        decode_one(scheme, ids, NUM_BITS, None if weights is None else weights[i])
+        verdict_decode_many(scheme, [ids], NUM_BITS, None if weights is None else [weights[i]])
 
 
 async def _generate(engine: HFEngine, rows: int, tokens: int) -> tuple[int, float]:

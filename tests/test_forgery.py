@@ -35,6 +35,7 @@ from worldcup_eval.forgery import (
     human_chunks,
     judge_weights,
     load_prompts,
+    main,
     negate,
     read_jsonl,
     run_forgery,
@@ -256,3 +257,11 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     assert sum(s["named"] == a["message_id"] for s, a in zip(said, answers, strict=True)) >= 8
     humans = human_chunks(load_prompts(data_dir, 4), word_lm.tokenizer, 30, 120)
     assert not any(s["watermarked"] for s in model_judge.judge(humans))
+
+
+def test_a_bad_device_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--scenario", "kgw", "--budget-tokens", "10", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--device", "nonsense"])
+    assert stopped.value.code == 2
+    assert "unknown device 'nonsense'" in capsys.readouterr().err

@@ -363,8 +363,6 @@ def run_jobs(
             # would spend about a quarter of the run re-padding
             if done_rows and config.batch_size - len(batch) >= max(1, config.batch_size // 4):
                 refill()
-            elif not len(batch):
-                refill()
 
 
 def collect_answers(
@@ -1093,7 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from worldcup_core.models import load_model
+    from worldcup_core.models import ModelLoadError, load_model
 
     torch.set_num_threads(args.threads)
     config = ForgeryConfig(
@@ -1109,7 +1107,10 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         judge=args.judge,
     )
-    lm = load_model(args.model, device=args.device)
+    try:
+        lm = load_model(args.model, device=args.device)
+    except ModelLoadError as exc:
+        ap.error(str(exc))
     summary = run_forgery(config, args.out, lm, args.data_dir)
     sys.stdout.write(report(summary))
     return 0

@@ -32,11 +32,12 @@ from app.services.corpus import Fields, Part, RawRow, read_part
 from worldcup_core import WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import DecodeResult, RegistryMatch
-from worldcup_core.detector_model import model_applies, model_text_cells
 from worldcup_core.detector_weighted import (
     best_verdict_log_p,
     verdict_decode_many,
     verdict_match,
+    verdict_text_cells,
+    weighted_applies,
 )
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
@@ -44,7 +45,6 @@ from worldcup_core.registry_lookup import (
     exhaustive_match,
     list_match,
     payload_list,
-    text_cells,
     use_list,
 )
 from worldcup_core.verdict import MIN_SCORED_TOKENS
@@ -220,7 +220,7 @@ class Scanner:
                 continue
             found = self._assess(text_ids, weights[j])
             said = found.assessment
-            model = weights[j] is not None and any(model_applies(s.config) for s in self.schemes)
+            model = weights[j] is not None and any(weighted_applies(s.config) for s in self.schemes)
             row.update(
                 is_watermarked=said.is_watermarked,
                 verdict=said.verdict,
@@ -345,14 +345,7 @@ class Scanner:
         if size == 0:
             return None
         scheme = self.schemes[key_index]
-        if weights is not None and model_applies(scheme.config):  # as the service's
-            ones, trials, weighted = model_text_cells(
-                scheme.key, scheme.config, ids, num_bits, weights
-            )
-            cells = text_cells(ones, trials, num_bits, weighted)
-        else:
-            ones, trials, _ = scheme.evidence(ids).cells(scheme.config.symbols_for(num_bits))
-            cells = text_cells(ones, trials, num_bits)
+        cells = verdict_text_cells(scheme, ids, num_bits, weights)
         if not use_list(num_bits, size):
             payloads = np.concatenate([registry.payloads, registry.client])
             match = exhaustive_match(cells, payloads, size)
@@ -391,13 +384,13 @@ class Scanner:
         significant, and match it against that key's registry at this length."""
         best_index, best_result = indices[0], None
         for i in indices:
-            if weights is not None and model_applies(self.schemes[i].config):
-                result = verdict_decode_many(
-                    self.schemes[i], [ids], num_bits, [weights],
-                    significance=self.spec.significance,
-                )[0]  # fmt: skip
-            else:
-                result = self.schemes[i].decode(ids, num_bits, significance=self.spec.significance)
+            result = verdict_decode_many(
+                self.schemes[i],
+                [ids],
+                num_bits,
+                None if weights is None else [weights],
+                significance=self.spec.significance,
+            )[0]
             if best_result is None or (
                 result.detection.log10_p_value < best_result.detection.log10_p_value
             ):

@@ -39,13 +39,17 @@ from worldcup_core import DecodeResult, DetectionResult, WorldCup
 from worldcup_core.assess import Assessment, TestP, assess
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.detector import z_from_log_p
-from worldcup_core.detector_model import model_applies, model_decode_many, model_text_cells
-from worldcup_core.detector_weighted import best_verdict_log_p, verdict_match
+from worldcup_core.detector_weighted import (
+    best_verdict_log_p,
+    verdict_decode_many,
+    verdict_match,
+    verdict_text_cells,
+)
 from worldcup_core.evidence import text_coverage
 from worldcup_core.islands import Coverage
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank, ProvenanceResult
-from worldcup_core.registry_lookup import U64, TextCells, payload_list, text_cells
+from worldcup_core.registry_lookup import U64, TextCells, payload_list
 from worldcup_core.scoring import sidak_log_p
 from worldcup_core.verdict import VERDICT_CLEAN_FROM
 
@@ -151,32 +155,6 @@ def verdict_stats(
     ]
 
 
-def decode_one(
-    scheme: WorldCup, token_ids: list[int], num_bits: int, weights: F64 | None
-) -> DecodeResult:
-    """The decoder's reading of one text: from the model-weighted cells (per-bit
-    evidence, list ranking, the test at this length) where the weights apply."""
-    if weights is not None and model_applies(scheme.config):
-        config = scheme.config
-        return model_decode_many(scheme.key, config, [token_ids], num_bits, [weights])[0]
-    return scheme.decode(token_ids, num_bits)
-
-
-def registry_cells(
-    scheme: WorldCup, token_ids: list[int], num_bits: int, weights: F64 | None
-) -> TextCells:
-    """The cells a registry match ranks entries on: weighted where the weights apply
-    (the unweighted counts kept for the contradiction check)."""
-    if weights is not None and model_applies(scheme.config):
-        ones, trials, weighted = model_text_cells(
-            scheme.key, scheme.config, token_ids, num_bits, weights
-        )
-        return text_cells(ones, trials, num_bits, weighted)
-    symbols = scheme.config.symbols_for(num_bits)
-    ones, trials, _ = scheme.evidence(token_ids).cells(symbols)
-    return text_cells(ones, trials, num_bits)
-
-
 def assess_outcomes(
     stats: VerdictStats,
     decoded: dict[int, DecodeOutcome],
@@ -269,7 +247,9 @@ class WatermarkService:
             for token_ids, w in chunk:
                 best: DecodeOutcome | None = None
                 for v in versions:
-                    result = decode_one(v.scheme, token_ids, num_bits, w)
+                    result = verdict_decode_many(
+                        v.scheme, [token_ids], num_bits, None if w is None else [w]
+                    )[0]
                     if best is None or (
                         result.detection.log10_p_value < best.result.detection.log10_p_value
                     ):
@@ -279,7 +259,7 @@ class WatermarkService:
                 plan = plans[best.key_version]
                 found, pending, deferred = None, None, None
                 if plan.candidates > 0:
-                    cells = registry_cells(scheme, token_ids, num_bits, w)
+                    cells = verdict_text_cells(scheme, token_ids, num_bits, w)
                     if plan.payloads is None:
                         pending = self.registry.prepare_list(plan, cells)
                     elif plan.client == 0:
