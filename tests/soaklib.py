@@ -622,7 +622,7 @@ async def run_soak(
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
         r = await client.post(
             "/admin/tenants",  # some generates choose their payload: the grant
-            json={"name": f"soak-{time.time_ns()}", "scopes": ["fixed_payload"]},
+            json={"name": f"soak-{time.time_ns()}", "scopes": ["fixed_payload", "provenance"]},
             headers=admin,
         )
         r.raise_for_status()

@@ -73,7 +73,8 @@ class Service:
         self.http = httpx.Client(base_url=server.url, timeout=180)
         r = self.http.post(
             "/admin/tenants",
-            json={"name": "t", "scopes": ["fixed_payload"]},
+            # decoded bits are compared with the chosen ones: an analyst's key
+            json={"name": "t", "scopes": ["fixed_payload", "provenance"]},
             headers={"Authorization": f"Bearer {ADMIN}"},
         )
         assert r.status_code == 201, r.text

@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_service_api import (
     ADMIN,
+    ANALYST,
     MASTER_KEY,
     assert_error,
     fixed_watermark_keys,
@@ -157,7 +158,7 @@ def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> 
     as the client's own payload (``client_payload``), never as another user's entry,
     by /decode and /provenance alike."""
     with fixed_watermark_keys(71):
-        tenant_id, auth = new_tenant(client)
+        tenant_id, auth = new_tenant(client, scopes=ANALYST)  # it reads issued bits
     _other_entries(client, auth)  # other users' entries the text could be mistaken for
     bits = "0110100111000101"
     text = _text_under(client, auth, bits)
@@ -167,6 +168,13 @@ def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> 
     assert match is not None, dec
     assert match["client_payload"] is True and match["bits"] == bits, match
     assert match["message_id"] is None and match["metadata"] == {}, match
+    # a key that may not choose payloads learns that a client chose one, not its bits
+    body = {"name": "reader", "scopes": ["decode"], "detail": "full"}
+    made = client.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
+    reader = {"Authorization": f"Bearer {made.json()['api_key']}"}
+    seen = client.post("/decode", json={"text": text, "num_bits": 16}, headers=reader).json()
+    assert seen["registry_match"]["client_payload"] is True, seen
+    assert seen["registry_match"]["bits"] is None and seen["bits"] is None, seen
     found = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
     entry = found["match"]["registry_entry"]
     assert found["match"]["tenant_id"] == tenant_id and entry["client_payload"] is True, found
@@ -187,7 +195,7 @@ def test_a_scan_of_the_store_names_a_client_payload_as_the_api_does(
     payload (``client_payload``, no ``message_id``), as /decode names it, never as that
     entry, which the same scan without the recorded payloads names."""
     with fixed_watermark_keys(71):
-        tenant_id, auth = new_tenant(client)
+        tenant_id, auth = new_tenant(client, scopes=ANALYST)  # it reads issued bits
     entries = _other_entries(client, auth)
     near_id, near_bits = entries[2]  # the client's payload: one bit from this entry's
     bits = near_bits[:7] + ("1" if near_bits[7] == "0" else "0") + near_bits[8:]

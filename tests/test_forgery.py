@@ -228,9 +228,21 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     assert rows["stolen d=8"]["accepted"]["k"] >= 6  # of 8
     assert kgw["human"]["accepted"]["k"] <= 1
 
-    config = _small("per-request")
+    # before the disclosure defence: the API showed every key its answers' payloads and
+    # a victim's (exposure "all"), so the learner conditions and aims at the victim
+    config = _small("per-request", exposure="all")
     wc = run_forgery(config, tmp_path / "wc", word_lm, data_dir, False)
     assert wc["learned"]["conditioned_contexts"] > 0
+    assert any(r["label"].startswith("aimed at victim") for r in wc["spoofs"])
+    assert (tmp_path / "wc" / "summary-2000-exposed.json").is_file()
+    # the service as it is (payload bits only to analysts): the same answers teach no
+    # conditioned counts, and there is no victim payload to aim at
+    after = run_forgery(
+        replace(config, exposure="analysts"), tmp_path / "wc", word_lm, data_dir, False
+    )
+    assert after["learned"]["conditioned_contexts"] == 0
+    assert not any(r["label"].startswith("aimed") for r in after["spoofs"])
+    assert after["learned"]["positions"] == wc["learned"]["positions"]
     rows = {r["label"]: r for r in wc["spoofs"]}
     assert rows["plain model d=0"]["watermarked"]["k"] == 0
     for r in wc["spoofs"]:

@@ -237,3 +237,43 @@ def test_the_scan_summary_counts_by_the_row_verdict(world: dict[str, Any]) -> No
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary.hits == sum(r["verdict"] == "watermarked" for r in rows) >= 1
     assert all(r["is_watermarked"] == (r["verdict"] == "watermarked") for r in rows)
+
+
+def test_a_scan_with_the_model_answers_as_the_service(world: dict[str, Any]) -> None:
+    """``worldcup scan --with-model``: each worker loads the model and weighs every test
+    by its token weights, as the service's generator replica does, so a detect scan's rows
+    carry the service's own p-values and verdicts (statistic "model"); the default scan is
+    model-free and says so."""
+    tenant = world["owner"]
+    client, auth = world["client"], world["auth"][tenant]
+    named = world["texts"][tenant]
+    answers = [client.post("/detect", json={"text": t}, headers=auth).json() for _, t in named]
+    assert {a["statistic"] for a in answers} == {"model"}
+    keys = world["keys"]
+    keys = type(keys)(
+        tuple(k for k in keys.keys if k.tenant_id == tenant),
+        {k: v for k, v in keys.registry.items() if k[0] == tenant},
+        None,
+        keys.source,
+    )
+    rows = [RawRow(rid, "mem", i, text, None) for i, (rid, text) in enumerate(named)]
+    spec = ScanSpec(keys, "detect", model=world["model"], with_model=True)
+    scanned = Scanner(spec).scan_rows(rows)
+    assert {r["statistic"] for r in scanned} == {"model"}
+    for row, answer in zip(scanned, answers, strict=True):
+        assert row["verdict"] == answer["verdict"], (row, answer)
+        assert row["p_value"] == pytest.approx(answer["p_value"], rel=1e-6, abs=1e-300)
+    plain = Scanner(ScanSpec(keys, "detect", model=world["model"]), world["tokenizer"])
+    free = plain.scan_rows(rows)
+    assert {r["statistic"] for r in free} == {"model_free"}
+    # the scan's weights are the service's own (this tiny model's are near-uniform, so
+    # they barely move a p-value here: the arrays are compared instead)
+    scanner = Scanner(spec)
+    assert scanner.token_weights is not None
+    ids = [world["tokenizer"](t, add_special_tokens=False).input_ids for _, t in named[:3]]
+    runtime = client.app.state.runtime
+    served = client.portal.call(runtime.watermark.weights.of, ids)
+    assert served is not None
+    for ours, theirs in zip(scanner.token_weights(ids), served, strict=True):
+        assert np.nanstd(ours) > 0
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, equal_nan=True)

@@ -88,7 +88,8 @@ def tenant(http: httpx.Client) -> dict[str, str]:
     with fixed_watermark_keys(4242):
         r = http.post(
             "/admin/tenants",
-            json={"name": f"oa-{uuid.uuid4().hex[:8]}", "scopes": ["fixed_payload"]},
+            # payload bits are shown to analysts' keys only (app.services.disclosure)
+            json={"name": f"oa-{uuid.uuid4().hex[:8]}", "scopes": ["fixed_payload", "provenance"]},
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         )
     assert r.status_code == 201, r.text

@@ -60,7 +60,8 @@ def new_tenant(http: httpx.Client, seed: int) -> dict[str, str]:
     with fixed_watermark_keys(seed):
         r = http.post(
             "/admin/tenants",
-            json={"name": f"oc-{uuid.uuid4().hex[:8]}", "scopes": ["fixed_payload"]},
+            # payload bits are shown to analysts' keys only (app.services.disclosure)
+            json={"name": f"oc-{uuid.uuid4().hex[:8]}", "scopes": ["fixed_payload", "provenance"]},
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         )
     assert r.status_code == 201, r.text

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from test_service_api import ADMIN, fixed_watermark_keys, make_settings, new_tenant
+from test_service_api import ADMIN, ANALYST, fixed_watermark_keys, make_settings, new_tenant
 from test_trust_safety import HUMAN, generate
 
 import app.services.registry as registry_module
@@ -190,8 +190,8 @@ def test_decode_without_a_length_shows_the_issued_one(client: TestClient) -> Non
     settings = client.app.state.runtime.settings  # type: ignore[attr-defined]
     assert settings.default_num_bits != 16
     with fixed_watermark_keys(3639):
-        _, auth = new_tenant(client)
-        _, empty = new_tenant(client)
+        _, auth = new_tenant(client, scopes=ANALYST)  # it reads the decoded bits
+        _, empty = new_tenant(client, scopes=ANALYST)
     issued = generate(client, auth, 41)  # a 16-bit entry
     one = client.post("/decode", json={"text": issued["text"]}, headers=auth).json()
     assert len(one["bits"]) == 16 and one["verdict"] == "watermarked"

@@ -531,6 +531,8 @@ def test_cli_usage_errors_are_one_line(tmp_path: Path) -> None:
         (["scan", str(tmp_path / "nope*.jsonl"), "--out", "o.parquet", "--key-file", "x"], "key"),
         (["scan", str(src), "--out", "o.parquet", "--mode", "both"], "--mode"),
         (["scan", str(src), "--out", "o.parquet", "--store", str(tmp_path / "none.db")], "store"),
+        (["scan", str(src), "--out", "o.jsonl", "--with-model", "--group-by", "u"], "model-free"),
+        (["scan", str(src), "--out", "o.jsonl", "--with-model", "--model", str(tmp_path)], "model"),
     ]
     env = {"WORLDCUP_REDIS_URL": "", "WORLDCUP_SQLITE_PATH": "", "WORLDCUP_MASTER_KEY": "00" * 32}
     for args, needle in cases:

@@ -96,7 +96,7 @@ def client(app: FastAPI) -> Iterator[TestClient]:
 def tenant(client: TestClient) -> tuple[str, dict[str, str]]:
     """A shared tenant for tests that do not count message ids (fixed watermark key)."""
     with fixed_watermark_keys(1234):
-        return new_tenant(client)
+        return new_tenant(client, scopes=ANALYST)
 
 
 STORE_TEST_REDIS_URL = "redis://127.0.0.1:6379/15"  # tests' own DB, each under its own prefix
@@ -143,6 +143,11 @@ def fixed_watermark_keys(seed: int) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tenants_module, "secrets", SimpleNamespace(token_bytes=rng.randbytes))
         yield
+
+
+# a tenant whose primary key sees payload bits (an analyst's: app.services.disclosure),
+# for tests that compare decoded or issued bits
+ANALYST = ("fixed_payload", "provenance")
 
 
 def new_tenant(
@@ -680,7 +685,7 @@ def test_generated_payload_decodes_back(
 
 # --------------------------------------------------------------------------- 5. metadata
 def test_concurrent_metadata_allocation(client: TestClient) -> None:
-    tenant_id, auth = new_tenant(client)
+    tenant_id, auth = new_tenant(client, scopes=ANALYST)
 
     def one(i: int) -> httpx.Response:
         body = gen_body(metadata={"user": f"u{i}", "n": i}, max_new_tokens=2)
@@ -704,8 +709,8 @@ def test_concurrent_metadata_allocation(client: TestClient) -> None:
 
 # --------------------------------------------------------------------------- 6. idempotency
 def test_idempotency_key(client: TestClient) -> None:
-    _, auth = new_tenant(client)
-    _, auth_b = new_tenant(client)
+    _, auth = new_tenant(client, scopes=ANALYST)
+    _, auth_b = new_tenant(client, scopes=ANALYST)
     body = gen_body(metadata={"order": 1}, max_new_tokens=3)
     headers = {**auth, "Idempotency-Key": "order-1"}
 
@@ -931,7 +936,7 @@ def test_detector_role(model_dir: Path, tmp_path: Path) -> None:
         assert c.get("/ready").status_code == 200
         assert c.get("/version").json()["role"] == "detector"
         with fixed_watermark_keys(99):
-            _, auth = new_tenant(c)
+            _, auth = new_tenant(c, scopes=ANALYST)
         err = assert_error(c.post("/generate", json=gen_body(), headers=auth), 501, "detector_role")
         assert "detector" in err["message"] and "/decode" in err["message"]
         # auth still comes first
@@ -1106,8 +1111,8 @@ def test_openapi_documents_the_error_envelope(client: TestClient) -> None:
 # --------------------------------------------------------------------------- 13. isolation
 def test_tenant_isolation(client: TestClient) -> None:
     with fixed_watermark_keys(5678):
-        tenant_a, auth_a = new_tenant(client)
-        tenant_b, auth_b = new_tenant(client)
+        tenant_a, auth_a = new_tenant(client, scopes=ANALYST)
+        tenant_b, auth_b = new_tenant(client, scopes=ANALYST)
     body = gen_body(
         metadata={"owner": "A"}, num_bits=16, max_new_tokens=96, min_new_tokens=96, seed=11
     )

@@ -67,7 +67,8 @@ def http(live: LiveServer) -> Iterator[httpx.Client]:
 def _tenant(http: httpx.Client, name: str) -> dict[str, str]:
     r = http.post(
         "/admin/tenants",
-        json={"name": f"{name}-{uuid.uuid4().hex[:6]}", "scopes": ["fixed_payload"]},
+        # decoded bits are shown to analysts' keys only (app.services.disclosure)
+        json={"name": f"{name}-{uuid.uuid4().hex[:6]}", "scopes": ["fixed_payload", "provenance"]},
         headers={"Authorization": f"Bearer {ADMIN}"},
     )
     assert r.status_code == 201, r.text

@@ -220,8 +220,9 @@ async def ready_with_tenant(
     cold_start = time.perf_counter() - t_start
     progress(f"ready after {cold_start:.2f} s")
     admin = {"Authorization": f"Bearer {admin_token}"}
-    # the benchmarks choose their payloads (the fixed_payload scope)
-    body = {"name": "bench", "scopes": ["fixed_payload"]}
+    # the benchmarks choose their payloads (the fixed_payload scope) and read decoded
+    # bits as analysts do (the provenance scope: app.services.disclosure)
+    body = {"name": "bench", "scopes": ["fixed_payload", "provenance"]}
     r = await client.post("/admin/tenants", json=body, headers=admin)
     r.raise_for_status()
     return cold_start, str(r.json()["api_key"])

@@ -166,7 +166,9 @@ async def _interleaved(arms: list[_Arm], repeats: int, progress: Progress) -> No
         prompts = news_prompts(news_articles(64), repeats * sum(ENGINE_LEVELS) + 1)
         for arm, client in zip(arms, clients, strict=True):
             admin = {"Authorization": f"Bearer {arm.token}"}
-            r = await client.post("/admin/tenants", json={"name": "waves"}, headers=admin)
+            # decoded bits are compared with the issued ones: an analyst's key
+            body = {"name": "waves", "scopes": ["provenance"]}
+            r = await client.post("/admin/tenants", json=body, headers=admin)
             r.raise_for_status()
             arm.load = Load(client, r.json()["api_key"], prompts)
             await arm.load.generate()  # warm: allocator, caches, the first batch

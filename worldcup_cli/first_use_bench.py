@@ -285,7 +285,9 @@ def make_tenants(
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     tenants = []
     for i in range(0, len(chosen), per_tenant):
-        r = client.post("/admin/tenants", json={"name": f"{name}-{i}"}, headers=admin)
+        # bit accuracy needs the issued and decoded bits: an analyst's key (provenance)
+        body = {"name": f"{name}-{i}", "scopes": ["provenance"]}
+        r = client.post("/admin/tenants", json=body, headers=admin)
         body = r.json()
         if "api_key" not in body:
             raise RuntimeError(f"/admin/tenants failed: {r.status_code} {r.text[:200]}")

@@ -25,6 +25,7 @@ from worldcup_core.token_weights import DETECTION_SAMPLING, F64, ngram_bans
 
 DEFAULT_BATCH = 8
 DEFAULT_CHUNK = 256  # vocabulary-wide logit rows filtered at once
+WINDOW_TOKENS = 2048  # longer texts are read in windows, each from its own start
 BLOCK = 64  # vocabulary block of top_values' first pass
 
 WeightsDtype = Literal["auto", "float32", "bfloat16"]
@@ -99,6 +100,48 @@ def model_token_weights(
         batch = [[int(t) for t in text] for text in texts[start : start + batch_size]]
         out.extend(_batch_weights(model, batch, sampling, prefix, pad_token_id, chunk, device))
     return out
+
+
+def windows(ids: Sequence[int], width: int) -> list[list[int]]:
+    """A text cut into windows of at most ``width`` tokens (one window if it fits)."""
+    tokens = [int(t) for t in ids]
+    if len(tokens) <= width:
+        return [tokens]
+    return [tokens[i : i + width] for i in range(0, len(tokens), width)]
+
+
+def join_windows(cut: Sequence[Sequence[object]], found: Sequence[F64]) -> list[F64]:
+    """Each text's weights from its windows' (``found``: every text's windows in turn,
+    as :func:`windows` cut them into ``cut``), joined back into one array per text."""
+    joined: list[F64] = []
+    at = 0
+    for parts in cut:
+        joined.append(np.concatenate(found[at : at + len(parts)]))
+        at += len(parts)
+    return joined
+
+
+def windowed_token_weights(
+    model: Any,
+    texts: Sequence[Sequence[int]],
+    width: int = WINDOW_TOKENS,
+    batch_size: int = DEFAULT_BATCH,
+    pad_token_id: int = 0,
+) -> list[F64]:
+    """:func:`model_token_weights` as the service's HF engine computes them: texts
+    longer than ``width`` tokens read in windows, each from its own start, and the
+    windows batched longest first (like lengths, little padding). The weights still
+    depend on the text and the model only."""
+    cut = [windows(t, width) for t in texts]
+    flat = [w for parts in cut for w in parts]
+    order = sorted(range(len(flat)), key=lambda i: -len(flat[i]))
+    found = model_token_weights(
+        model, [flat[i] for i in order], batch_size=batch_size, pad_token_id=pad_token_id
+    )
+    out: list[F64] = [np.empty(0)] * len(flat)
+    for i, w in zip(order, found, strict=True):
+        out[i] = w
+    return join_windows(cut, out)
 
 
 def _batch_weights(

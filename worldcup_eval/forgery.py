@@ -17,7 +17,10 @@ HTTP server, for speed) under the tenant's key, with the payload the scenario gi
   the registry test (as the judge does here): a text matching one names no entry.
 * ``per-request``: the service's default. Each ``/generate`` with metadata allocates
   the next registry message id, whose payload (keyed, :class:`MessageIdCodec`) the
-  answer carries; the API returns the payload bits, so the attacker knows them.
+  answer carries. Today the API shows those bits only to analysts' keys
+  (``exposure="analysts"``, :mod:`app.services.disclosure`), so the attacker does not
+  know them; ``exposure="all"`` measures the service before that defence, when every
+  key saw its answers' payloads and the decoded bits of any text (a victim's too).
   Accounts of one tenant share its key and draw from the same registry, so 1, 2 or 4
   colluding accounts collect exactly the same data as one with their pooled budget
   (``--accounts`` only labels the answers); accounts of *different* tenants hold
@@ -73,6 +76,11 @@ from typing import Any, Final
 
 SCENARIOS: Final = ("fixed", "per-request", "kgw")
 JUDGES: Final = ("model", "model_free")
+# what the API shows the attacker (app.services.disclosure): "analysts", the service as
+# it is (payload bits only to keys with the provenance scope: the attacker knows only the
+# payloads it chose itself); "all", as it was before that defence (every key saw its
+# answers' payloads and the decoded bits of any text, so a victim's payload leaked too)
+EXPOSURES: Final = ("analysts", "all")
 ANSWERS: Final = "answers.jsonl"
 SPOOFS: Final = "spoofs-{budget}.jsonl"  # per budget: the spoofer learned from that many
 EDITS: Final = "piggyback-{budget}.jsonl"
@@ -107,6 +115,7 @@ class ForgeryConfig:
     # the verdict judged: "model" (every test weighed by the model's token weights, as a
     # generator replica answers) or "model_free" (as the detector role answers)
     judge: str = "model_free"
+    exposure: str = "analysts"
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -117,10 +126,27 @@ class ForgeryConfig:
             raise ValueError("the victim must be one of the bystanders' entries")
         if self.judge not in JUDGES:
             raise ValueError(f"judge must be one of {JUDGES}, got {self.judge!r}")
+        if self.exposure not in EXPOSURES:
+            raise ValueError(f"exposure must be one of {EXPOSURES}, got {self.exposure!r}")
 
     @property
     def watermarked_by_worldcup(self) -> bool:
         return self.scenario != "kgw"
+
+    @property
+    def knows_payloads(self) -> bool:
+        """Whether the attacker knows its answers' payloads and they vary: its own
+        chosen ones (several ``fixed`` accounts), or issued ones while the API showed
+        them to every key (``exposure="all"``)."""
+        if self.scenario == "fixed":
+            return self.accounts > 1
+        return self.scenario == "per-request" and self.exposure == "all"
+
+    @property
+    def knows_victim(self) -> bool:
+        """Whether a victim's registry payload can leak to the attacker (a ``/decode``
+        of one of the victim's texts showed its bits before the defence)."""
+        return self.exposure == "all" and self.scenario != "kgw"
 
 
 # ----------------------------------------------------------------------------- the tenant
@@ -487,7 +513,7 @@ def learn_from(answers: Sequence[dict[str, Any]], config: ForgeryConfig) -> Any:
     from worldcup_eval.stealing import LearnerConfig, learn
 
     width = 1 if config.scenario == "kgw" else _worldcup_width()
-    vary = config.scenario == "per-request" or (config.scenario == "fixed" and config.accounts > 1)
+    vary = config.knows_payloads
     rows = ((a["tokens"], a["base"], a["bits"] if vary else None) for a in answers)
     return learn(rows, LearnerConfig(width=width, top_p=config.top_p))
 
@@ -524,8 +550,7 @@ def variants(config: ForgeryConfig, tenant: Tenant) -> list[Variant]:
     and best-of-n against the oracle on the strongest of them."""
     out = [Variant("plain model", 0.0)]
     out += [Variant("stolen", d) for d in config.deltas]
-    aimed = config.scenario == "per-request" or (config.scenario == "fixed" and config.accounts > 1)
-    if aimed:
+    if config.knows_payloads and config.knows_victim:
         victim = tenant.victim_payload()
         out += [Variant("aimed at victim", d, True, victim) for d in config.deltas]
     if config.best_of > 1 and config.deltas:
@@ -982,7 +1007,11 @@ def run_forgery(
     }
     cpu.lap("judging")
     summary["cpu_seconds"] = dict(cpu.spent)
-    name = f"{config.budget_tokens}" + ("-model" if config.judge == "model" else "")
+    name = (
+        f"{config.budget_tokens}"
+        + ("-model" if config.judge == "model" else "")
+        + ("-exposed" if config.exposure == "all" else "")
+    )
     (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
     (out / f"report-{name}.md").write_text(report(summary))
     return summary
@@ -1011,7 +1040,8 @@ def report(summary: dict[str, Any]) -> str:
     lines = [
         f"## Forgery: scenario `{cfg['scenario']}`, {cfg['accounts']} account(s), "
         f"budget {cfg['budget_tokens']:,} tokens, judged by the "
-        f"{cfg.get('judge', 'model_free')} verdict",
+        f"{cfg.get('judge', 'model_free')} verdict; payload bits shown to "
+        f"{'analysts only' if cfg.get('exposure', 'all') == 'analysts' else 'every key'}",
         "",
         f"{summary['answers']} answers, {summary['answer_tokens']:,} tokens; "
         f"registry entries at judging: {summary['registry_entries']}; learned: "
@@ -1082,6 +1112,14 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N"
     )
     ap.add_argument(
+        "--exposure",
+        choices=EXPOSURES,
+        default="analysts",
+        help="what the API shows the attacker: analysts (default; the service as it is: "
+        "payload bits only to analysts' keys) or all (before that defence: every key saw "
+        "payload bits, a victim's included)",
+    )
+    ap.add_argument(
         "--judge",
         choices=JUDGES,
         default="model",
@@ -1106,6 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
         judge=args.judge,
+        exposure=args.exposure,
     )
     try:
         lm = load_model(args.model, device=args.device)

@@ -113,8 +113,23 @@ def scan(
     ] = MIN_SCORED_TOKENS,
     max_chars: Annotated[int, typer.Option("--max-chars")] = 1_000_000,
     model: Annotated[
-        str | None, typer.Option("--model", help="Tokenizer directory (default: embedded).")
+        str | None,
+        typer.Option(
+            "--model",
+            help="A local model directory: its tokenizer, and with --with-model its weights "
+            "(default: the embedded SmolLM2, which the service serves).",
+        ),
     ] = None,
+    with_model: Annotated[
+        bool,
+        typer.Option(
+            "--with-model",
+            help="Weigh every test by the model's token weights, as the service's generator "
+            "replicas answer (statistic 'model'; the p-values stay exact). Each worker "
+            "loads the model and runs one forward pass per text: slower than the default "
+            "model-free scan. Use the model the texts were generated with.",
+        ),
+    ] = False,
     restart: Annotated[
         bool, typer.Option("--restart", help="Discard parts left by a different scan.")
     ] = False,
@@ -149,6 +164,17 @@ def scan(
         _fail(f"--num-bits must be in 1..64, got {num_bits}")
     if workers is not None and workers < 1:
         _fail("--workers must be at least 1")
+    if with_model and group_by is not None:
+        _fail("--with-model scans rows one by one; a --group-by read is model-free")
+    if with_model:  # here, not in a worker: a missing model is a usage error
+        from worldcup_core.models import ModelLoadError, resolve_model_dir
+
+        try:
+            found = resolve_model_dir(model, None, need_model=True)
+        except ModelLoadError as exc:
+            _fail(f"--with-model: {exc}")
+        if not (found / "config.json").is_file():
+            _fail(f"--with-model: {found} holds a tokenizer but no model (config.json)")
     if part_rows < 1 or max_chars < 1 or short_tokens < 0:
         _fail("--part-rows and --max-chars must be positive, --short-tokens not negative")
     session: StoreSession | None = None
@@ -181,6 +207,7 @@ def scan(
             significance,
             short_tokens=short_tokens,
             model=model,
+            with_model=with_model,
         )
         options = ScanOptions(
             tuple(inputs),

@@ -60,9 +60,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("is_watermarked", "bool"),
     ("verdict", "string"),  # worldcup_core.assess: the API's verdict for the same asker
     ("verdict_statistic", "string"),  # the test that decided
-    # which statistic the tests took: model_free for `worldcup scan` (it loads the
-    # tokenizer only), model where the Scanner is given the model's token weights (the
-    # forgery judge), as the API's answers say it (issue #44)
+    # which statistic the tests took: model where the Scanner has the model's token
+    # weights (`worldcup scan --with-model`, the forgery judge), else model_free (the
+    # tokenizer only), as the API's answers say it (issue #44)
     ("statistic", "string"),
     ("reason", "string"),  # why inconclusive: too_short or some_evidence (as the API's)
     ("tokens_needed", "int64"),  # scored tokens an inconclusive answer would need
@@ -116,6 +116,9 @@ class ScanSpec:
     # "not_watermarked" is not said: worldcup_core.verdict.MIN_SCORED_TOKENS)
     short_tokens: int = MIN_SCORED_TOKENS
     model: str | None = None  # tokenizer directory; None = the embedded SmolLM2's
+    # weigh every test by the model's token weights, as a generator replica answers
+    # (the model loaded from ``model``, one copy per worker); False: model-free
+    with_model: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -176,6 +179,8 @@ class Scanner:
         the model statistic in every test, as the API's generator replicas answer; None:
         model-free, as the detector role's."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
+        if token_weights is None and spec.with_model:
+            tokenizer, token_weights = _model_weights(spec.model)
         if tokenizer is None:
             tokenizer = _tokenizer(spec.model)
         self.spec = spec
@@ -413,6 +418,28 @@ def _tokenizer(model: str | None) -> Any:
 
         _TOKENIZERS[model] = load_tokenizer(model)
     return _TOKENIZERS[model]
+
+
+def _model_weights(
+    model: str | None,
+) -> tuple[Any, Callable[[list[list[int]]], list[npt.NDArray[np.float64]]]]:
+    """The model's tokenizer and its token weights for a batch of texts, as the service's
+    HF engine computes them (windows of 2 048 tokens, the forward passes in float32 on
+    the CPU unless bfloat16 is native there); one model per worker process."""
+    import torch
+
+    from worldcup_core.model_weights import weights_model, windowed_token_weights
+    from worldcup_core.models import load_model
+
+    torch.set_num_threads(1)  # one core per worker, as the tokenizers
+    lm = load_model(model)
+    weigher = weights_model(lm.model)
+
+    def weigh(texts: list[list[int]]) -> list[npt.NDArray[np.float64]]:
+        with torch.inference_mode():
+            return windowed_token_weights(weigher, texts, pad_token_id=lm.pad_token_id)
+
+    return lm.tokenizer, weigh
 
 
 def _better(a: _Decoded, b: _Decoded) -> bool:

@@ -84,25 +84,6 @@ class GenerationJob:
 F64 = npt.NDArray[np.float64]
 
 
-def windows(ids: Sequence[int], width: int) -> list[list[int]]:
-    """A text cut into windows of at most ``width`` tokens (one window if it fits)."""
-    tokens = [int(t) for t in ids]
-    if len(tokens) <= width:
-        return [tokens]
-    return [tokens[i : i + width] for i in range(0, len(tokens), width)]
-
-
-def join_windows(cut: Sequence[Sequence[object]], found: Sequence[F64]) -> list[F64]:
-    """Each text's weights from its windows' (``found``: every text's windows in turn,
-    as :func:`windows` cut them into ``cut``), joined back into one array per text."""
-    joined: list[F64] = []
-    at = 0
-    for parts in cut:
-        joined.append(np.concatenate(found[at : at + len(parts)]))
-        at += len(parts)
-    return joined
-
-
 class TokenWeigher(Protocol):
     """Runs the served model over texts for detection (no generation, no key)."""
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from app.core.config import Settings
 from app.core.metrics import Metrics
-from app.engines.base import F64, EngineStopped, GenerationJob, QueueFull, join_windows, windows
+from app.engines.base import F64, EngineStopped, GenerationJob, QueueFull
 from worldcup_core import SamplingConfig
 from worldcup_core.batched import warm_up
 from worldcup_core.generation import (
@@ -56,7 +56,13 @@ from worldcup_core.generation import (
     GenerationRequest,
 )
 from worldcup_core.generation import generate as run_generation
-from worldcup_core.model_weights import emulated_bfloat16, model_token_weights, weights_model
+from worldcup_core.model_weights import (
+    emulated_bfloat16,
+    join_windows,
+    model_token_weights,
+    weights_model,
+    windows,
+)
 from worldcup_core.models import load_model
 
 logger = logging.getLogger("worldcup.engine.hf")

@@ -71,8 +71,6 @@ from app.engines.base import (
     GenerationJob,
     QueueFull,
     UnwatermarkedError,
-    join_windows,
-    windows,
 )
 from app.engines.grammar import GRAMMARS
 from app.engines.vllm_keys import (
@@ -93,6 +91,7 @@ from worldcup_core.generation import (
     StepEvent,
     TokenLogprobs,
 )
+from worldcup_core.model_weights import join_windows, windows
 from worldcup_core.models import EMBEDDED_MODEL_ID, resolve_model_dir
 from worldcup_core.token_weights import DETECTION_SAMPLING, token_weights_from_top
 

@@ -32,6 +32,13 @@ __all__ = [
 ]
 
 
+BITS_WITHHELD = (
+    "null unless the key holds the `provenance` scope (an analyst's key): payload bits "
+    "are the labels a watermark-stealing attacker learns from (SECURITY.md, Forgery and "
+    "framing; app.services.disclosure)"
+)
+
+
 class DetectVerdict(StrictModel):
     """/detect under a ``verdict`` key."""
 

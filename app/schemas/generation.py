@@ -307,7 +307,14 @@ class GenerateResponse(StrictModel):
     text: str
     num_tokens: int
     finish_reason: Literal["eos", "length"]
-    payload: PayloadOut
+    payload: PayloadOut | None = Field(
+        description="The payload the text carries: the one the request chose, echoed; a "
+        "registry-issued one only to a key that holds the `provenance` scope (an analyst's "
+        "key), null otherwise. Payload bits are the labels a watermark-stealing attacker "
+        "learns from (SECURITY.md, Forgery and framing): keep message_id instead, which "
+        "names the entry without revealing its bits."
+    )
+    num_bits: int = Field(description="The payload's length in bits.")
     message_id: int | None
     key_version: int
     scheme: str

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from app.schemas.common import StrictModel, StrictRequest
-from app.schemas.exposure import DecodeVerdict, DetectVerdict
+from app.schemas.exposure import BITS_WITHHELD, DecodeVerdict, DetectVerdict
 from worldcup_core.assess import Assessment, TestName, components
 from worldcup_core.verdict import MIN_SCORED_SOURCE, MIN_SCORED_TOKENS, Reason, Verdict
 
@@ -111,7 +111,9 @@ class RegistryMatchOut(StrictModel):
         "another user's entry.",
     )
     bits: str | None = Field(
-        default=None, description="The client-chosen payload matched (client_payload only)."
+        default=None,
+        description="The client-chosen payload matched (client_payload only), to keys that "
+        "may choose payloads (`fixed_payload`) or hold `provenance`; null otherwise.",
     )
 
 
@@ -324,9 +326,16 @@ SIGNIFICANCE_DESCRIPTION = DEPRECATED_ALIAS.format("threshold")
 
 
 class DecodeResponse(_VerdictAnswer):
-    bits: str = Field(description="'0'/'1' per bit; '?' marks an erasure")
-    bit_confidence: list[BitConfidence]
-    erasures: list[int]
+    bits: str | None = Field(
+        description="The decoded payload, '0'/'1' per bit, '?' marking an erasure; "
+        + BITS_WITHHELD
+        + ". registry_match names whose text it is without them."
+    )
+    bit_confidence: list[BitConfidence] | None = Field(
+        description="Per bit, in bit order; null as bits."
+    )
+    num_bits: int = Field(description="The payload length decoded at.")
+    erasures: list[int] = Field(description="The bits too weak to read (indices).")
     is_watermarked: bool = Field(description=IS_WATERMARKED_DESCRIPTION)
     num_tokens: int
     num_scored_tokens: int

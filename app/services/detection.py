@@ -30,6 +30,7 @@ from app.schemas.watermark import (
     verdict_fields,
 )
 from app.services import intake
+from app.services.disclosure import sees_client_bits, sees_registry_bits
 from app.services.evidence import coverage_out, issued_similarity
 from app.services.registry import ambiguous_answer, expired_answer
 from app.services.runtime import Runtime, charge
@@ -50,23 +51,37 @@ def _count(runtime: Runtime, assessment: Assessment, statistic: Statistic) -> No
 
 
 def _decode_response(
-    runtime: Runtime, outcome: DecodeOutcome, assessment: Assessment, statistic: Statistic
+    runtime: Runtime,
+    principal: Principal,
+    outcome: DecodeOutcome,
+    assessment: Assessment,
+    statistic: Statistic,
 ) -> DecodeResponse:
+    """A full /decode answer; the decoded bits and their per-bit confidence only to an
+    analyst's key (:mod:`app.services.disclosure`), a matched client payload's bits only
+    to keys that may choose payloads or are analysts."""
     result, det = outcome.result, outcome.result.detection
     _count(runtime, assessment, statistic)
+    analyst = sees_registry_bits(principal.scopes)
+    match = intake.registry_match(runtime, outcome, assessment)
+    if match is not None and match.bits is not None and not sees_client_bits(principal.scopes):
+        match.bits = None
     return DecodeResponse(
         **verdict_fields(assessment, statistic),
-        bits=result.bits,
+        bits=result.bits if analyst else None,
         bit_confidence=[
             BitConfidence(z=round(z, 4), p_value=p)
             for z, p in zip(result.bit_z, result.bit_p_values, strict=True)
-        ],
+        ]
+        if analyst
+        else None,
+        num_bits=result.num_bits,
         erasures=list(result.erasures),
         is_watermarked=assessment.is_watermarked,
         num_tokens=det.num_tokens,
         num_scored_tokens=det.num_scored_tokens,
         key_version=outcome.key_version,
-        registry_match=intake.registry_match(runtime, outcome, assessment),
+        registry_match=match,
         registry_expired=expired_answer(
             outcome.match, outcome.expired, assessment, runtime.settings
         ),
@@ -210,7 +225,7 @@ async def decode(
     outcome, assessment, statistic = (
         await _decode_outcomes(runtime, principal, [ids], body.num_bits, body.key_version)
     )[0]
-    answer = _decode_response(runtime, outcome, assessment, statistic)
+    answer = _decode_response(runtime, principal, outcome, assessment, statistic)
     if not _is_verdict(principal):
         await _add_coverage(
             runtime, principal, [answer], [ids], [outcome.result.num_bits],
@@ -254,7 +269,7 @@ async def decode_batch(
     issued: list[tuple[RegistryEntry | None, str]] = []
     for index, text_ids, (outcome, assessment, statistic) in zip(good, ids, outcomes, strict=True):
         try:
-            answers.append(_decode_response(runtime, outcome, assessment, statistic))
+            answers.append(_decode_response(runtime, principal, outcome, assessment, statistic))
             answered.append(index)
             answered_ids.append(text_ids)
             lengths.append(outcome.result.num_bits)

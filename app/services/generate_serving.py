@@ -30,6 +30,7 @@ from app.schemas.generation import (
     prompt_chars_limit,
 )
 from app.services import generation as gen
+from app.services.disclosure import redact_stored, reveals_generated
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion
 from app.stores.base import IdempotencyRecord
@@ -56,7 +57,7 @@ async def serve(
     if idempotency_key is not None:
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, body_hash)
         if stored is not None:
-            return _replay(stored, body.stream)
+            return _replay(stored, body.stream, scopes)
     gen.ensure_queue_room(runtime, engine)  # refuse before allocating a message id
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
     prompt_ids = await runtime.offload(lambda: gen.prompt_ids(runtime, body.prompt, messages))
@@ -67,7 +68,7 @@ async def serve(
     if idempotency_key is not None:
         claimed = await gen.claim(runtime, tenant_id, idempotency_key, body_hash)
         if isinstance(claimed, IdempotencyRecord):
-            return _replay(claimed, body.stream)
+            return _replay(claimed, body.stream, scopes)
         claim = claimed
     try:
         return await _run(body, request, runtime, tenant_id, engine, key, prompt_ids, claim, scopes)
@@ -137,7 +138,11 @@ async def _run(
         metadata = body.metadata if body.metadata is not None else {}
         payload, message_id = await gen.allocate(runtime, tenant_id, key, metadata, body.num_bits)
     sampling = _sampling(body)
-    sample = gen.submit(runtime, engine, tenant_id, key, prompt_ids, sampling, payload, message_id)
+    reveal = reveals_generated(scopes, client_chosen=body.payload is not None)
+    sample = gen.submit(
+        runtime, engine, tenant_id, key, prompt_ids, sampling, payload, message_id,
+        reveal_payload=reveal,
+    )  # fmt: skip
     if body.stream:
         return StreamingResponse(
             _stream(sample, claim, request, engine),
@@ -173,7 +178,10 @@ def _response(sample: gen.Sample, result: GenerationResult) -> GenerateResponse:
             bits=sample.payload.bits,
             hex=format(sample.payload.to_int(), "x"),
             num_bits=sample.payload.num_bits,
-        ),
+        )
+        if sample.reveal_payload
+        else None,
+        num_bits=sample.payload.num_bits,
         message_id=sample.message_id,
         key_version=sample.key.version,
         scheme=sample.key.scheme.version,
@@ -241,14 +249,15 @@ async def _stream(
     yield b"data: [DONE]\n\n"
 
 
-def _replay(stored: IdempotencyRecord, stream: bool) -> Any:
+def _replay(stored: IdempotencyRecord, stream: bool, scopes: frozenset[str]) -> Any:
     headers = {"Idempotent-Replayed": "true"}
+    response = redact_stored(stored.response, scopes)  # as this key may see it
     if not stream:
-        return JSONResponse(stored.response, status_code=stored.status_code, headers=headers)
+        return JSONResponse(response, status_code=stored.status_code, headers=headers)
 
     async def events() -> AsyncIterator[bytes]:
-        yield _sse(json.dumps({"token_id": None, "text": stored.response.get("text", "")}))
-        yield _sse(json.dumps(stored.response), "result")
+        yield _sse(json.dumps({"token_id": None, "text": response.get("text", "")}))
+        yield _sse(json.dumps(response), "result")
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -23,6 +23,7 @@ from fastapi import Request
 
 from app.core.errors import APIError
 from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
+from app.services.disclosure import FIXED_PAYLOAD_SCOPE
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
@@ -52,9 +53,6 @@ def parse_payload(
         return Payload.from_int(integer, num_bits)
     except ValueError as exc:
         raise APIError(422, f"payload: {exc}", "invalid_payload") from None
-
-
-FIXED_PAYLOAD_SCOPE = "fixed_payload"
 
 
 async def fixed_payload(
@@ -262,6 +260,8 @@ class Sample:
     message_id: int | None
     prompt_ids: list[int]
     job: GenerationJob
+    # whether the answer shows the payload's bits (app.services.disclosure)
+    reveal_payload: bool = False
     deadline: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -278,9 +278,12 @@ def submit(
     payload: Payload | None,
     message_id: int | None,
     constraint: TokenConstraint | None = None,
+    reveal_payload: bool = False,
 ) -> Sample:
     """Queue one generation; without a payload it runs unwatermarked (only for a
-    completion that keeps no generated token: max_tokens 0, the prompt scored)."""
+    completion that keeps no generated token: max_tokens 0, the prompt scored).
+    ``reveal_payload``: whether its answer may show the payload's bits
+    (:func:`app.services.disclosure.reveals_generated`)."""
     scheme = key.scheme if payload is not None else None
     try:
         job = engine.submit(GenerationRequest(ids, sampling, scheme, payload, constraint))
@@ -288,7 +291,7 @@ def submit(
         raise queue_full(runtime) from None
     except EngineStopped:
         raise APIError(503, "the server is shutting down", "draining") from None
-    return Sample(runtime, tenant_id, key, payload, message_id, ids, job)
+    return Sample(runtime, tenant_id, key, payload, message_id, ids, job, reveal_payload)
 
 
 async def next_event(sample: Sample) -> StepEvent | GenerationResult:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 
-from app.api.deps import CurrentTenant, EngineDep, RuntimeDep, UnchargedKey
+from app.api.deps import EngineDep, GeneratingKey, RuntimeDep, UnchargedKey
 from app.schemas.openai.common import OPENAI_ERROR_RESPONSES
 from app.schemas.openai.responses import ResponseObject, ResponsesRequest
 from app.services import receipt
@@ -70,7 +70,7 @@ async def create_response(
 async def retrieve_response(
     response_id: Annotated[str, Path(min_length=1, max_length=128)],
     runtime: RuntimeDep,
-    tenant: CurrentTenant,
+    key: GeneratingKey,
 ) -> Any:
-    stored = await serving.retrieve(runtime, tenant.tenant_id, response_id)
+    stored = await serving.retrieve(runtime, key.tenant.tenant_id, response_id, key.scopes)
     return JSONResponse(stored, headers=receipt.headers([stored["watermark"]]))

@@ -75,7 +75,9 @@ function verdictText(mode, data, verdict) {
 
 // How an entry is named: its message id, or the client's own chosen payload.
 function entryName(entry) {
-  return entry.client_payload ? `the client's own payload ${entry.bits}` : `message ${entry.message_id}`;
+  if (!entry.client_payload) return `message ${entry.message_id}`;
+  // a client payload's bits only to keys that may choose payloads or are analysts
+  return entry.bits ? `the client's own payload ${entry.bits}` : "a payload the client chose";
 }
 
 // The share of the text that carries the watermark (the answer's coverage), in words.
@@ -129,7 +131,7 @@ function showEntry(mode, data, entry) {
   }
   if (!entry) return;
   if (entry.client_payload) {
-    addRow(tbody, "client's own payload", entry.bits, true);
+    addRow(tbody, "client's own payload", entry.bits || "(bits shown to analysts' keys only)", true);
   } else {
     addRow(tbody, "message id", entry.message_id);
     addRow(tbody, "issued", fmtTime(entry.issued_at));

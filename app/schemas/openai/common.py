@@ -215,8 +215,12 @@ class WatermarkInfo(OpenAIModel):
     key_version: int
     scheme: str
     num_bits: int
-    payload_hex: str
-    payload_bits: str
+    payload_hex: str | None = Field(
+        description="The payload as hex: the one the request chose, echoed; a "
+        "registry-issued one only to a key with the `provenance` scope, null otherwise "
+        "(payload bits are what a watermark-stealing attacker learns from: SECURITY.md)."
+    )
+    payload_bits: str | None = Field(description="The payload as bits; null as payload_hex.")
 
 
 # ------------------------------------------------------------------ structured outputs

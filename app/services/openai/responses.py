@@ -58,6 +58,7 @@ from app.schemas.openai.responses import (
 )
 from app.services import generation as gen
 from app.services import receipt
+from app.services.disclosure import redact_stored
 from app.services.openai import chat as chat_api
 from app.services.openai import run as core
 from app.services.openai.stream import SSE_HEADERS
@@ -521,12 +522,15 @@ async def _stream_text(
             return
 
 
-async def retrieve(runtime: Runtime, tenant_id: str, response_id: str) -> dict[str, Any]:
+async def retrieve(
+    runtime: Runtime, tenant_id: str, response_id: str, scopes: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """A stored Response of this tenant, as the asking key may see it (its payload bits
+    only to an analyst's key or where the client chose them: app.services.disclosure)."""
     stored = await runtime.store.response_get(tenant_id, response_id)
     if stored is None:
         raise APIError(
             404, f"no stored response '{response_id[:128]}' (expired, not stored, or unknown)",
             "response_not_found", param="response_id",
         )  # fmt: skip
-    response: dict[str, Any] = stored["response"]
-    return response
+    return redact_stored(stored["response"], scopes)

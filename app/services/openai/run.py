@@ -25,6 +25,7 @@ from app.schemas.openai.chat import ChatCompletionRequest
 from app.schemas.openai.common import MAX_CHOICES, FinishReason, UsageInfo, WatermarkInfo
 from app.schemas.openai.completions import CompletionRequest
 from app.services import generation as gen
+from app.services.disclosure import reveals_generated
 from app.services.openai.constraints import Structure, bad
 from app.services.openai.logprobs import Entries, before_cut
 from app.services.openai.models import check_model, fingerprint, model_name
@@ -221,6 +222,7 @@ async def start(
     else:
         metadata = {"user": body.user} if body.user is not None else {}
     spec = pending.structure.spec
+    reveal = reveals_generated(scopes, client_chosen=fixed is not None)
     samples: list[gen.Sample] = []
     try:
         for i, sampling in enumerate(pending.sampling):
@@ -241,7 +243,7 @@ async def start(
             samples.append(
                 gen.submit(
                     runtime, engine, tenant_id, key, prompt, sampling, payload, message_id,
-                    constraint,
+                    constraint, reveal_payload=reveal,
                 )
             )  # fmt: skip
     except BaseException:
@@ -277,8 +279,8 @@ def watermark_info(sample: gen.Sample) -> WatermarkInfo:
         key_version=sample.key.version,
         scheme=sample.key.scheme.version,
         num_bits=sample.payload.num_bits,
-        payload_hex=format(sample.payload.to_int(), "x"),
-        payload_bits=sample.payload.bits,
+        payload_hex=format(sample.payload.to_int(), "x") if sample.reveal_payload else None,
+        payload_bits=sample.payload.bits if sample.reveal_payload else None,
     )
 
 

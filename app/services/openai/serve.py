@@ -5,7 +5,7 @@ true, as Server-Sent Events. An API gives its shapes as a :class:`Dialect`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +16,7 @@ from app.schemas.openai.chat import ChatCompletion
 from app.schemas.openai.completions import Completion
 from app.services import generation as gen
 from app.services import receipt
+from app.services.disclosure import redact_stored
 from app.services.openai.run import Outcome, Pending, Run, outcomes, start
 from app.services.openai.stream import Chunks, replay, stream
 from app.services.runtime import Runtime
@@ -51,13 +52,13 @@ async def serve(
     if idempotency_key is not None:
         stored = await gen.stored_response(runtime, tenant_id, idempotency_key, digest)
         if stored is not None:
-            return _replay(stored, pending, dialect)
+            return _replay(stored, pending, dialect, scopes)
     gen.ensure_queue_room(runtime, engine, pending.choices)  # before allocating
     claim = None
     if idempotency_key is not None:
         claimed = await gen.claim(runtime, tenant_id, idempotency_key, digest)
         if isinstance(claimed, IdempotencyRecord):
-            return _replay(claimed, pending, dialect)
+            return _replay(claimed, pending, dialect, scopes)
         claim = claimed
     try:
         run = await start(runtime, engine, tenant_id, pending, scopes)
@@ -81,9 +82,11 @@ def _include_usage(pending: Pending) -> bool:
 
 
 def _replay(
-    stored: IdempotencyRecord, pending: Pending, dialect: Dialect
+    stored: IdempotencyRecord, pending: Pending, dialect: Dialect, scopes: frozenset[str]
 ) -> JSONResponse | StreamingResponse:
-    """A stored response again (same Idempotency-Key and body), as it was asked for."""
+    """A stored response again (same Idempotency-Key and body), as it was asked for and
+    as this key may see it (:func:`app.services.disclosure.redact_stored`)."""
+    stored = replace(stored, response=redact_stored(stored.response, scopes))
     if pending.body.stream:
         return replay(stored, _include_usage(pending), dialect.chunk_object, dialect.replayed)
     headers = {"Idempotent-Replayed": "true", **receipt.of_response(stored.response)}
