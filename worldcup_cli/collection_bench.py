@@ -304,7 +304,9 @@ def _run(
     settings = bench_settings(db, **overrides)
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         if "tenant" not in state.state:
-            r = client.post("/admin/tenants", json={"name": "collection"}, headers=ADMIN)
+            # the issued payloads are read back as analysts do (the provenance grant)
+            body = {"name": "collection", "scopes": ["provenance"]}
+            r = client.post("/admin/tenants", json=body, headers=ADMIN)
             body = r.json()
             if "api_key" not in body:
                 raise RuntimeError(f"/admin/tenants failed: {r.status_code} {r.text[:200]}")
