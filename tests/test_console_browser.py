@@ -315,6 +315,24 @@ def test_decode_mode_charts_bits_and_marks_erasures(
     )
 
 
+def test_decode_mode_says_bits_are_for_analysts(
+    page: Any, live: LiveServer, acme: dict[str, Any]
+) -> None:
+    """A key without the provenance scope decodes: the verdict and entry, and the chart
+    says the bits are withheld (app.services.disclosure), instead of a bare chart."""
+    body = {"name": "reader", "scopes": ["detect", "decode"], "detail": "full"}
+    r = httpx.post(
+        f"{live.url}/admin/tenants/{acme['tenant_id']}/api-keys", json=body, headers=ADMIN
+    )
+    assert r.status_code == 201, r.text
+    sign_in(page, r.json()["api_key"])
+    page.get_by_test_id("mode-decode").check()
+    assert check(page, acme["gen"]["text"]).startswith("Watermarked")
+    chart = page.get_by_test_id("position-chart")
+    assert "analysts' keys only" in chart.inner_text()
+    assert chart.locator("svg rect[data-bit-index]").count() == 0
+
+
 def test_the_browser_enforces_the_csp_and_refuses_framing(
     page: Any, playwright_browser: Any, live: LiveServer
 ) -> None:

@@ -140,6 +140,12 @@ export function showChart(mode, data) {
       bit: data.bits[i], z: b.z, erased: data.erasures.includes(i),
     }));
   }
+  if (!bits && mode === "decode" && data.bits === null) {  // withheld: app.services.disclosure
+    box.appendChild(el("p", "Decoded bits are shown to analysts' keys only (the provenance " +
+      "scope): payload bits are what a watermark-stealing attacker learns from. The " +
+      "verdict and the registry entry above are this key's answer.", "help"));
+    return;
+  }
   if (!bits || !bits.length) {
     box.appendChild(el("p", mode === "detect"
       ? "Detect does not decode a message."
