@@ -13,13 +13,12 @@ from app.core.errors import APIError
 from app.core.security import tokens_equal
 from app.engines.base import Engine
 from app.services.cpu import ADMIN_SHARE, set_share
+from app.services.disclosure import FIXED_PAYLOAD_SCOPE, PROVENANCE_SCOPE
 from app.services.provenance import Investigator
 from app.services.runtime import Runtime, charge
 from app.services.tenants import Principal
 from app.stores.base import TenantRecord
 
-PROVENANCE_SCOPE = "provenance"
-FIXED_PAYLOAD_SCOPE = "fixed_payload"
 TENANT_GRANTED = (PROVENANCE_SCOPE, FIXED_PAYLOAD_SCOPE)
 
 bearer = HTTPBearer(auto_error=False, description="Tenant API key, or the admin token")
