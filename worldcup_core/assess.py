@@ -114,7 +114,7 @@ class Assessment:
     entry_p_value: float | None  # the registry test alone, fully corrected
     correction: str = CORRECTION
     num_scored: int | None = None  # the scored tokens the tests read
-    reason: Reason | None = None  # why inconclusive: too_short or some_evidence
+    reason: Reason | None = None  # why inconclusive: too_short, some_evidence, no_agreement
     tokens_needed: int | None = None  # scored tokens an inconclusive answer would need
     tests: tuple[TestP, ...] = ()  # as combined, in the order of ``weights``
     corrected: tuple[float, ...] = ()  # each test's p with every correction, as combined
@@ -177,6 +177,7 @@ def assess(
     p_value = math.exp(logs[best])
     chosen = tests[best]
     entry = [math.exp(lp) for t, lp in zip(tests, logs, strict=True) if t.name == "registry"]
+    reason = _reason(tests, p_value, num_scored)
     return Assessment(
         verdict=verdict_of(p_value, num_scored),
         p_value=p_value,
@@ -190,11 +191,29 @@ def assess(
         weights=tuple((_label(t), w) for t, w in zip(tests, weights, strict=True)),
         entry_p_value=min(entry) if entry else None,
         num_scored=num_scored,
-        reason=reason_of(p_value, num_scored),
-        tokens_needed=tokens_needed(p_value, num_scored),
+        reason=reason,
+        tokens_needed=None if reason == "no_agreement" else tokens_needed(p_value, num_scored),
         tests=tuple(tests),
         corrected=tuple(math.exp(lp) for lp in logs),
     )
+
+
+def gated_by_agreement(test: TestP) -> bool:
+    """Whether the agreement gate (:mod:`worldcup_core.consistency`) capped this test: a
+    capped test reports exactly the verdict's level, times the registry's size for the
+    registry test (a p-value lands there otherwise with probability zero)."""
+    if test.p_value is None:
+        return False
+    size = test.registry_size or 1 if test.name == "registry" else 1
+    level = VERDICT_WATERMARKED_BELOW * size
+    return level < 1.0 and math.isclose(test.p_value, level, rel_tol=1e-9)
+
+
+def _reason(tests: Sequence[TestP], p_value: float, num_scored: int | None) -> Reason | None:
+    reason = reason_of(p_value, num_scored)
+    if reason == "some_evidence" and any(gated_by_agreement(t) for t in tests):
+        return "no_agreement"
+    return reason
 
 
 def _label(test: TestP) -> str:

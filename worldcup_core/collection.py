@@ -84,12 +84,14 @@ import numpy.typing as npt
 
 from worldcup_core.assess import TestP
 from worldcup_core.config import WatermarkConfig
+from worldcup_core.consistency import gate_log_p, gated, pooled_z
 from worldcup_core.detector import slot_count
 from worldcup_core.detector_model import (
     MODEL_FREE_LEVEL,
     ModelCells,
     TokenWeights,
     WeightedCells,
+    agreement_z_many,
     cell_laws,
     cell_log_p,
     cells_of_items,
@@ -97,7 +99,7 @@ from worldcup_core.detector_model import (
     chi2_log_sf,
     lancaster_df,
     model_applies,
-    model_log_p_many,
+    model_verdict_log_p_many,
     token_levels,
     weighted_cells_of,
 )
@@ -202,10 +204,14 @@ def _joint_from_cells(cells: ModelCells, statistic: Statistic) -> float:
         return 0.0
     if statistic == "model_free":  # Fisher, as today's layer-weighted statistic
         stat = float(-2.0 * log_p.sum())
-        return float(fisher_log_sf(np.array([stat]), np.array([log_p.size]))[0])
-    nu = lancaster_df(cells.mass[seg, pos])
-    stat = float(chi2_isf_log(log_p, nu).sum())
-    return float(chi2_log_sf(np.array([stat]), np.array([int(nu.sum())]))[0])
+        joint = float(fisher_log_sf(np.array([stat]), np.array([log_p.size]))[0])
+    else:
+        nu = lancaster_df(cells.mass[seg, pos])
+        stat = float(chi2_isf_log(log_p, nu).sum())
+        joint = float(chi2_log_sf(np.array([stat]), np.array([int(nu.sum())]))[0])
+    # the agreement gate over every text's own cells (worldcup_core.consistency)
+    sums = (2 * cells.score - cells.mass[:, :, None]).astype(np.float64)
+    return gated(joint, pooled_z(sums, cells.dsq, cells.dquad))
 
 
 def joint_log_p(
@@ -234,8 +240,9 @@ def per_text_log_p(
     if not texts:
         return np.zeros(0)
     if token_weights is None:
-        return weighted_log_p_many(key, config, texts, num_bits)
-    return model_log_p_many(key, config, texts, num_bits, token_weights)
+        log_p = weighted_log_p_many(key, config, texts, num_bits)
+        return gate_log_p(log_p, agreement_z_many(key, config, texts, num_bits))
+    return model_verdict_log_p_many(key, config, texts, num_bits, token_weights)
 
 
 # --------------------------------------------------------------------------- groups

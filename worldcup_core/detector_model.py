@@ -59,6 +59,7 @@ import numpy.typing as npt
 from scipy import special
 
 from worldcup_core.config import Variant, WatermarkConfig
+from worldcup_core.consistency import agreement_z, gate_log_p
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, decode_cells
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, slot_count, z_from_log_p
 from worldcup_core.prf import (
@@ -194,6 +195,10 @@ class ModelCells:
     sumsq: I64  # (S, B) sum of W^2 (the variance of 2S - M under H0)
     counts: I64  # (S, B) scored tokens per position (any level)
     ones: I64  # (S, B, k) unweighted g-bits favouring bit 0
+    # per token t its signed evidence d_t = sum_l W_{t,l} (2 g - 1), per group: the cell's
+    # sum of d_t^2 and of d_t^4 (the within-cell agreement test, worldcup_core.consistency)
+    dsq: F64  # (S, B, k)
+    dquad: F64  # (S, B, k)
     levels: tuple[tuple[tuple[int, ...], ...], ...]  # per text, per position: levels > 0
     scored: tuple[int, ...]  # scored tokens per text
     num_tokens: tuple[int, ...]
@@ -257,6 +262,8 @@ def cells_of_items(
     )
     score = np.zeros((size, k), dtype=np.int64)
     ones = np.zeros((size, k), dtype=np.int64)
+    dsq = np.zeros((size, k))
+    dquad = np.zeros((size, k))
     mass = np.zeros(size, dtype=np.int64)
     sumsq = np.zeros(size, dtype=np.int64)
     counts = np.zeros(size, dtype=np.int64)
@@ -274,8 +281,12 @@ def cells_of_items(
         w = table[levels]  # (n, m)
         sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
         row = segment * symbols + sym
-        np.add.at(score, row, np.einsum("nkm,nm->nk", bits, w))
+        favour = np.einsum("nkm,nm->nk", bits, w)
+        np.add.at(score, row, favour)
         np.add.at(ones, row, bits.sum(axis=2))
+        sq = (2 * favour - w.sum(axis=1)[:, None]).astype(np.float64) ** 2
+        np.add.at(dsq, row, sq)
+        np.add.at(dquad, row, sq * sq)
         mass = np.bincount(row, weights=w.sum(axis=1), minlength=size).astype(np.int64)
         sumsq = np.bincount(row, weights=(w * w).sum(axis=1), minlength=size).astype(np.int64)
         counts = np.bincount(row, minlength=size).astype(np.int64)
@@ -290,6 +301,8 @@ def cells_of_items(
         sumsq=sumsq.reshape(n_texts, symbols),
         counts=counts.reshape(n_texts, symbols),
         ones=ones.reshape(n_texts, symbols, k),
+        dsq=dsq.reshape(n_texts, symbols, k),
+        dquad=dquad.reshape(n_texts, symbols, k),
         levels=tuple(tuple(tuple(c) for c in t) for t in per_text),
         scored=tuple(scored),
         num_tokens=tuple(len(t) for t in ids),
@@ -403,6 +416,47 @@ def model_log_p_many(
         return np.zeros(0)
     cells = model_cells(key, config, texts, symbols, token_weights, power)
     return combine_log_p(cells, combiner)
+
+
+def cells_agreement_z(cells: ModelCells) -> F64:
+    """Per text, the within-cell agreement ``z`` of its cells
+    (:func:`worldcup_core.consistency.agreement_z`)."""
+    sums = (2 * cells.score - cells.mass[:, :, None]).astype(np.float64)
+    return agreement_z(sums, cells.dsq, cells.dquad)
+
+
+def agreement_z_many(
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    texts: Sequence[Sequence[int]],
+    num_bits: int | None,
+    token_weights: TokenWeights | None = None,
+) -> F64:
+    """Per text, the within-cell agreement ``z`` (:mod:`worldcup_core.consistency`) in the
+    cells of payload length ``num_bits`` (None: the ``S`` slots), each token weighted as
+    the test it gates weighs it: by its model level, or today's layer weights
+    (``token_weights`` None: every level :data:`MODEL_FREE_LEVEL`)."""
+    symbols = slot_count(config) if num_bits is None else config.symbols_for(num_bits)
+    if not texts:
+        return np.zeros(0)
+    weights = [np.full(len(t), np.nan) for t in texts] if token_weights is None else token_weights
+    return cells_agreement_z(model_cells(key, config, texts, symbols, weights))
+
+
+def model_verdict_log_p_many(
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    texts: Sequence[Sequence[int]],
+    num_bits: int | None,
+    token_weights: TokenWeights,
+) -> F64:
+    """:func:`model_log_p_many` as the verdict takes it: through the agreement gate
+    (:mod:`worldcup_core.consistency`), in the same cells."""
+    symbols = slot_count(config) if num_bits is None else config.symbols_for(num_bits)
+    if not texts:
+        return np.zeros(0)
+    cells = model_cells(key, config, texts, symbols, token_weights)
+    return gate_log_p(combine_log_p(cells), cells_agreement_z(cells))
 
 
 # --------------------------------------------------------------------------- registry

@@ -36,14 +36,17 @@ import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import Variant, WatermarkConfig
+from worldcup_core.consistency import gate_log_p, gated
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, slot_count
 from worldcup_core.detector_model import (
     TokenWeights,
+    agreement_z_many,
     model_decode_many,
     model_entry_log_p,
     model_log_p_many,
     model_text_cells,
+    model_verdict_log_p_many,
 )
 from worldcup_core.prf import (
     PRFV2,
@@ -216,13 +219,17 @@ def verdict_log_p(
     per text: layer-weighted under ``worldcup-v2`` (variant ``worldcup``), model-assisted
     there when ``token_weights`` are given, the unweighted statistic of
     :mod:`worldcup_core.detector` otherwise (``worldcup-v1`` keys, the ablation
-    variants, whatever the weights), so texts of every version keep their statistic."""
+    variants, whatever the weights), so texts of every version keep their statistic.
+    Under ``worldcup-v2`` a p below the verdict's level stands only where the text's
+    tokens agree within the test's cells (:mod:`worldcup_core.consistency`)."""
     if not texts:
         return np.zeros(0)
     if weighted_applies(scheme.config):
-        return weighted_log_p_many(
-            scheme.key, scheme.config, texts, num_bits, token_weights=token_weights
-        )
+        key, config = scheme.key, scheme.config
+        if token_weights is not None:
+            return model_verdict_log_p_many(key, config, texts, num_bits, token_weights)
+        log_p = weighted_log_p_many(key, config, texts, num_bits)
+        return gate_log_p(log_p, agreement_z_many(key, config, texts, num_bits))
     found = scheme.detect_many(texts, num_bits)
     return np.array([r.log10_p_value for r in found]) * math.log(10.0)
 
@@ -343,11 +350,15 @@ def registry_verdict_log_p(
     weighted statistic does not apply (the unweighted match's p stands). With
     ``token_weights`` the entry test is model-weighted; the entry is best chosen on the
     same weighted cells (:func:`worldcup_core.registry_lookup.text_cells` with
-    ``weighted``), but the union bound holds for any choice."""
+    ``weighted``), but the union bound holds for any choice. Gated, before the
+    correction, by the agreement in the entry's positions (:mod:`worldcup_core.consistency`)."""
     if not weighted_applies(scheme.config):
         return None
-    log_p = entry_log_p(scheme.key, scheme.config, token_ids, bits, token_weights)
-    return min(log_p + math.log(max(registry_size, 1)), 0.0)
+    key, config = scheme.key, scheme.config
+    log_p = entry_log_p(key, config, token_ids, bits, token_weights)
+    weights = None if token_weights is None else [token_weights]
+    z = float(agreement_z_many(key, config, [token_ids], len(bits), weights)[0])
+    return min(gated(log_p, z) + math.log(max(registry_size, 1)), 0.0)
 
 
 def verdict_match(

@@ -41,8 +41,9 @@ from typing import Final, Literal
 Verdict = Literal["watermarked", "not_watermarked", "inconclusive"]
 Statistic = Literal["detect", "decode", "registry", "withheld"]
 # why a verdict is inconclusive: too few scored tokens for absence to mean anything,
-# or some evidence that is not enough to say watermarked
-Reason = Literal["too_short", "some_evidence"]
+# some evidence that is not enough to say watermarked, or evidence whose tokens do not
+# agree within cells, as a stolen-watermark spoof's do not (worldcup_core.consistency)
+Reason = Literal["too_short", "some_evidence", "no_agreement"]
 
 VERDICTS: Final[tuple[Verdict, ...]] = ("watermarked", "inconclusive", "not_watermarked")
 VERDICT_WATERMARKED_BELOW: Final = 1e-6

@@ -64,7 +64,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     # weights (`worldcup scan --with-model`, the forgery judge), else model_free (the
     # tokenizer only), as the API's answers say it (issue #44)
     ("statistic", "string"),
-    ("reason", "string"),  # why inconclusive: too_short or some_evidence (as the API's)
+    ("reason", "string"),  # why inconclusive: too_short, some_evidence or no_agreement (as the API)
     ("tokens_needed", "int64"),  # scored tokens an inconclusive answer would need
     ("p_value", "float64"),  # the verdict's p-value, every correction included
     ("tenant_id", "string"),

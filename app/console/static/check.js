@@ -20,6 +20,11 @@ function verdictText(mode, data, verdict) {
   const head = HEADLINES[verdict] || verdict;
   const found = verdict === "watermarked";
   if (mode === "provenance") {
+    if (data.reason === "no_agreement") {
+      return [`${head}: the evidence does not agree within the key's cells, as a ` +
+        `stolen watermark's does not (possible forgery; nothing is attributed), ` +
+        `p = ${fmtP(data.p_value)}`, false];
+    }
     if (data.reason === "too_short") {
       return [`${head}: too short to tell (${data.num_scored_tokens} scored tokens; ` +
         `${data.tokens_needed} needed), best p = ${fmtP(data.p_value)}`, false];
@@ -57,6 +62,11 @@ function verdictText(mode, data, verdict) {
     return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
   }
   if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.p_value)})`, false];
+  if (data.reason === "no_agreement") {
+    return [`${head}: the evidence does not agree within the key's cells, as a ` +
+      `stolen watermark's does not (possible forgery; nothing is attributed), ` +
+      `p = ${fmtP(data.p_value)}`, false];
+  }
   if (data.reason === "too_short") {
     return [`${head}: too short to tell (${data.num_scored_tokens} scored tokens; ` +
       `${data.tokens_needed} needed), p = ${fmtP(data.p_value)}`, false];

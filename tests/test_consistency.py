@@ -1,0 +1,189 @@
+"""worldcup_core.consistency: the agreement gate against stolen-watermark spoofs.
+
+``z`` is checked against its definition (pairwise products within cells), for its null
+law when signs are fair coins given the magnitudes, and the gate on two synthetic texts
+built without a model: a *spread* text whose every token is the candidate with the most
+extreme g-values in either direction (what a stealing learner without payloads writes,
+in its pure form), which the ungated tests call watermarked, and a *consistent* text
+whose tokens lean towards their cell's bit (what the watermark writes), which the gate
+leaves alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
+from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+from worldcup_core.consistency import (
+    AGREEMENT_Z_MIN,
+    GATED_LOG_P,
+    agreement_z,
+    gate_log_p,
+    pooled_z,
+)
+from worldcup_core.detector import slot_count
+from worldcup_core.detector_model import agreement_z_many, level_weights
+from worldcup_core.detector_weighted import (
+    registry_verdict_log_p,
+    verdict_log_p,
+    weighted_log_p_many,
+)
+from worldcup_core.prf import PRFV2, SCHEME_V2, gvalue_words, v2_group_bits, v2_gwords, v2_positions
+from worldcup_core.scoring import symbol_index
+
+PRESET = WATERMARK_PRESETS[SERVICE_PRESET]
+CONFIG = WatermarkConfig(groups=PRESET.groups, layers=PRESET.layers, alpha=PRESET.alpha)
+
+
+def _brute_z(cells: list[list[float]]) -> float:
+    u = sum(c[i] * c[j] for c in cells for i in range(len(c)) for j in range(i + 1, len(c)))
+    v = sum(
+        c[i] ** 2 * c[j] ** 2 for c in cells for i in range(len(c)) for j in range(i + 1, len(c))
+    )
+    return u / math.sqrt(v) if v else 0.0
+
+
+def test_z_is_the_standardised_sum_of_pairwise_products() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        cells = [
+            list(rng.integers(-9, 10, size=rng.integers(0, 6)).astype(float)) for _ in range(7)
+        ]
+        width = max(len(c) for c in cells) or 1
+        sums = np.array([[sum(c) for c in cells]])
+        dsq = np.array([[sum(x * x for x in c) for c in cells]])
+        dquad = np.array([[sum(x**4 for x in c) for c in cells]])
+        assert width >= 1
+        assert agreement_z(sums, dsq, dquad)[0] == pytest.approx(_brute_z(cells), abs=1e-9)
+        assert pooled_z(sums, dsq, dquad) == pytest.approx(_brute_z(cells), abs=1e-9)
+
+
+def test_z_is_standard_when_signs_are_fair_coins_given_magnitudes() -> None:
+    """The spoof's and the unwatermarked text's law: mean 0, variance 1, whatever the
+    magnitudes (heavy, uneven ones here)."""
+    rng = np.random.default_rng(2)
+    mags = rng.integers(1, 60, size=(64, 3)).astype(float)  # 64 cells of 3 tokens
+    zs = []
+    for _ in range(4000):
+        d = mags * rng.choice([-1.0, 1.0], size=mags.shape)
+        zs.append(
+            agreement_z(d.sum(axis=1)[None], (d**2).sum(axis=1)[None], (d**4).sum(axis=1)[None])[0]
+        )
+    z = np.asarray(zs)
+    assert abs(z.mean()) < 0.06 and 0.9 < z.std() < 1.1
+    assert np.mean(z >= AGREEMENT_Z_MIN) < 2 * (1 - _phi(AGREEMENT_Z_MIN)) + 0.01
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def test_the_gate_only_raises_p_values_below_the_verdicts_level() -> None:
+    log_p = np.log(np.array([1e-9, 1e-9, 1e-3, 0.5]))
+    z = np.array([AGREEMENT_Z_MIN - 0.1, AGREEMENT_Z_MIN, -5.0, -5.0])
+    out = gate_log_p(log_p, z)
+    assert out[0] == GATED_LOG_P and out[1] == log_p[1]
+    assert out[2] == log_p[2] and out[3] == log_p[3]
+    assert np.all(out >= log_p)
+
+
+def _synthetic(key: WatermarkKey, length: int, seed: int, spread: bool) -> list[int]:
+    """A text of ``length`` tokens over a 5 000-token vocabulary, each token the best of
+    40 random candidates: by ``|d|`` (spread: extreme in either direction, as stolen
+    counts without payloads favour) or by ``d`` towards its slot's bit (consistent: a
+    random payload, as the watermark writes)."""
+    rng = np.random.default_rng(seed)
+    prf = PRFV2.of(key)
+    k, m = CONFIG.groups, CONFIG.layers
+    w = level_weights(m)[4]
+    signs = rng.choice([-1, 1], size=slot_count(CONFIG))
+    ids = [int(x) for x in rng.integers(0, 5000, size=2)]
+    seen: set[tuple[int, int]] = set()
+    while len(ids) < length:
+        ctx = (ids[-2], ids[-1])
+        cand = rng.integers(0, 5000, size=40).astype(np.uint64)
+        if ctx in seen:  # a repeated context is scored once: any token will do
+            ids.append(int(cand[0]))
+            continue
+        seen.add(ctx)
+        context = [np.full(40, ctx[0], dtype=np.uint64), np.full(40, ctx[1], dtype=np.uint64)]
+        bits = np.asarray(
+            v2_group_bits(v2_gwords(prf.gvalue_key, context, cand, gvalue_words(k, m)), k, m)
+        )[:, 0, :].astype(np.int64)
+        d = (2 * bits - 1) @ w
+        slot = symbol_index(
+            v2_positions(prf.position_key, [c[:1] for c in context]), len(signs), SCHEME_V2
+        )
+        score = np.abs(d) if spread else d * signs[int(slot[0])]
+        ids.append(int(cand[int(np.argmax(score))]))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def scheme() -> WorldCup:
+    return WorldCup(WatermarkKey(b"consistency-test-key-0123456789a"), CONFIG)
+
+
+def test_the_gate_stops_spread_texts_and_keeps_consistent_ones(scheme: WorldCup) -> None:
+    n = 12
+    spread = [_synthetic(scheme.key, 96, s, spread=True) for s in range(n)]
+    consistent = [_synthetic(scheme.key, 96, 100 + s, spread=False) for s in range(n)]
+    raw_spread = weighted_log_p_many(scheme.key, CONFIG, spread, None)
+    raw_consistent = weighted_log_p_many(scheme.key, CONFIG, consistent, None)
+    # the over-dispersion alone fools the ungated two-sided test ...
+    assert np.all(raw_spread < GATED_LOG_P)
+    assert np.all(raw_consistent < GATED_LOG_P)
+    # ... and not the gate: z is centred where signs are fair coins, large where they agree
+    z_spread = agreement_z_many(scheme.key, CONFIG, spread, None)
+    z_consistent = agreement_z_many(scheme.key, CONFIG, consistent, None)
+    assert abs(float(np.mean(z_spread))) < 1.0 and np.all(z_consistent > 4.0)
+    gated_spread = verdict_log_p(scheme, spread, None)
+    assert np.sum(gated_spread < GATED_LOG_P) <= 1
+    np.testing.assert_array_equal(verdict_log_p(scheme, consistent, None), raw_consistent)
+    # at a payload length and in the registry test, each in its own positions
+    assert np.sum(verdict_log_p(scheme, spread, 32) < GATED_LOG_P) <= 1
+    entry = "".join(str(int(b)) for b in np.random.default_rng(5).integers(0, 2, 32))
+    reg = [registry_verdict_log_p(scheme, t, entry, 1) for t in spread]
+    assert sum(lp is not None and lp < GATED_LOG_P for lp in reg) <= 1
+
+
+def test_the_gate_keeps_model_weighted_p_values_of_consistent_text(scheme: WorldCup) -> None:
+    consistent = [_synthetic(scheme.key, 96, 200 + s, spread=False) for s in range(4)]
+    weights = [np.full(len(t), 0.6) for t in consistent]
+    z = agreement_z_many(scheme.key, CONFIG, consistent, None, weights)
+    assert np.all(z > AGREEMENT_Z_MIN)
+    from worldcup_core.detector_model import model_log_p_many
+
+    raw = model_log_p_many(scheme.key, CONFIG, consistent, None, weights)
+    np.testing.assert_array_equal(verdict_log_p(scheme, consistent, None, weights), raw)
+
+
+def test_a_capped_test_reads_as_no_agreement(scheme: WorldCup) -> None:
+    """The answer says why: ``reason: "no_agreement"``, no ``tokens_needed``, no entry."""
+    from worldcup_core.assess import TestP, assess
+
+    spread = next(
+        t
+        for t in (_synthetic(scheme.key, 96, s, spread=True) for s in range(20))
+        if verdict_log_p(scheme, [t], None)[0] == GATED_LOG_P
+    )
+    detect = math.exp(float(verdict_log_p(scheme, [spread], None)[0]))
+    decode = math.exp(float(verdict_log_p(scheme, [spread], 32)[0]))
+    entry = "".join(str(int(b)) for b in np.random.default_rng(6).integers(0, 2, 32))
+    registry = registry_verdict_log_p(scheme, spread, entry, 1000)
+    assert registry is not None
+    tests = [
+        TestP("detect", detect),
+        TestP("decode", decode, 32),
+        TestP("registry", math.exp(registry), 32, 1000),
+    ]
+    said = assess(tests, 1, "one key", 94)
+    assert said.verdict == "inconclusive" and said.reason == "no_agreement"
+    assert said.tokens_needed is None and not said.may_name_entry
+    # an ordinary inconclusive answer keeps its reason
+    plain = assess([TestP("detect", 1e-4), TestP("decode", 1e-3, 32)], 1, "one key", 94)
+    assert plain.reason == "some_evidence"
