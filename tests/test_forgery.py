@@ -22,6 +22,7 @@ import pytest
 import torch
 from scipy import stats
 
+import worldcup_core.consistency as consistency
 from worldcup_core.baselines.kgw import KGW, KGWConfig, green_of, kgw_seed
 from worldcup_core.models import LoadedModel, load_tokenizer, tiny_random_model
 from worldcup_core.prf import SENTINEL, WatermarkKey
@@ -209,7 +210,7 @@ def test_answers_resume_where_they_stopped(
 
 
 def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
-    word_lm: LoadedModel, data_dir: Path, tmp_path: Path
+    word_lm: LoadedModel, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The anchor: stolen counts spoof KGW (width 1) at its FPR 1e-3, where the plain
     model is not. WorldCup with per-request payloads on the same budget: its genuine
@@ -217,11 +218,11 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     another tenant's key are not watermarked, and no spoof, even one aimed at the
     victim's leaked payload, names the victim's entry.
 
-    Not asserted: that WorldCup's verdict refuses the stolen spoofs. In this 64-word
-    world it did not in our run (3/8 unconditioned, 5/8 aimed, at delta 8): averaged over payloads
-    the tokens with extreme g-values in either direction are the favoured ones, and the
-    message-free test is two-sided per message position, so a spoof built of them
-    inflates its variance (see the report of the real-model runs)."""
+    The agreement gate (worldcup_core.consistency), before and after on the same spoofs:
+    averaged over payloads the tokens with extreme g-values in either direction are the
+    favoured ones, and the tests are two-sided per message position (or take the best of
+    many entries), so ungated a spoof built of them crosses the verdict; gated, whose
+    tokens do not agree within cells, it does not."""
     kgw = run_forgery(_small("kgw", budget_tokens=3000), tmp_path / "kgw", word_lm, data_dir, False)
     rows = {r["label"]: r for r in kgw["spoofs"]}
     assert rows["plain model d=0"]["accepted"]["k"] <= 1
@@ -241,6 +242,14 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
         replace(config, exposure="analysts"), tmp_path / "wc", word_lm, data_dir, False
     )
     assert after["learned"]["conditioned_contexts"] == 0
+    stolen = {r["label"]: r for r in after["spoofs"]}["stolen d=8"]
+    with monkeypatch.context() as m:
+        m.setattr(consistency, "AGREEMENT_Z_MIN", -math.inf)  # the verdict before the gate
+        ungated = run_forgery(
+            replace(config, exposure="analysts"), tmp_path / "wc", word_lm, data_dir, False
+        )
+    before = {r["label"]: r for r in ungated["spoofs"]}["stolen d=8"]
+    assert before["watermarked"]["k"] >= 2 and stolen["watermarked"]["k"] == 0, (before, stolen)
     assert not any(r["label"].startswith("aimed") for r in after["spoofs"])
     assert after["learned"]["positions"] == wc["learned"]["positions"]
     rows = {r["label"]: r for r in wc["spoofs"]}
