@@ -187,3 +187,24 @@ def test_a_capped_test_reads_as_no_agreement(scheme: WorldCup) -> None:
     # an ordinary inconclusive answer keeps its reason
     plain = assess([TestP("detect", 1e-4), TestP("decode", 1e-3, 32)], 1, "one key", 94)
     assert plain.reason == "some_evidence"
+
+
+def test_the_study_judges_ungated_then_at_each_line_and_restores_the_line() -> None:
+    import worldcup_core.consistency as consistency
+    from worldcup_eval.agreement_study import judge_at_lines
+
+    class _Judge:  # watermarked while the line is below 1.8 (what the study varies)
+        def judge(self, texts: list[str]) -> list[dict[str, object]]:
+            wm = consistency.AGREEMENT_Z_MIN < 1.8
+            return [{"watermarked": wm, "named": 7 if wm else None} for _ in texts]
+
+    rows = judge_at_lines({"j": _Judge()}, ["a", "b"], [1.5, 2.0])  # type: ignore[dict-item]
+    assert rows[0] == {
+        "j/raw": True,
+        "j/raw/named": True,
+        "j/1.5": True,
+        "j/1.5/named": True,
+        "j/2": False,
+        "j/2/named": False,
+    }
+    assert consistency.AGREEMENT_Z_MIN == AGREEMENT_Z_MIN

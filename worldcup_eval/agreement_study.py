@@ -11,9 +11,9 @@ model-assisted and model-free) for the forgery tenant:
 * **spoofs** of a forgery run (``--run DIR``: its ``spoofs-BUDGET.jsonl`` and, if present,
   ``extra-spoofs.jsonl``): how many keep it.
 
-``python -m worldcup_eval.agreement_study --genuine DIR [--collect 240] [--run RUN]
-[--lines 1.5 2 2.5]`` prints one table (Clopper-Pearson 95 % intervals) and writes
-``agreement-study.json`` beside the genuine answers.
+``python -m worldcup_eval.agreement_study [--genuine DIR [--collect 240]] [--run RUN]
+[--lines 1.5 2 2.5] [--out FILE]`` prints one table (Clopper-Pearson 95 % intervals) and
+writes every text's verdicts to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -88,14 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m worldcup_eval.agreement_study", description=__doc__
     )
-    ap.add_argument("--genuine", type=Path, required=True, help="a directory of genuine answers")
+    ap.add_argument("--genuine", type=Path, default=None, help="a directory of genuine answers")
     ap.add_argument("--collect", type=int, default=0, help="first collect this many answers")
     ap.add_argument("--run", type=Path, default=None, help="a per-request forgery run")
     ap.add_argument("--budget-tokens", type=int, default=200_000)
     ap.add_argument("--lines", type=float, nargs="+", default=list(DEFAULT_LINES))
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("agreement-study.json"))
     args = ap.parse_args(argv)
+    if args.genuine is None and args.run is None:
+        ap.error("give --genuine, --run or both")
     import torch
 
     from worldcup_core.models import load_model
@@ -103,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     lm = load_model(None)
-    args.genuine.mkdir(parents=True, exist_ok=True)
-    if args.collect:
+    if args.genuine is not None and args.collect:
+        args.genuine.mkdir(parents=True, exist_ok=True)
         collect_genuine(lm, args.genuine, args.collect, args.data_dir or default_data_dir())
     config = ForgeryConfig("per-request", args.budget_tokens, judge="model")
     tenant = Tenant(config)
@@ -114,16 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         "model": Judge(config, tenant, lm.tokenizer, registry, judge_weights(lm, config)),
         "model_free": Judge(replace(config, judge="model_free"), tenant, lm.tokenizer, registry),
     }
-    sets: dict[str, list[list[int]]] = {
-        "genuine": [a["tokens"] for a in read_jsonl(args.genuine / "answers.jsonl")]
-    }
+    sets: dict[str, list[list[int]]] = {}
+    if args.genuine is not None:
+        sets["genuine"] = [a["tokens"] for a in read_jsonl(args.genuine / "answers.jsonl")]
     if args.run is not None:
         spoofs = read_jsonl(args.run / f"spoofs-{args.budget_tokens}.jsonl")
         spoofs += read_jsonl(args.run / "extra-spoofs.jsonl")
-        for row in spoofs:
-            variant, delta, _ = row["key"].rsplit("/", 2)
-            if float(delta) > 0:
-                sets.setdefault(f"stolen spoofs d={delta}", []).append(row["tokens"])
+        for row in spoofs:  # key: aim/delta/prompt/draw; every draft counted on its own
+            aim, delta, _, _ = row["key"].split("/")
+            label = "plain model (control)" if float(delta) == 0 else f"{aim} spoofs d={delta}"
+            sets.setdefault(label.replace("plain spoofs", "stolen spoofs"), []).append(
+                row["tokens"]
+            )
     result: dict[str, Any] = {"lines": args.lines, "registry_entries": len(registry), "sets": {}}
     out = sys.stdout
     out.write(f"registry: {len(registry)} entries; judge: the service's verdict (p < 1e-6)\n")
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {judge:10s} {label:9s} {_fmt(wm, len(rows)):>24s}   "
                     f"{_fmt(named, len(rows)):>24s}\n"
                 )
-    (args.genuine / "agreement-study.json").write_text(json.dumps(result))
+    args.out.write_text(json.dumps(result))
     return 0
 
 
