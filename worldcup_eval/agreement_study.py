@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("agreement-study.json"))
+    ap.add_argument("--tokens", type=int, default=None, help="read each genuine answer's first N")
     args = ap.parse_args(argv)
     if args.genuine is None and args.run is None:
         ap.error("give --genuine, --run or both")
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     sets: dict[str, list[list[int]]] = {}
     if args.genuine is not None:
-        sets["genuine"] = [a["tokens"] for a in read_jsonl(args.genuine / "answers.jsonl")]
+        cut = args.tokens
+        sets["genuine"] = [a["tokens"][:cut] for a in read_jsonl(args.genuine / "answers.jsonl")]
     if args.run is not None:
         spoofs = read_jsonl(args.run / f"spoofs-{args.budget_tokens}.jsonl")
         spoofs += read_jsonl(args.run / "extra-spoofs.jsonl")
