@@ -204,7 +204,7 @@ def gated_by_agreement(test: TestP) -> bool:
     registry test (a p-value lands there otherwise with probability zero)."""
     if test.p_value is None:
         return False
-    size = test.registry_size or 1 if test.name == "registry" else 1
+    size = (test.registry_size or 1) if test.name == "registry" else 1
     level = VERDICT_WATERMARKED_BELOW * size
     return level < 1.0 and math.isclose(test.p_value, level, rel_tol=1e-9)
 
