@@ -208,3 +208,19 @@ def test_the_study_judges_ungated_then_at_each_line_and_restores_the_line() -> N
         "j/2/named": False,
     }
     assert consistency.AGREEMENT_Z_MIN == AGREEMENT_Z_MIN
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--run", "/nonexistent"], ["--genuine", "/nonexistent"], ["--run", ".", "--tokens", "0"]],
+)
+def test_the_study_answers_bad_input_with_a_usage_error(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worldcup_eval.agreement_study import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err

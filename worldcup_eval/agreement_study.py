@@ -100,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.genuine is None and args.run is None:
         ap.error("give --genuine, --run or both")
+    if args.run is not None and not (args.run / f"spoofs-{args.budget_tokens}.jsonl").is_file():
+        ap.error(f"--run {args.run}: no spoofs-{args.budget_tokens}.jsonl (a forgery run's folder)")
+    if (
+        args.genuine is not None
+        and not args.collect
+        and not (args.genuine / "answers.jsonl").is_file()
+    ):
+        ap.error(f"--genuine {args.genuine}: no answers.jsonl (add --collect N to write them)")
+    if args.tokens is not None and args.tokens < 1:
+        ap.error("--tokens must be at least 1")
     import torch
 
     from worldcup_core.models import load_model
