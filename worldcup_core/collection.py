@@ -94,6 +94,7 @@ from worldcup_core.detector_model import (
     agreement_z_many,
     cell_laws,
     cell_log_p,
+    cell_sums,
     cells_of_items,
     chi2_isf_log,
     chi2_log_sf,
@@ -210,8 +211,7 @@ def _joint_from_cells(cells: ModelCells, statistic: Statistic) -> float:
         stat = float(chi2_isf_log(log_p, nu).sum())
         joint = float(chi2_log_sf(np.array([stat]), np.array([int(nu.sum())]))[0])
     # the agreement gate over every text's own cells (worldcup_core.consistency)
-    sums = (2 * cells.score - cells.mass[:, :, None]).astype(np.float64)
-    return gated(joint, pooled_z(sums, cells.dsq, cells.dquad))
+    return gated(joint, pooled_z(cell_sums(cells), cells.dsq, cells.dquad))
 
 
 def joint_log_p(

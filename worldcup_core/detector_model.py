@@ -418,11 +418,16 @@ def model_log_p_many(
     return combine_log_p(cells, combiner)
 
 
+def cell_sums(cells: ModelCells) -> F64:
+    """(S, B, k) each cell's sum of the signed token evidence ``d_t``: ``2 score - mass``."""
+    out: F64 = (2 * cells.score - cells.mass[:, :, None]).astype(np.float64)
+    return out
+
+
 def cells_agreement_z(cells: ModelCells) -> F64:
     """Per text, the within-cell agreement ``z`` of its cells
     (:func:`worldcup_core.consistency.agreement_z`)."""
-    sums = (2 * cells.score - cells.mass[:, :, None]).astype(np.float64)
-    return agreement_z(sums, cells.dsq, cells.dquad)
+    return agreement_z(cell_sums(cells), cells.dsq, cells.dquad)
 
 
 def agreement_z_many(
