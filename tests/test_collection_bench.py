@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from worldcup_cli.collection_bench import bench_prompts, clopper_pearson, run, table
+from worldcup_cli.collection_bench import (
+    bench_prompts,
+    bench_seeds,
+    clopper_pearson,
+    run,
+    table,
+)
 
 
 def test_clopper_pearson_is_exact_at_the_edges() -> None:
@@ -28,6 +34,18 @@ def test_clopper_pearson_is_exact_at_the_edges() -> None:
 def test_prompts_alternate_the_two_sets_and_grow_by_prefix() -> None:
     ten, twenty = bench_prompts(10), bench_prompts(20)
     assert twenty[:10] == ten and len(set(twenty)) == 20
+    assert bench_seeds(20) == [0] * 20
+
+
+def test_a_set_that_runs_out_starts_over_under_other_seeds() -> None:
+    n = 260  # the everyday set holds 100 held-out requests: it starts over at the 201st prompt
+    prompts, seeds = bench_prompts(n), bench_seeds(n)
+    assert prompts[:200] == bench_prompts(200) and seeds[:200] == [0] * 200
+    assert len(set(prompts[:200])) == 200 and prompts[200] == prompts[0]
+    # a prompt asked again is sampled under another seed, whatever its place among a user's
+    # answers (the seed is that place plus the prompt's round), so no two answers share both
+    asked = [(p, s + i % 5) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
+    assert len(set(asked)) == n
 
 
 def test_tiny_run(

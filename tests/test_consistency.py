@@ -12,8 +12,10 @@ leaves alone.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
@@ -162,6 +164,40 @@ def test_the_gate_keeps_model_weighted_p_values_of_consistent_text(scheme: World
     np.testing.assert_array_equal(verdict_log_p(scheme, consistent, None, weights), raw)
 
 
+def test_z_is_computed_only_where_the_gate_can_act(
+    scheme: WorldCup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model-free verdict computes ``z`` (a second pass over the tokens) only for the
+    texts below the verdict's level, and answers as the gate applied to every text."""
+    import worldcup_core.detector_model as dm
+
+    rng = np.random.default_rng(9)
+    plain = [[int(x) for x in rng.integers(0, 5000, size=96)] for _ in range(6)]
+    spread = [_synthetic(scheme.key, 96, 300 + s, spread=True) for s in range(3)]
+    consistent = [_synthetic(scheme.key, 96, 400 + s, spread=False) for s in range(3)]
+    texts = plain + spread + consistent
+    raw = weighted_log_p_many(scheme.key, CONFIG, texts, None)
+    eager = gate_log_p(raw, agreement_z_many(scheme.key, CONFIG, texts, None))
+    below = int(np.sum(raw < GATED_LOG_P))
+    assert 0 < below < len(texts)  # both kinds, or the test shows nothing
+    seen: list[int] = []
+    real = dm.agreement_z_many
+
+    def counting(*args: object, **kwargs: object) -> npt.NDArray[np.float64]:
+        seen.append(len(args[2]))  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dm, "agreement_z_many", counting)
+    np.testing.assert_array_equal(verdict_log_p(scheme, texts, None), eager)
+    assert seen == [below]
+    seen.clear()
+    above = [t for t, lp in zip(texts, raw, strict=True) if lp >= GATED_LOG_P]
+    entry = "".join(str(int(b)) for b in rng.integers(0, 2, 32))
+    for t in above:  # an entry test above the level: no z at all
+        registry_verdict_log_p(scheme, t, entry, 1)
+    assert seen == []
+
+
 def test_a_capped_test_reads_as_no_agreement(scheme: WorldCup) -> None:
     """The answer says why: ``reason: "no_agreement"``, no ``tokens_needed``, no entry."""
     from worldcup_core.assess import TestP, assess
@@ -212,13 +248,25 @@ def test_the_study_judges_ungated_then_at_each_line_and_restores_the_line() -> N
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["--run", "/nonexistent"], ["--genuine", "/nonexistent"], ["--run", ".", "--tokens", "0"]],
+    [
+        [],
+        ["--run", "/nonexistent"],
+        ["--genuine", "/nonexistent"],
+        ["--run", "RUN", "--tokens", "0"],
+    ],
 )
 def test_the_study_answers_bad_input_with_a_usage_error(
-    args: list[str], capsys: pytest.CaptureFixture[str]
+    args: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from worldcup_eval.agreement_study import main
 
+    monkeypatch.chdir(tmp_path)  # nothing it might write lands in the checkout
+    (tmp_path / "RUN").mkdir()
+    # a run folder, so that only --tokens is wrong in the last case
+    (tmp_path / "RUN" / "spoofs-200000.jsonl").write_text("")
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2

@@ -60,15 +60,32 @@ def user_name(u: int) -> str:
 
 
 def bench_prompts(count: int) -> list[str]:
-    """``count`` held-out prompts, alternating the everyday and the ELI5 set."""
+    """``count`` held-out prompts, alternating the everyday and the ELI5 set; a set that
+    runs out starts over (see ``bench_seeds``: a prompt's later rounds get other seeds)."""
+    return [prompt for prompt, _ in _bench_plan(count)]
+
+
+def bench_seeds(count: int) -> list[int]:
+    """The seed of each of ``bench_prompts(count)``: 0 in a prompt's first round, then
+    ``SEED_ROUND * round``, so that a prompt asked again (another user, the same place among
+    the user's answers) is not sampled with the same randomness. A user's seed is its
+    answer's place among the user's plus this."""
+    return [SEED_ROUND * round_ for _, round_ in _bench_plan(count)]
+
+
+SEED_ROUND = 1000
+
+
+def _bench_plan(count: int) -> list[tuple[str, int]]:
     half = (count + 1) // 2
     everyday, _ = prompt_set("everyday", half)
     eli5, _ = prompt_set("eli5", half)
-    out: list[str] = []
-    for a, b in zip(everyday, eli5, strict=False):
-        out += [a, b]
-    if len(out) < count:
-        raise ValueError(f"only {len(out)} held-out prompts; asked for {count}")
+    if not everyday or not eli5:
+        raise ValueError("no held-out prompts")
+    out: list[tuple[str, int]] = []
+    for i in range(half):
+        for pool in (everyday, eli5):
+            out.append((pool[i % len(pool)], i // len(pool)))
     return out[:count]
 
 
@@ -278,6 +295,7 @@ def _run(
     from app.main import create_app
 
     chosen = bench_prompts(users * per_user)
+    seeds = bench_seeds(users * per_user)
     # users is not part of the signature: a rerun with more users, before the registry
     # is filled, generates only the new users' answers (user u's prompts do not depend
     # on how many users there are)
@@ -332,6 +350,7 @@ def _run(
                     "id": user_name(u),
                     "auth": tenant["auth"],
                     "prompts": chosen[u * per_user : (u + 1) * per_user],
+                    "seed_base": seeds[u * per_user : (u + 1) * per_user],
                     "metadata": {FIELD: user_name(u)},
                 }
                 for u in range(users)

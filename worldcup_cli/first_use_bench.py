@@ -310,7 +310,8 @@ def generate_answers(
     formats: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Each tenant's prompts answered through ``POST /generate`` (chat messages, seed =
-    the prompt's place in its tenant, metadata: every answer is a registry entry, with
+    the prompt's place in its tenant, plus ``tenant["seed_base"][j]`` where given;
+    metadata: every answer is a registry entry, with
     ``tenant["metadata"]`` where given); the
     answers land in ``tenant["generated"]`` and are returned in order. ``done(i, n)``
     is called as answers finish, ``record(tenant id, j, answer)`` with each new answer;
@@ -337,7 +338,7 @@ def generate_answers(
                 "messages": messages,
                 "max_new_tokens": max_new_tokens,
                 "temperature": temperature,
-                "seed": j,
+                "seed": j + tenant.get("seed_base", [0] * (j + 1))[j],
                 "metadata": metadata,
             }
             r = client.post("/generate", json=body, headers=tenant["auth"])

@@ -84,20 +84,20 @@ import numpy.typing as npt
 
 from worldcup_core.assess import TestP
 from worldcup_core.config import WatermarkConfig
-from worldcup_core.consistency import gate_log_p, gated, pooled_z
+from worldcup_core.consistency import gated, pooled_z
 from worldcup_core.detector import slot_count
 from worldcup_core.detector_model import (
     MODEL_FREE_LEVEL,
     ModelCells,
     TokenWeights,
     WeightedCells,
-    agreement_z_many,
     cell_laws,
     cell_log_p,
     cell_sums,
     cells_of_items,
     chi2_isf_log,
     chi2_log_sf,
+    gate_where_it_acts,
     lancaster_df,
     model_applies,
     model_verdict_log_p_many,
@@ -241,7 +241,7 @@ def per_text_log_p(
         return np.zeros(0)
     if token_weights is None:
         log_p = weighted_log_p_many(key, config, texts, num_bits)
-        return gate_log_p(log_p, agreement_z_many(key, config, texts, num_bits))
+        return gate_where_it_acts(key, config, texts, num_bits, log_p)
     return model_verdict_log_p_many(key, config, texts, num_bits, token_weights)
 
 

@@ -59,7 +59,7 @@ import numpy.typing as npt
 from scipy import special
 
 from worldcup_core.config import Variant, WatermarkConfig
-from worldcup_core.consistency import agreement_z, gate_log_p
+from worldcup_core.consistency import GATED_LOG_P, agreement_z, gate_log_p
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, decode_cells
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, DetectionResult, slot_count, z_from_log_p
 from worldcup_core.prf import (
@@ -446,6 +446,27 @@ def agreement_z_many(
         return np.zeros(0)
     weights = [np.full(len(t), np.nan) for t in texts] if token_weights is None else token_weights
     return cells_agreement_z(model_cells(key, config, texts, symbols, weights))
+
+
+def gate_where_it_acts(
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    texts: Sequence[Sequence[int]],
+    num_bits: int | None,
+    log_p: F64,
+    token_weights: TokenWeights | None = None,
+) -> F64:
+    """``log_p`` (one per text) through the agreement gate, ``z`` computed
+    (:func:`agreement_z_many`) only for the texts whose p is below the verdict's level:
+    elsewhere the gate leaves the p as it is whatever ``z``, so most unwatermarked texts
+    skip the second pass over their tokens."""
+    lp = np.asarray(log_p, dtype=np.float64)
+    at = np.flatnonzero(lp < GATED_LOG_P).tolist()
+    z = np.full(lp.shape, np.inf)
+    if at:
+        weights = None if token_weights is None else [token_weights[i] for i in at]
+        z[at] = agreement_z_many(key, config, [texts[i] for i in at], num_bits, weights)
+    return gate_log_p(lp, z)
 
 
 def model_verdict_log_p_many(

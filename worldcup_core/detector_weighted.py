@@ -36,12 +36,11 @@ import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import Variant, WatermarkConfig
-from worldcup_core.consistency import gate_log_p, gated
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, slot_count
 from worldcup_core.detector_model import (
     TokenWeights,
-    agreement_z_many,
+    gate_where_it_acts,
     model_decode_many,
     model_entry_log_p,
     model_log_p_many,
@@ -229,7 +228,7 @@ def verdict_log_p(
         if token_weights is not None:
             return model_verdict_log_p_many(key, config, texts, num_bits, token_weights)
         log_p = weighted_log_p_many(key, config, texts, num_bits)
-        return gate_log_p(log_p, agreement_z_many(key, config, texts, num_bits))
+        return gate_where_it_acts(key, config, texts, num_bits, log_p)
     found = scheme.detect_many(texts, num_bits)
     return np.array([r.log10_p_value for r in found]) * math.log(10.0)
 
@@ -357,8 +356,10 @@ def registry_verdict_log_p(
     key, config = scheme.key, scheme.config
     log_p = entry_log_p(key, config, token_ids, bits, token_weights)
     weights = None if token_weights is None else [token_weights]
-    z = float(agreement_z_many(key, config, [token_ids], len(bits), weights)[0])
-    return min(gated(log_p, z) + math.log(max(registry_size, 1)), 0.0)
+    log_p = float(
+        gate_where_it_acts(key, config, [token_ids], len(bits), np.array([log_p]), weights)[0]
+    )
+    return min(log_p + math.log(max(registry_size, 1)), 0.0)
 
 
 def verdict_match(
