@@ -11,6 +11,7 @@ leaves alone.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -30,12 +31,14 @@ from worldcup_core.consistency import (
 from worldcup_core.detector import slot_count
 from worldcup_core.detector_model import agreement_z_many, level_weights
 from worldcup_core.detector_weighted import (
+    entry_log_p,
     registry_verdict_log_p,
     verdict_log_p,
     weighted_log_p_many,
 )
 from worldcup_core.prf import PRFV2, SCHEME_V2, gvalue_words, v2_group_bits, v2_gwords, v2_positions
 from worldcup_core.scoring import symbol_index
+from worldcup_eval.entry_sign_study import entry_units, sign_upper_log_sf
 
 PRESET = WATERMARK_PRESETS[SERVICE_PRESET]
 CONFIG = WatermarkConfig(groups=PRESET.groups, layers=PRESET.layers, alpha=PRESET.alpha)
@@ -267,6 +270,109 @@ def test_the_study_answers_bad_input_with_a_usage_error(
     (tmp_path / "RUN").mkdir()
     # a run folder, so that only --tokens is wrong in the last case
     (tmp_path / "RUN" / "spoofs-200000.jsonl").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ the sign-conditional entry test
+
+
+def test_the_sign_tail_is_the_enumerated_law() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        units = rng.integers(-9, 10, size=int(rng.integers(1, 11)))
+        observed = int(units.sum())
+        mags = np.abs(units)
+        total = sum(
+            int(np.dot(mags, signs)) >= observed
+            for signs in itertools.product((-1, 1), repeat=len(units))
+        )
+        expected = total / 2 ** len(units)
+        assert math.isclose(math.exp(sign_upper_log_sf(units)), expected, rel_tol=1e-9)
+    assert sign_upper_log_sf(np.zeros(4, dtype=np.int64)) == 0.0
+    # deep: 200 units of 7 all agreeing is 2^-200
+    assert math.isclose(sign_upper_log_sf(np.full(200, 7)), -200 * math.log(2), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_entry_units_sum_to_the_registry_tests_agreement(scheme: WorldCup, weighted: bool) -> None:
+    from worldcup_core.detector_model import model_cells, weighted_cells_of
+
+    rng = np.random.default_rng(12)
+    for _ in range(5):
+        ids = [int(x) for x in rng.integers(0, 5000, size=90)]
+        w = rng.random(len(ids)) if weighted else np.full(len(ids), np.nan)
+        bits = "".join(rng.choice(["0", "1"], 32))
+        units = entry_units(scheme.key, CONFIG, ids, bits, w if weighted else None)
+        cells = model_cells(scheme.key, CONFIG, [ids], CONFIG.symbols_for(32), [w])
+        wc = weighted_cells_of(cells, 0)
+        masses = wc.total  # k * sum of every scored token's weight mass
+        assert (int(units.sum()) + masses) // 2 == wc.agreement(bits)
+        assert (int(units.sum()) + masses) % 2 == 0
+
+
+def test_the_sign_test_holds_its_level_on_null_and_on_spread_text(scheme: WorldCup) -> None:
+    """On unwatermarked text both entry tests hold their level. On spread text (every
+    token the most extreme of 40 in either direction: a payload-free spoof) the exact
+    test over-rejects a random entry, the sign-conditional one does not."""
+    rng = np.random.default_rng(13)
+    entries = ["".join(rng.choice(["0", "1"], 32)) for _ in range(25)]
+    spread = [_synthetic(scheme.key, 96, 500 + s, spread=True) for s in range(16)]
+    plain = [[int(x) for x in rng.integers(0, 5000, size=96)] for _ in range(16)]
+    found: dict[str, list[float]] = {"spread/exact": [], "spread/sign": [], "plain/sign": []}
+    for kind, texts in (("spread", spread), ("plain", plain)):
+        for t in texts:
+            for bits in entries:
+                sign = math.exp(sign_upper_log_sf(entry_units(scheme.key, CONFIG, t, bits)))
+                found[f"{kind}/sign"].append(sign)
+                if kind == "spread":
+                    exact = math.exp(entry_log_p(scheme.key, CONFIG, t, bits))
+                    found["spread/exact"].append(exact)
+    n = len(entries) * 16
+    level = 0.01
+    bound = level + 4 * math.sqrt(level * (1 - level) / n)
+    # entries of one text share its magnitudes, so rates are compared with room to spare
+    assert np.mean(np.array(found["spread/exact"]) < level) > 3 * bound
+    assert np.mean(np.array(found["spread/sign"]) < level) <= bound
+    assert np.mean(np.array(found["plain/sign"]) < level) <= bound
+
+
+def test_the_sign_test_keeps_a_consistent_texts_entry(scheme: WorldCup) -> None:
+    """Genuine-like text (every token leaning to its cell's bit of the issued entry) is
+    far below the verdict's level under the sign-conditional test as well."""
+    from worldcup_core import Payload
+
+    rng = np.random.default_rng(14)
+    for _ in range(4):
+        bits = "".join(rng.choice(["0", "1"], 32))
+        seq = scheme.sequence(Payload.from_bits(bits))
+        for _ in range(128):
+            cand = rng.choice(5000, 20, replace=False)
+            probs = rng.dirichlet(np.full(20, 0.5))
+            seq.observe(int(cand[rng.choice(20, p=seq.reweight(cand, probs))]))
+        ids = list(seq.generated)
+        exact = entry_log_p(scheme.key, CONFIG, ids, bits)
+        sign = sign_upper_log_sf(entry_units(scheme.key, CONFIG, ids, bits))
+        assert exact < GATED_LOG_P and sign < GATED_LOG_P, (exact, sign)
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--genuine", "/nonexistent"], ["--genuine", "G", "--sizes", "0"]]
+)
+def test_the_entry_sign_study_answers_bad_input_with_a_usage_error(
+    args: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worldcup_eval.entry_sign_study import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "G").mkdir()
+    (tmp_path / "G" / "answers.jsonl").write_text("")  # a folder of answers: only --sizes is wrong
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2
