@@ -29,7 +29,12 @@ from worldcup_core.consistency import (
     pooled_z,
 )
 from worldcup_core.detector import slot_count
-from worldcup_core.detector_model import agreement_z_many, level_weights
+from worldcup_core.detector_model import (
+    agreement_z_many,
+    entry_units,
+    level_weights,
+    sign_upper_log_sf,
+)
 from worldcup_core.detector_weighted import (
     entry_log_p,
     registry_verdict_log_p,
@@ -38,7 +43,6 @@ from worldcup_core.detector_weighted import (
 )
 from worldcup_core.prf import PRFV2, SCHEME_V2, gvalue_words, v2_group_bits, v2_gwords, v2_positions
 from worldcup_core.scoring import symbol_index
-from worldcup_eval.entry_sign_study import entry_units, sign_upper_log_sf
 
 PRESET = WATERMARK_PRESETS[SERVICE_PRESET]
 CONFIG = WatermarkConfig(groups=PRESET.groups, layers=PRESET.layers, alpha=PRESET.alpha)
@@ -247,6 +251,7 @@ def test_the_study_judges_ungated_then_at_each_line_and_restores_the_line() -> N
         "j/2/named": False,
     }
     assert consistency.AGREEMENT_Z_MIN == AGREEMENT_Z_MIN
+    assert consistency.SIGN_GATE_LEVEL == 1e-2
 
 
 @pytest.mark.parametrize(
@@ -378,3 +383,35 @@ def test_the_entry_sign_study_answers_bad_input_with_a_usage_error(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
+
+
+def test_the_sign_gate_stops_spread_text_naming_an_entry(
+    scheme: WorldCup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the z gate off, spread text names one of 60 random entries (corrected for the
+    60) in some texts; the sign gate, which bounds that at 1 % whatever the spread, in
+    none. A genuine-like text keeps its registry p bit for bit."""
+    import worldcup_core.consistency as consistency
+    from worldcup_core import Payload
+
+    monkeypatch.setattr(consistency, "AGREEMENT_Z_MIN", -math.inf)
+    rng = np.random.default_rng(21)
+    size = 60
+    ungated = gated = 0
+    for s in range(16):
+        text = _synthetic(scheme.key, 96, 700 + s, spread=True)
+        entries = ["".join(rng.choice(["0", "1"], 32)) for _ in range(size)]
+        exact = [entry_log_p(scheme.key, CONFIG, text, b) + math.log(size) for b in entries]
+        ungated += min(exact) < GATED_LOG_P
+        verdicts = [registry_verdict_log_p(scheme, text, b, size) for b in entries]
+        gated += any(v is not None and v < GATED_LOG_P for v in verdicts)
+    assert ungated >= 2 and gated == 0, (ungated, gated)
+    bits = "".join(rng.choice(["0", "1"], 32))
+    seq = scheme.sequence(Payload.from_bits(bits))
+    for _ in range(128):
+        cand = rng.choice(5000, 20, replace=False)
+        seq.observe(int(cand[rng.choice(20, p=seq.reweight(cand, rng.dirichlet(np.ones(20))))]))
+    ids = list(seq.generated)
+    kept = registry_verdict_log_p(scheme, ids, bits, 10**5)
+    assert kept == min(entry_log_p(scheme.key, CONFIG, ids, bits) + math.log(10**5), 0.0)
+    assert kept < GATED_LOG_P

@@ -495,10 +495,11 @@ def test_a_close_runner_up_is_explained_not_named(
     # the console's words for a close runner-up, whichever statistic found it: here the
     # model-free one, whose posteriors leave a runner-up in sight on these excerpts
     monkeypatch.setattr(live.app.state.runtime.watermark.weights, "weigher", None)
-    # these excerpts are short (a token or two per cell), so the agreement gate
+    # these excerpts are short (a token or two per cell), so the agreement gates
     # (worldcup_core.consistency, tested on its own) would hold most below the verdict's
     # level; the words for a close runner-up are what is tested here
     monkeypatch.setattr(consistency, "AGREEMENT_Z_MIN", -math.inf)
+    monkeypatch.setattr(consistency, "SIGN_GATE_LEVEL", math.inf)  # and the sign gate
     words = gen["text"].split(" ")
     # the shortest such excerpt, looked for in one batch (a longer one leaves the
     # runner-up a posterior that rounds to 0; a shorter one is not watermarked)

@@ -244,7 +244,8 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     assert after["learned"]["conditioned_contexts"] == 0
     stolen = {r["label"]: r for r in after["spoofs"]}["stolen d=8"]
     with monkeypatch.context() as m:
-        m.setattr(consistency, "AGREEMENT_Z_MIN", -math.inf)  # the verdict before the gate
+        m.setattr(consistency, "AGREEMENT_Z_MIN", -math.inf)  # the verdict before the gates
+        m.setattr(consistency, "SIGN_GATE_LEVEL", math.inf)
         ungated = run_forgery(
             replace(config, exposure="analysts"), tmp_path / "wc", word_lm, data_dir, False
         )

@@ -31,6 +31,18 @@ Each test is gated in its own cells: the message-free test in the S slots, a tes
 payload length in that length's positions (where a genuine text's tokens share a bit, so
 the agreement there is larger). ``worldcup-v1`` keys and the ablation variants keep their
 statistics ungated.
+
+**The sign gate on naming an entry** (:func:`sign_gated`). The registry test also knows
+the entry's bits, so it can ask the agreement question exactly: given every (token,
+group) unit's magnitude, is the text's agreement with *this entry* beyond what fair
+signs give (:func:`worldcup_core.detector_model.sign_upper_log_sf`)? That p is valid
+under H0 and under any text whose units point at random bits however extreme they are,
+such as a payload-free spoof at any budget. A registry test below the verdict's level
+stands only where that p, Bonferroni-corrected for the registry's size, is at most
+:data:`SIGN_GATE_LEVEL`: by the union bound over the entries, such a text then names
+an entry with probability at most 1 %, whatever its strength. (As the test itself it
+would cost too much: the magnitudes hold most of a genuine text's evidence;
+``python -m worldcup_eval.entry_sign_study``.)
 """
 
 from __future__ import annotations
@@ -54,6 +66,26 @@ AGREEMENT_SOURCE: Final = (
     "at 2.5 from 14 and 5. No spoof was looked at to choose it"
 )
 GATED_LOG_P: Final = math.log(VERDICT_WATERMARKED_BELOW)
+
+
+SIGN_GATE_LEVEL: Final = 1e-2
+SIGN_GATE_SOURCE: Final = (
+    "176 genuine chat answers of the embedded model (temperature 0.7, 128 new tokens, per-"
+    "request registry payloads; python -m worldcup_eval.entry_sign_study): of the issued "
+    "entries the model-assisted registry test keeps below 1e-6, the gate at 1e-2 took 0 of "
+    "137 at 2 112 entries and 1 of 116 at 10^5 (at 1e-4: 8 and 11; at 5e-2: 0 and 0); cut to "
+    "64 tokens, 0 of 59 and 3 of 37. No spoof was looked at to choose it"
+)
+
+
+def sign_gated(log_p: float, sign_log_p: float, registry_size: int) -> float:
+    """A registry test's uncorrected ``log_p`` with the sign gate: raised to the verdict's
+    level where it is below it and the sign-conditional p of the same entry, times
+    ``registry_size``, is above :data:`SIGN_GATE_LEVEL`."""
+    corrected = sign_log_p + math.log(max(registry_size, 1))
+    if log_p < GATED_LOG_P and corrected > math.log(SIGN_GATE_LEVEL):
+        return GATED_LOG_P
+    return log_p
 
 
 def agreement_z(cell_sums: F64, dsq: F64, dquad: F64) -> F64:

@@ -631,6 +631,69 @@ def model_entry_log_p(
     return weighted.upper_log_sf(weighted.agreement(bits))
 
 
+def entry_units(
+    key: WatermarkKey,
+    config: WatermarkConfig,
+    token_ids: Sequence[int],
+    bits: str,
+    token_weights: npt.NDArray[np.floating] | None = None,
+) -> I64:
+    """Each scored (token, group) unit's signed agreement with the entry ``bits`` (pad
+    bits 0): ``a = sum_l W_l (2 g_l - 1)`` with ``g_l`` read as agreeing with the unit's
+    bit, so ``a`` is positive where the unit leans towards the entry. ``W`` are the
+    token's level weights (``token_weights`` None: today's layer weights, level
+    :data:`MODEL_FREE_LEVEL`); units of weight 0 are dropped. The registry test's
+    agreement is ``(sum a + sum W) / 2`` over the same units."""
+    k, m = config.groups, config.layers
+    symbols = config.symbols_for(len(bits))
+    ids = np.asarray(token_ids, dtype=np.int64)
+    items = ScoredTokensV2.of(ids, config.context_width)
+    if len(items) == 0:
+        return np.zeros(0, dtype=np.int64)
+    weights = np.full(len(ids), np.nan) if token_weights is None else np.asarray(token_weights)
+    levels = token_levels(weights[items.indices])
+    prf = PRFV2.of(key)
+    g = np.asarray(
+        v2_group_bits(
+            v2_gwords(prf.gvalue_key, items.context, items.tokens, gvalue_words(k, m)), k, m
+        ),
+        dtype=np.int64,
+    )  # (n, k, m): 1 favours bit 0
+    w = level_weights(m)[levels]  # (n, m)
+    d = 2 * np.einsum("nkm,nm->nk", g, w) - w.sum(axis=1)[:, None]  # (n, k): > 0 leans to 0
+    sym = symbol_index(v2_positions(prf.position_key, items.context), symbols, SCHEME_V2)
+    padded = bits + "0" * (symbols * k - len(bits))
+    entry = (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0")).reshape(symbols, k)
+    signed: I64 = np.where(entry[sym] == 0, d, -d).ravel()
+    live: I64 = signed[w.sum(axis=1).repeat(k) > 0]
+    return live
+
+
+def sign_upper_log_sf(units: npt.NDArray[np.integer]) -> float:
+    """``log P(sum a >= observed)`` for the units' signed agreements ``a`` when each
+    unit's sign is a fair coin given its magnitude (exact; 0 for no units).
+
+    This is the registry test *conditional on the magnitudes*: valid under H0 (flipping
+    all of a unit's g-bits maps ``a`` to ``-a`` and leaves the law of the g-bits
+    unchanged) and under any text whose units point at random bits however extreme
+    they are, such as a spoof written from payload-free stolen counts
+    (:func:`worldcup_core.consistency.sign_gated`). The sum of ``|a|`` over the agreeing units is a
+    sum of independent two-point laws ``{0, |a|}``, whose upper tail
+    :func:`mixed_upper_log_sf` gives at any depth."""
+    a = np.asarray(units, dtype=np.int64)
+    mags = np.abs(a[a != 0])
+    if mags.size == 0:
+        return 0.0
+    score = int((int(a.sum()) + int(mags.sum())) // 2)  # sum of |a| over agreeing units
+    values, counts = np.unique(mags, return_counts=True)
+    laws = []
+    for v in values.tolist():
+        law = np.zeros(v + 1)
+        law[0] = law[-1] = 0.5
+        laws.append(law)
+    return mixed_upper_log_sf(laws, counts.tolist(), score)
+
+
 def model_text_cells(
     key: WatermarkKey,
     config: WatermarkConfig,

@@ -36,16 +36,19 @@ import numpy as np
 import numpy.typing as npt
 
 from worldcup_core.config import Variant, WatermarkConfig
+from worldcup_core.consistency import GATED_LOG_P, sign_gated
 from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, slot_count
 from worldcup_core.detector_model import (
     TokenWeights,
+    entry_units,
     gate_where_it_acts,
     model_decode_many,
     model_entry_log_p,
     model_log_p_many,
     model_text_cells,
     model_verdict_log_p_many,
+    sign_upper_log_sf,
 )
 from worldcup_core.prf import (
     PRFV2,
@@ -350,7 +353,8 @@ def registry_verdict_log_p(
     ``token_weights`` the entry test is model-weighted; the entry is best chosen on the
     same weighted cells (:func:`worldcup_core.registry_lookup.text_cells` with
     ``weighted``), but the union bound holds for any choice. Gated, before the
-    correction, by the agreement in the entry's positions (:mod:`worldcup_core.consistency`)."""
+    correction, by the agreement in the entry's positions and by the entry's own
+    sign-conditional test (:mod:`worldcup_core.consistency`)."""
     if not weighted_applies(scheme.config):
         return None
     key, config = scheme.key, scheme.config
@@ -359,6 +363,9 @@ def registry_verdict_log_p(
     log_p = float(
         gate_where_it_acts(key, config, [token_ids], len(bits), np.array([log_p]), weights)[0]
     )
+    if log_p < GATED_LOG_P:  # the sign gate, where it can act (one more pass, this entry)
+        units = entry_units(key, config, token_ids, bits, token_weights)
+        log_p = sign_gated(log_p, sign_upper_log_sf(units), registry_size)
     return min(log_p + math.log(max(registry_size, 1)), 0.0)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -65,17 +66,19 @@ def judge_at_lines(
     import worldcup_core.consistency as consistency
 
     rows: list[dict[str, Any]] = [{} for _ in texts]
-    saved = consistency.AGREEMENT_Z_MIN
+    saved = consistency.AGREEMENT_Z_MIN, consistency.SIGN_GATE_LEVEL
     try:
         for line in [None, *lines]:
             consistency.AGREEMENT_Z_MIN = -1e9 if line is None else line  # type: ignore[misc]
+            # raw: the verdict before both gates; at a line, with the sign gate as shipped
+            consistency.SIGN_GATE_LEVEL = math.inf if line is None else saved[1]  # type: ignore[misc]
             tag = "raw" if line is None else f"{line:g}"
             for name, judge in judges.items():
                 for row, said in zip(rows, judge.judge(texts), strict=True):
                     row[f"{name}/{tag}"] = said["watermarked"]
                     row[f"{name}/{tag}/named"] = said["named"] is not None
     finally:
-        consistency.AGREEMENT_Z_MIN = saved  # type: ignore[misc]
+        consistency.AGREEMENT_Z_MIN, consistency.SIGN_GATE_LEVEL = saved  # type: ignore[misc]
     return rows
 
 

@@ -254,7 +254,8 @@ class _VerdictAnswer(StrictModel):
         description="Why the verdict is inconclusive: too_short (fewer scored tokens than "
         "'not_watermarked' needs: see min_scored_tokens), some_evidence (between the "
         "levels) or no_agreement (a test's p fell below 1e-6 but the text's tokens do not "
-        "agree within the test's cells, as a stolen-watermark spoof's do not: that test is "
+        "agree within the test's cells, as a stolen-watermark spoof's do not, or the registry "
+        "test's entry is not beyond what fair signs give its tokens' magnitudes: that test is "
         "capped at 1e-6; SECURITY.md, 'Forgery and framing'). None for the other verdicts."
     )
     tokens_needed: int | None = Field(
