@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
+    for name in ("texts", "tokens", "runs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
     preset = WATERMARK_PRESETS[SERVICE_PRESET]
     config = WatermarkConfig(groups=preset.groups, layers=preset.layers, alpha=preset.alpha)
     scheme = WorldCup(WatermarkKey(b"gate-cost-bench-key-0123456789ab"), config)

@@ -238,6 +238,35 @@ def model_cells(
     return cells_of_items(key, config, ids, items, levels, symbols)
 
 
+def _unit_bits(
+    prf: PRFV2,
+    config: WatermarkConfig,
+    context: Sequence[npt.NDArray[np.uint64]],
+    tokens: npt.NDArray[np.uint64],
+    levels: I64,
+    symbols: int,
+) -> tuple[I64, I64, I64]:
+    """Of scored tokens (their contexts, ids and levels): the g-bits (n, k, m), 1
+    favouring bit 0; each token's layer weights at its level (n, m); its position among
+    ``symbols`` (n,)."""
+    k, m = config.groups, config.layers
+    words = v2_gwords(prf.gvalue_key, context, tokens, gvalue_words(k, m))
+    bits = np.asarray(v2_group_bits(words, k, m), dtype=np.int64)
+    sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+    return bits, level_weights(m)[levels], np.asarray(sym, dtype=np.int64)
+
+
+def entry_cells(bits: str, symbols: int, groups: int) -> I64:
+    """A payload's bits (pad bits 0) as the (symbols, groups) cells they are written in."""
+    padded = bits + "0" * (symbols * groups - len(bits))
+    out: I64 = (
+        (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0"))
+        .reshape(symbols, groups)
+        .astype(np.int64)
+    )
+    return out
+
+
 def cells_of_items(
     key: WatermarkKey,
     config: WatermarkConfig,
@@ -254,7 +283,6 @@ def cells_of_items(
     scored = [len(it) for it in items]
     n_texts = len(ids)
     size = n_texts * symbols
-    table = level_weights(m)
     levels = (
         np.concatenate([np.asarray(lv, dtype=np.int64) for lv in levels_per_text])
         if n_texts
@@ -274,12 +302,7 @@ def cells_of_items(
             np.concatenate([it.context[j] for it in items]) for j in range(config.context_width)
         ]
         tokens = np.concatenate([it.tokens for it in items])
-        bits = np.asarray(
-            v2_group_bits(v2_gwords(prf.gvalue_key, context, tokens, gvalue_words(k, m)), k, m),
-            dtype=np.int64,
-        )  # (n, k, m)
-        w = table[levels]  # (n, m)
-        sym = symbol_index(v2_positions(prf.position_key, context), symbols, SCHEME_V2)
+        bits, w, sym = _unit_bits(prf, config, context, tokens, levels, symbols)
         row = segment * symbols + sym
         favour = np.einsum("nkm,nm->nk", bits, w)
         np.add.at(score, row, favour)
@@ -599,9 +622,8 @@ class WeightedCells:
 
     def agreement(self, bits: str) -> int:
         """The weighted agreement of the entry ``bits`` (pad bits 0) with the cells."""
-        k = int(self.score.shape[1])
-        padded = bits + "0" * (self.score.size - len(bits))
-        entry = (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0")).reshape(-1, k)
+        symbols, k = self.score.shape
+        entry = entry_cells(bits, int(symbols), int(k))
         agree = np.where(entry == 0, self.score, self.mass[:, None] - self.score)
         return int(agree.sum())
 
@@ -644,7 +666,7 @@ def entry_units(
     token's level weights (``token_weights`` None: today's layer weights, level
     :data:`MODEL_FREE_LEVEL`); units of weight 0 are dropped. The registry test's
     agreement is ``(sum a + sum W) / 2`` over the same units."""
-    k, m = config.groups, config.layers
+    k = config.groups
     symbols = config.symbols_for(len(bits))
     ids = np.asarray(token_ids, dtype=np.int64)
     items = ScoredTokensV2.of(ids, config.context_width)
@@ -652,18 +674,9 @@ def entry_units(
         return np.zeros(0, dtype=np.int64)
     weights = np.full(len(ids), np.nan) if token_weights is None else np.asarray(token_weights)
     levels = token_levels(weights[items.indices])
-    prf = PRFV2.of(key)
-    g = np.asarray(
-        v2_group_bits(
-            v2_gwords(prf.gvalue_key, items.context, items.tokens, gvalue_words(k, m)), k, m
-        ),
-        dtype=np.int64,
-    )  # (n, k, m): 1 favours bit 0
-    w = level_weights(m)[levels]  # (n, m)
+    g, w, sym = _unit_bits(PRFV2.of(key), config, items.context, items.tokens, levels, symbols)
     d = 2 * np.einsum("nkm,nm->nk", g, w) - w.sum(axis=1)[:, None]  # (n, k): > 0 leans to 0
-    sym = symbol_index(v2_positions(prf.position_key, items.context), symbols, SCHEME_V2)
-    padded = bits + "0" * (symbols * k - len(bits))
-    entry = (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0")).reshape(symbols, k)
+    entry = entry_cells(bits, symbols, k)
     signed: I64 = np.where(entry[sym] == 0, d, -d).ravel()
     live: I64 = signed[w.sum(axis=1).repeat(k) > 0]
     return live

@@ -41,6 +41,7 @@ from worldcup_core.decoder import DEFAULT_LIST_SIZE, DecodeResult, RegistryMatch
 from worldcup_core.detector import DEFAULT_SIGNIFICANCE, slot_count
 from worldcup_core.detector_model import (
     TokenWeights,
+    entry_cells,
     entry_units,
     gate_where_it_acts,
     model_decode_many,
@@ -332,8 +333,7 @@ def entry_log_p(
     if units is None:
         return 0.0
     per_unit, sym, _ = units
-    padded = bits + "0" * (symbols * k - len(bits))
-    entry = (np.frombuffer(padded.encode("ascii"), dtype=np.uint8) - ord("0")).reshape(symbols, k)
+    entry = entry_cells(bits, symbols, k)
     agree = np.where(entry[sym] == 0, per_unit, int(w.sum()) - per_unit)
     return weighted_upper_log_sf(w, int(agree.size), int(agree.sum()))
 
