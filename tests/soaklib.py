@@ -309,10 +309,11 @@ class GenerateRecord:
     """A 200 from /generate, as the client received it."""
 
     text: str
-    bits: str
+    bits: str  # the payload the answer showed: the chosen one where the client chose
     message_id: int | None
     metadata: dict[str, Any] | None
     received: float
+    sealed: bool = False  # a chosen payload, sealed in entry message_id (bits: chosen)
 
 
 @dataclass
@@ -561,7 +562,12 @@ class _Run:
             out = r.json()
             self.report.generated.append(
                 GenerateRecord(
-                    out["text"], out["payload"]["bits"], out["message_id"], metadata, ended
+                    out["text"],
+                    out["payload"]["bits"],
+                    out["message_id"],
+                    metadata,
+                    ended,
+                    sealed=out.get("client_payload") is True,
                 )
             )
             if metadata is not None and out["message_id"] is None:
@@ -675,6 +681,19 @@ async def _verify(
             report.decode_mismatches.append(f"/decode answered {r.status_code}: {r.text[:200]}")
             return
         out = r.json()
+        if g.sealed:  # the carried bits are the entry's, unknown here: it names the entry
+            match = out["registry_match"]
+            if not out["is_watermarked"]:
+                report.decode_mismatches.append(
+                    f"sealed payload {g.bits} (message {g.message_id}): not watermarked "
+                    f"(p={out['p_value']:.2g})"
+                )
+            elif match is not None and match["message_id"] == g.message_id:
+                assert match["bits"] == g.bits and match["client_payload"], match
+                report.registry_attributed += 1
+            else:
+                report.misattributed.append(f"sealed message {g.message_id}: named {match}")
+            return
         errors = _hamming(out["bits"], g.bits)
         report.bit_errors.append(errors)
         # Raw decoding is not bit-exact on short texts, but a text carrying another
@@ -708,7 +727,9 @@ async def _verify(
         assert g.message_id is not None
         r = await client.get(f"/admin/tenants/{tenant_id}/registry/{g.message_id}", headers=admin)
         report.registry_checked += 1
-        if r.status_code != 200 or r.json()["metadata"] != g.metadata:
+        # a sealed entry records the chosen bits (app.stores.client_payloads)
+        want = {"worldcup:client_payload": g.bits} if g.sealed else g.metadata
+        if r.status_code != 200 or r.json()["metadata"] != want:
             report.registry_missing.append(g.message_id)
 
     await _gather_limited(n, (decode(g) for g in report.generated))

@@ -184,7 +184,9 @@ def test_metadata_that_would_not_round_trip_is_refused(
     assert MAX_METADATA_ITEMS == 32 and MAX_METADATA_STRING == 512  # as the cases assume
 
 
-def test_a_broken_stored_entry_never_breaks_a_read_route(client: TestClient) -> None:
+def test_a_broken_stored_entry_never_breaks_a_read_route(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Entries written before metadata was checked: a clear 409, or one item's error."""
     runtime = client.app.state.runtime  # type: ignore[attr-defined]
     portal = client.portal  # type: ignore[attr-defined]
@@ -192,6 +194,8 @@ def test_a_broken_stored_entry_never_breaks_a_read_route(client: TestClient) -> 
         tenant_id, auth = new_tenant(client)
     key = portal.call(runtime.tenants.version, tenant_id, None)
     texts = []
+    # texts that carry each entry's payload, chosen (as before sealing)
+    monkeypatch.setattr(runtime.settings, "seal_client_payloads", False)
     for n, bad in enumerate(({"k": "a\ud800"}, {"\udfff": 1}, {"n": float("nan")})):
         entry = portal.call(
             runtime.store.allocate_message, tenant_id, key.version, 16, bad, time.time()

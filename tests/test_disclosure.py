@@ -82,10 +82,18 @@ def test_generate_shows_registry_bits_to_analysts_only(
 def test_a_chosen_payload_is_echoed_to_its_chooser(
     client: TestClient, keys: dict[str, dict[str, str]]
 ) -> None:
+    """Sealed: the answer echoes the chosen bits (never the carried payload of the entry
+    that seals them), to the chooser and on a replay by another key of the tenant."""
     body = {**PROMPT, "payload": {"bits": "1011"}}
-    r = client.post("/generate", json=body, headers=keys["chooser"])
+    idem = {"Idempotency-Key": "disclose-chosen"}
+    r = client.post("/generate", json=body, headers={**keys["chooser"], **idem})
     assert r.status_code == 200, r.text
-    assert r.json()["payload"]["bits"] == "1011" and r.json()["message_id"] is None
+    answer = r.json()
+    assert answer["payload"] == {"bits": "1011", "hex": "b", "num_bits": 4}, answer
+    assert answer["client_payload"] is True and answer["message_id"] is not None, answer
+    assert answer["num_bits"] == 32, answer  # the entry's length: the carried payload's
+    again = client.post("/generate", json=body, headers={**keys["ordinary"], **idem})
+    assert again.status_code == 200 and again.json() == answer, again.text
 
 
 def test_v1_answers_and_stored_responses_withhold_registry_bits(
@@ -167,9 +175,9 @@ def test_decode_shows_decoded_bits_to_analysts_only(
 
 
 def test_the_policy() -> None:
-    assert not reveals_generated(frozenset({"generate", "decode"}), client_chosen=False)
-    assert reveals_generated(frozenset({"generate"}), client_chosen=True)
-    assert reveals_generated(frozenset({"generate", "provenance"}), client_chosen=False)
+    assert not reveals_generated(frozenset({"generate", "decode"}))
+    assert not reveals_generated(frozenset({"generate", "fixed_payload"}))
+    assert reveals_generated(frozenset({"generate", "provenance"}))
     assert sees_client_bits(frozenset({"fixed_payload"}))
     assert not sees_client_bits(frozenset({"generate", "decode", "detect"}))
     stored = {
@@ -184,3 +192,9 @@ def test_the_policy() -> None:
     # a client's own payload (no message id) is not redacted
     own = {"payload": {"bits": "1"}, "message_id": None}
     assert redact_stored(own, frozenset()) == own
+    # nor one sealed in an entry (the chosen bits, not the carried ones)
+    sealed = {"payload": {"bits": "1"}, "message_id": 8, "client_payload": True}
+    assert redact_stored(sealed, frozenset()) == sealed
+    receipt = {"message_id": 8, "payload_bits": "1", "payload_hex": "1", "client_payload": True}
+    chosen = {"choices": [{"watermark": receipt}]}
+    assert redact_stored(chosen, frozenset()) == chosen

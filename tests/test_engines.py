@@ -58,6 +58,9 @@ def engine_settings(engine: str, model_dir: Path | None, tmp: Path, **kw: Any) -
         "log_level": "INFO",
         "drain_timeout_s": 30.0,
         "fixed_payload_repeats": 100_000,  # the cap: tests/test_fixed_payload.py
+        # chosen payloads pin a text here (same seed and payload, same text: the
+        # determinism checks); sealed ones, the default: tests/test_fixed_payload.py
+        "seal_client_payloads": False,
         "max_batch_size": 8,
         "max_queue": 64,
         "vllm_max_model_len": 1024,

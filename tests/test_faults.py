@@ -206,15 +206,18 @@ def test_generate_refuses_when_the_registry_write_fails(
         _assert_store_unavailable(r)
         assert allocations == ["failed"]
         assert submitted == [] and _generated_tokens(live) == tokens
-        # The spy sees a generation that does not need the registry.
+        # A chosen payload is sealed in an entry of its own: refused as well.
         r = http.post("/generate", json={**body, "payload": {"bits": "1011"}}, headers=auth)
-        assert r.status_code == 200, r.text
-        assert len(submitted) == 1 and _generated_tokens(live) > tokens
+        _assert_store_unavailable(r)
+        assert allocations == ["failed"] * 2
+        assert submitted == [] and _generated_tokens(live) == tokens
 
         # 2. Redis really dies between authentication (cached) and the allocation.
         monkeypatch.setattr(runtime.store, "allocate_message", allocate)
         r = http.post("/generate", json={**meta, "metadata": {"user": "u2"}}, headers=auth)
         assert r.status_code == 200 and r.json()["message_id"] == 1, r.text
+        # the spy sees a generation once the registry takes the entry
+        assert len(submitted) == 1 and _generated_tokens(live) > tokens
         submitted.clear()
         tokens = _settled_tokens(live)
 

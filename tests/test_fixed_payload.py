@@ -25,10 +25,12 @@ from test_service_api import (
     fixed_watermark_keys,
     new_tenant,
     store_client,
+    unsealed,
 )
 
 from app.services.corpus import Fields, RawRow
 from worldcup_scan.keys import StoreSession, open_store
+from worldcup_scan.run import fill_registry
 from worldcup_scan.scanner import Scanner, ScanSpec
 
 BODY: dict[str, Any] = {"prompt": "Tides.", "max_new_tokens": 4, "seed": 1}
@@ -147,50 +149,98 @@ def _other_entries(client: Any, auth: dict[str, str]) -> list[tuple[int, str]]:
 
 
 def _text_under(client: Any, auth: dict[str, str], bits: str) -> str:
-    """A 64-token text under the client-chosen payload ``bits``."""
-    r = generate(client, auth, {**CHOSEN, "seed": 5, "payload": {"bits": bits}})
+    """A 64-token text that carries the client-chosen payload ``bits`` itself, as texts
+    issued before sealing do."""
+    with unsealed(client.app):  # as texts issued before sealing
+        r = generate(client, auth, {**CHOSEN, "seed": 5, "payload": {"bits": bits}})
     assert r.status_code == 200, r.text
     return str(r.json()["text"])
 
 
-def test_texts_under_a_client_payload_are_named_as_that_payload(client: Any) -> None:
-    """A client-chosen payload is recorded as a registry candidate: its texts are named
-    as the client's own payload (``client_payload``), never as another user's entry,
-    by /decode and /provenance alike."""
+def test_a_chosen_payload_is_sealed_in_a_registry_entry_and_decodes_back(client: Any) -> None:
+    """A client-chosen payload is sealed (SECURITY.md, Forgery and framing): each text
+    gets a registry entry recording the chosen bits and carries the entry's keyed
+    payload, so the bits a client chose are no labels of the bits its texts carry. The
+    answers name the entry with ``client_payload`` and the chosen bits, by /decode and
+    /provenance alike, and never reveal the carried bits to the client."""
     with fixed_watermark_keys(71):
-        tenant_id, auth = new_tenant(client, scopes=ANALYST)  # it reads issued bits
+        tenant_id, auth = new_tenant(client, scopes=ANALYST)  # it reads decoded bits
     _other_entries(client, auth)  # other users' entries the text could be mistaken for
     bits = "0110100111000101"
-    text = _text_under(client, auth, bits)
-    dec = client.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
-    assert dec["verdict"] == "watermarked", dec
-    match = dec["registry_match"]
-    assert match is not None, dec
-    assert match["client_payload"] is True and match["bits"] == bits, match
-    assert match["message_id"] is None and match["metadata"] == {}, match
+    answers = []
+    for seed in (5, 6):
+        r = generate(client, auth, {**CHOSEN, "seed": seed, "payload": {"bits": bits}})
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    for a in answers:  # the echo is the client's own payload, the entry seals it
+        assert a["payload"]["bits"] == bits and a["client_payload"] is True, a
+        assert a["message_id"] is not None and a["num_bits"] == 16, a
+    assert answers[0]["message_id"] != answers[1]["message_id"]
+    carried = []
+    for a in answers:
+        dec = client.post("/decode", json={"text": a["text"], "num_bits": 16}, headers=auth)
+        dec = dec.json()
+        assert dec["verdict"] == "watermarked", dec
+        match = dec["registry_match"]
+        assert match is not None and match["message_id"] == a["message_id"], dec
+        assert match["client_payload"] is True and match["bits"] == bits, match
+        assert match["metadata"] == {}, match  # the seal is no metadata of the tenant's
+        carried.append(dec["bits"])  # an analyst's key sees the decoded (carried) bits
+    # one chosen payload, two carried payloads, neither the chosen one
+    assert carried[0] != carried[1] and bits not in carried, carried
+    # the entry records the chosen bits; a client cannot forge a seal through metadata
+    entry = client.get(
+        f"/admin/tenants/{tenant_id}/registry/{answers[0]['message_id']}", headers=ADMIN
+    ).json()
+    assert entry["metadata"] == {"worldcup:client_payload": bits}, entry
+    forged = {**BODY, "metadata": {"worldcup:client_payload": "1111"}}
+    assert_error(generate(client, auth, forged), 422, "reserved_metadata_key")
     # a key that may not choose payloads learns that a client chose one, not its bits
     body = {"name": "reader", "scopes": ["decode"], "detail": "full"}
     made = client.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
     reader = {"Authorization": f"Bearer {made.json()['api_key']}"}
+    text = answers[0]["text"]
     seen = client.post("/decode", json={"text": text, "num_bits": 16}, headers=reader).json()
     assert seen["registry_match"]["client_payload"] is True, seen
     assert seen["registry_match"]["bits"] is None and seen["bits"] is None, seen
+    # /decode without num_bits finds the entry's length; a short payload is sealed at
+    # the default length (32 here), which the answer gives as num_bits
+    dec = client.post("/decode", json={"text": text}, headers=reader).json()
+    assert dec["registry_match"]["message_id"] == answers[0]["message_id"], dec
+    short = generate(client, auth, {**BODY, "payload": {"bits": "101"}}).json()
+    assert short["payload"]["bits"] == "101" and short["num_bits"] == 32, short
+    # /v1: each choice sealed in its own entry, its receipt the chosen bits
+    chat = {
+        "model": served(client, auth),
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "n": 2,
+        "watermark": {"payload": {"hex": "69a5", "num_bits": 16}},
+    }
+    r = client.post("/v1/chat/completions", json=chat, headers=auth)
+    assert r.status_code == 200, r.text
+    receipts = [c["watermark"] for c in r.json()["choices"]]
+    assert {w["payload_bits"] for w in receipts} == {format(0x69A5, "016b")}, receipts
+    assert all(w["client_payload"] and w["num_bits"] == 16 for w in receipts), receipts
+    assert len({w["message_id"] for w in receipts} - {None}) == 2, receipts
     found = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
     entry = found["match"]["registry_entry"]
     assert found["match"]["tenant_id"] == tenant_id and entry["client_payload"] is True, found
-    # a registry-issued text of the same tenant still names its own entry
+    assert entry["message_id"] == answers[0]["message_id"], found
+    # a registry-issued text of the same tenant still names its own entry, unsealed
     body = {**CHOSEN, "metadata": {"u": "me"}, "num_bits": 16, "seed": 6}
     r = generate(client, auth, body)
     assert r.status_code == 200, r.text
     dec = client.post("/decode", json={"text": r.json()["text"], "num_bits": 16}, headers=auth)
     match = dec.json()["registry_match"]
     assert match["message_id"] == r.json()["message_id"] and not match["client_payload"], match
+    assert match["bits"] is None and match["metadata"] == {"u": "me"}, match
 
 
 def test_a_scan_of_the_store_names_a_client_payload_as_the_api_does(
     client: Any, smollm2_tokenizer: Any
 ) -> None:
-    """``worldcup scan`` reads the payloads the service recorded: a text under a
+    """``worldcup scan`` reads the payloads releases before sealing recorded: a text under a
     client-chosen payload one bit from another user's entry is reported as the client's
     payload (``client_payload``, no ``message_id``), as /decode names it, never as that
     entry, which the same scan without the recorded payloads names."""
@@ -208,18 +258,28 @@ def test_a_scan_of_the_store_names_a_client_payload_as_the_api_does(
         store = open_store(settings.redis_url, redis_prefix=settings.redis_prefix)
     else:
         store = open_store(str(settings.sqlite_path))
+    # and a text under a sealed payload (today's): named as its entry
+    r = generate(client, auth, {**CHOSEN, "seed": 7, "payload": {"bits": "1" * 16}})
+    assert r.status_code == 200, r.text
+    sealed_text, sealed_id = r.json()["text"], r.json()["message_id"]
     session = StoreSession(store, bytes.fromhex(MASTER_KEY))
     try:
         keys = session.load_keys(tenant_id)
+        assert keys.client_payloads == {(tenant_id, 1): {16: [int(bits, 2)]}}
+        spec = ScanSpec(keys, "detect", Fields("text", "id"))
+        rows = [
+            RawRow("under-client-payload", "api", 0, text, None),
+            RawRow("sealed", "api", 1, sealed_text, None),
+        ]
+        row, sealed_row = Scanner(spec, smollm2_tokenizer).scan_rows(rows)
+        fill_registry(session, [row, sealed_row])  # the driver's registry read
     finally:
         session.close()
-    assert keys.client_payloads == {(tenant_id, 1): {16: [int(bits, 2)]}}
-    spec = ScanSpec(keys, "detect", Fields("text", "id"))
-    rows = [RawRow("under-client-payload", "api", 0, text, None)]
-    row = Scanner(spec, smollm2_tokenizer).scan_rows(rows)[0]
     assert row["verdict"] == "watermarked" and row["key_version"] == 1, row
     assert row["client_payload"] is True and row["message_id"] is None, row
     assert not row["registry_ambiguous"] and not row["registry_expired"], row
+    assert sealed_row["message_id"] == sealed_id and sealed_row["client_payload"], sealed_row
+    assert sealed_row["registry_metadata"] == "{}", sealed_row  # the seal is not metadata
     # the scan before it read them: the neighbour, another user's entry, was named
     blind = replace(spec, keys=replace(keys, client_payloads={}))
     before = Scanner(blind, smollm2_tokenizer).scan_rows(rows)[0]

@@ -209,6 +209,39 @@ def test_answers_resume_where_they_stopped(
         assert a["bits"] == codec.payload(a["message_id"]).bits
 
 
+def test_a_sealed_fixed_payload_teaches_no_labels(
+    word_lm: LoadedModel, data_dir: Path, tmp_path: Path
+) -> None:
+    """``fixed`` as the service is: each answer under a chosen payload carries a fresh
+    registry entry's keyed payload, so the attacker's labels (the payloads its four
+    accounts chose) agree with the carried bits no better than chance; before sealing
+    they were the carried bits, and the judge held them as registry candidates."""
+    config = _small("fixed", budget_tokens=300, batch_size=4, accounts=4)
+    prompts = load_prompts(data_dir, config.spoof_prompts)
+    tenant = Tenant(config)
+    for sub in ("sealed", "unsealed"):
+        (tmp_path / sub).mkdir()
+    sealed = collect_answers(word_lm, config, tenant, prompts, tmp_path / "sealed", False)
+    codec = tenant.codec()
+    agree = total = 0
+    for a in sealed:
+        assert a["message_id"] == config.bystanders + a["index"] + 1
+        assert a["bits"] == codec.payload(a["message_id"]).bits
+        assert a["label"] == tenant.fixed_payload(a["index"] % 4)
+        agree += sum(x == y for x, y in zip(a["bits"], a["label"], strict=True))
+        total += len(a["bits"])
+    assert len({a["bits"] for a in sealed}) == len(sealed) >= 4  # one payload per answer
+    assert stats.binomtest(agree, total).pvalue > 1e-3, (agree, total)  # chance agreement
+    before = replace(config, sealed=False)
+    old = Tenant(before)
+    unsealed = collect_answers(word_lm, before, old, prompts, tmp_path / "unsealed", False)
+    assert all(a["bits"] == a["label"] and a["message_id"] is None for a in unsealed)
+    judge = Judge(before, old, word_lm.tokenizer, old.registry_ids(unsealed))
+    assert judge.scanner.spec.keys.client_payloads  # the releases before recorded them
+    judge = Judge(config, tenant, word_lm.tokenizer, tenant.registry_ids(sealed))
+    assert not judge.scanner.spec.keys.client_payloads  # sealed entries are entries
+
+
 def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     word_lm: LoadedModel, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -56,6 +56,9 @@ def make_settings(model_dir: Path, db_dir: Path, **overrides: Any) -> Settings:
         "request_timeout_s": 60.0,
         "drain_timeout_s": 2.0,
         "fixed_payload_repeats": 100_000,  # the cap: tests/test_fixed_payload.py
+        # chosen payloads pin a text here (same seed and payload, same text: the
+        # determinism checks); sealed ones, the default: tests/test_fixed_payload.py
+        "seal_client_payloads": False,
         **overrides,
     }
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

@@ -145,6 +145,17 @@ def fixed_watermark_keys(seed: int) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def unsealed(app: Any) -> Iterator[None]:
+    """Client-chosen payloads carried by the texts themselves, as before sealing (and as
+    ``WORLDCUP_SEAL_CLIENT_PAYLOADS=false``): same seed and payload, same text. For
+    tests of the engine's determinism, or that need a text to carry given bits."""
+    settings = app.state.runtime.settings
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(settings, "seal_client_payloads", False)
+        yield
+
+
 # a tenant whose primary key sees payload bits (an analyst's: app.services.disclosure),
 # for tests that compare decoded or issued bits
 ANALYST = ("fixed_payload", "provenance")
@@ -639,7 +650,9 @@ def test_generate_with_explicit_payload(
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["payload"] == {"bits": PAYLOAD16, "hex": "6996", "num_bits": 16}
-    assert body["message_id"] is None and body["scheme"] == "worldcup-v2"
+    # sealed: an entry of its own carries a keyed payload of the same length
+    assert body["client_payload"] is True and body["num_bits"] == 16, body
+    assert body["message_id"] is not None and body["scheme"] == "worldcup-v2"
     assert body["num_tokens"] == body["usage"]["completion_tokens"] <= 4
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["num_tokens"]
     assert body["finish_reason"] in ("eos", "length")
@@ -671,10 +684,12 @@ def test_generated_payload_decodes_back(
     r = client.post("/decode", json={"text": gen["text"], "num_bits": 16}, headers=auth)
     assert r.status_code == 200, r.text
     dec = r.json()
-    assert bits_agree(dec["bits"], PAYLOAD16) >= 14, dec["bits"]
     assert dec["p_value"] < 1e-6 and dec["is_watermarked"] is True
     assert dec["key_version"] == gen["key_version"]
-    assert dec["registry_match"] is None  # an explicit payload is not a registry entry
+    # sealed: the text names the entry that records the chosen payload
+    match = dec["registry_match"]
+    assert match["message_id"] == gen["message_id"] and match["client_payload"], match
+    assert match["bits"] == PAYLOAD16 and match["metadata"] == {}, match
 
     r = client.post("/detect", json={"text": gen["text"]}, headers=auth)
     assert r.status_code == 200, r.text

@@ -125,10 +125,13 @@ def test_explicit_payload_round_trip(
 ) -> None:
     bits = "1011001110001111"
     out = _generate(http, acme["auth"], prompt=_prompt(articles[10]), payload={"bits": bits})
-    assert out["payload"]["bits"] == bits and out["message_id"] is None
+    # sealed: the text carries its own registry entry's payload, which names the chosen
+    assert out["payload"]["bits"] == bits and out["client_payload"] is True, out
+    assert out["message_id"] is not None and out["num_bits"] == 16, out
     decoded = _decode(http, acme["auth"], out["text"], num_bits=16)
-    assert sum(a == b for a, b in zip(decoded["bits"], bits, strict=True)) >= 14
     assert decoded["is_watermarked"] and decoded["p_value"] < 1e-4
+    match = decoded["registry_match"]
+    assert match["message_id"] == out["message_id"] and match["bits"] == bits, match
 
 
 def test_metadata_registry_round_trip(

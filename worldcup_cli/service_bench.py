@@ -802,6 +802,8 @@ def run_service_bench(
             rate_limit_per_s=0,  # capacity, not the per-tenant budget
             probe_budget_full=0,  # the detect load repeats its 64 texts
             probe_budget_verdict=0,
+            # the load's chosen payloads carried as chosen: decoded bits are compared with them
+            seal_client_payloads=False,
         )
         say(f"starting the service on 127.0.0.1:{port} ({device})")
         t_start = time.perf_counter()

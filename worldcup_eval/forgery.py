@@ -12,9 +12,13 @@ HTTP server, for speed) under the tenant's key, with the payload the scenario gi
 
 * ``fixed``: the client names its payload (``/generate`` with ``payload.bits``),
   the same every time, as in the pilot of the issue; with ``--accounts k`` the budget
-  is split over ``k`` accounts, each with its own fixed payload. Client-chosen
-  payloads allocate no registry entry, but the service records each as a candidate of
-  the registry test (as the judge does here): a text matching one names no entry.
+  is split over ``k`` accounts, each with its own fixed payload. The service as it is
+  seals a chosen payload (``sealed``, app.stores.client_payloads): each answer gets a
+  registry entry that records the chosen bits and carries the entry's keyed payload,
+  so the attacker's labels (the bits it chose) are not the bits its answers carry.
+  ``--unsealed`` measures the releases before: the answer carried the chosen bits, and
+  the service recorded each as a candidate of the registry test (as the judge does
+  then): a text matching one names no entry.
 * ``per-request``: the service's default. Each ``/generate`` with metadata allocates
   the next registry message id, whose payload (keyed, :class:`MessageIdCodec`) the
   answer carries. Today the API shows those bits only to analysts' keys
@@ -116,6 +120,9 @@ class ForgeryConfig:
     # generator replica answers) or "model_free" (as the detector role answers)
     judge: str = "model_free"
     exposure: str = "analysts"
+    # ``fixed`` only: the chosen payload sealed in a registry entry (the service as it
+    # is), or carried by the text itself (False: the releases before)
+    sealed: bool = True
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -210,9 +217,20 @@ class Tenant:
         if cfg.scenario == "per-request":
             mid = self.message_id(index)
             return str(self.codec().payload(mid).bits), mid
+        if cfg.scenario == "fixed" and cfg.sealed:  # the entry's payload, not the chosen
+            mid = self.message_id(index)
+            return str(self.codec().payload(mid).bits), mid
         if cfg.scenario == "fixed":
             return self.fixed_payload(index % cfg.accounts), None
         return "0" * cfg.num_bits, None  # kgw: zero-bit, the payload is ignored
+
+    def label_of(self, index: int) -> str:
+        """The payload the attacker believes answer ``index`` carries: the one it chose
+        (``fixed``, sealed or not), else the one the answer carries (shown to it only
+        with ``exposure="all"``; :attr:`ForgeryConfig.knows_payloads`)."""
+        if self.config.scenario == "fixed":
+            return self.fixed_payload(index % self.config.accounts)
+        return self.payload_of(index)[0]
 
     def registry_ids(self, answers: Sequence[dict[str, Any]]) -> list[int]:
         """The tenant's issued entries at judging time: the bystanders', and the
@@ -426,6 +444,7 @@ def collect_answers(
                         "account": index % config.accounts,
                         "prompt": index % len(prompts.train),
                         "bits": bits,
+                        "label": tenant.label_of(index),
                         "message_id": mid,
                     },
                 )
@@ -514,7 +533,8 @@ def learn_from(answers: Sequence[dict[str, Any]], config: ForgeryConfig) -> Any:
 
     width = 1 if config.scenario == "kgw" else _worldcup_width()
     vary = config.knows_payloads
-    rows = ((a["tokens"], a["base"], a["bits"] if vary else None) for a in answers)
+    # the attacker's labels: what it chose, which a sealed entry does not carry
+    rows = ((a["tokens"], a["base"], a.get("label", a["bits"]) if vary else None) for a in answers)
     return learn(rows, LearnerConfig(width=width, top_p=config.top_p))
 
 
@@ -764,8 +784,12 @@ class Judge:
         at = (spec.tenant_id, spec.version)
         entries = {at: {self.config.num_bits: sorted(registry)}}
         client = {}
-        if self.config.scenario == "fixed" and spec.tenant_id == "tenant":
-            # the accounts' payloads, recorded as candidates by the service
+        if (
+            self.config.scenario == "fixed"
+            and not self.config.sealed
+            and spec.tenant_id == "tenant"
+        ):
+            # the accounts' payloads, recorded as candidates by the releases before sealing
             chosen = [int(self.tenant.fixed_payload(a), 2) for a in range(self.config.accounts)]
             client = {at: {self.config.num_bits: chosen}}
         keys = ScanKeys(
@@ -1011,6 +1035,7 @@ def run_forgery(
         f"{config.budget_tokens}"
         + ("-model" if config.judge == "model" else "")
         + ("-exposed" if config.exposure == "all" else "")
+        + ("-sealed" if config.scenario == "fixed" and config.sealed else "")
     )
     (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
     (out / f"report-{name}.md").write_text(report(summary))
@@ -1041,7 +1066,12 @@ def report(summary: dict[str, Any]) -> str:
         f"## Forgery: scenario `{cfg['scenario']}`, {cfg['accounts']} account(s), "
         f"budget {cfg['budget_tokens']:,} tokens, judged by the "
         f"{cfg.get('judge', 'model_free')} verdict; payload bits shown to "
-        f"{'analysts only' if cfg.get('exposure', 'all') == 'analysts' else 'every key'}",
+        f"{'analysts only' if cfg.get('exposure', 'all') == 'analysts' else 'every key'}"
+        + (
+            f"; chosen payloads {'sealed' if cfg.get('sealed', False) else 'carried'}"
+            if cfg["scenario"] == "fixed"
+            else ""
+        ),
         "",
         f"{summary['answers']} answers, {summary['answer_tokens']:,} tokens; "
         f"registry entries at judging: {summary['registry_entries']}; learned: "
@@ -1126,6 +1156,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the verdict judged: model (default; a generator replica's, every test weighed "
         "by the model) or model_free (the detector role's)",
     )
+    ap.add_argument(
+        "--unsealed",
+        action="store_true",
+        help="fixed: the texts carry the chosen payload itself, as before sealing (the "
+        "default is the service as it is: each sealed in a registry entry of its own)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -1145,6 +1181,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         judge=args.judge,
         exposure=args.exposure,
+        sealed=not args.unsealed,
     )
     try:
         lm = load_model(args.model, device=args.device)

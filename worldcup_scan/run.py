@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.services.corpus import InputError, Part, check_fields, discover, plan
+from app.stores.client_payloads import sealed_bits, without_seal
 from worldcup_scan.keys import StoreSession
 from worldcup_scan.scanner import COLUMNS, ScanSpec, arrow_schema, iso_utc
 
@@ -163,7 +164,7 @@ def _write_part(state: Path, part: Part, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, state / f"{part.name}.parquet")
 
 
-def _fill_registry(session: StoreSession, rows: list[dict[str, Any]]) -> None:
+def fill_registry(session: StoreSession, rows: list[dict[str, Any]]) -> None:
     """Registry metadata of the hits (the driver's job: workers never touch the store)."""
     by_tenant: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -172,8 +173,10 @@ def _fill_registry(session: StoreSession, rows: list[dict[str, Any]]) -> None:
     for tenant_id, hits in by_tenant.items():  # one bulk read a tenant
         entries = session.registry_entries(tenant_id, [int(r["message_id"]) for r in hits])
         for row, entry in zip(hits, entries, strict=True):
-            if entry is not None:
-                row["registry_metadata"] = json.dumps(entry.metadata, sort_keys=True)
+            if entry is not None:  # an entry that seals a client-chosen payload says so
+                row["client_payload"] = sealed_bits(entry.metadata) is not None
+                metadata = without_seal(entry.metadata)
+                row["registry_metadata"] = json.dumps(metadata, sort_keys=True)
                 row["registry_issued_at"] = iso_utc(entry.issued_at)
 
 
@@ -279,7 +282,7 @@ def run_scan(
     with _Progress(options.progress, total, already) as bar:
         for part, rows in _engine(options, spec, pending):
             if options.with_registry and session is not None:
-                _fill_registry(session, rows)
+                fill_registry(session, rows)
             _write_part(state, part, rows)
             finished += 1
             scanned += len(rows)

@@ -186,6 +186,12 @@ class Settings(BaseSettings):
     # are what a watermark-stealing attacker learns from (SECURITY.md, Forgery and framing)
     fixed_payload_repeats: Annotated[int, Field(ge=1)] = 16
     fixed_payload_window_s: Annotated[float, Field(gt=0)] = 30 * 86400.0
+    # sealed (the default): each text under a chosen payload gets a registry entry that
+    # records the chosen bits and carries the entry's keyed payload, so the chooser never
+    # learns the carried bits. False: the text carries the chosen bits themselves (same
+    # seed, same text; the releases before), recorded as a registry candidate: only for
+    # deployments whose every fixed_payload key is trusted (SECURITY.md)
+    seal_client_payloads: bool = True
 
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000

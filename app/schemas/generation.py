@@ -308,13 +308,22 @@ class GenerateResponse(StrictModel):
     num_tokens: int
     finish_reason: Literal["eos", "length"]
     payload: PayloadOut | None = Field(
-        description="The payload the text carries: the one the request chose, echoed; a "
-        "registry-issued one only to a key that holds the `provenance` scope (an analyst's "
-        "key), null otherwise. Payload bits are the labels a watermark-stealing attacker "
-        "learns from (SECURITY.md, Forgery and framing): keep message_id instead, which "
-        "names the entry without revealing its bits."
+        description="The payload the request chose, echoed (client_payload: the text "
+        "carries its registry entry's keyed payload instead, which /decode maps back to "
+        "these bits); else the registry-issued payload the text carries, only to a key "
+        "that holds the `provenance` scope (an analyst's key), null otherwise. Payload "
+        "bits are the labels a watermark-stealing attacker learns from (SECURITY.md, "
+        "Forgery and framing): keep message_id instead, which names the entry without "
+        "revealing its bits."
     )
-    num_bits: int = Field(description="The payload's length in bits.")
+    client_payload: bool = Field(
+        False,
+        description="True: the request chose its payload, and the registry entry "
+        "`message_id` seals it (decode at `num_bits`, or without num_bits).",
+    )
+    num_bits: int = Field(
+        description="The length of the payload the text carries (decode at this length)."
+    )
     message_id: int | None
     key_version: int
     scheme: str

@@ -16,7 +16,10 @@ bits never leave the service except to analysts:
   message id's payload is keyed);
 * a client-chosen payload is the client's own: it is echoed to the key that chose it,
   and a matched one (``registry_match.bits``) is shown to keys that may choose payloads
-  (``fixed_payload``) or are analysts (``provenance``).
+  (``fixed_payload``) or are analysts (``provenance``). It is sealed: the text carries
+  the keyed payload of a registry entry that records the chosen bits, so the echo is no
+  label of the carried bits (a key that chose its payloads once framed a chosen victim
+  in 17 of 40 spoofs).
 
 These functions decide it, from the asking key's effective scopes
 (:attr:`app.services.tenants.Principal.scopes`); the routes' services apply them to
@@ -42,10 +45,12 @@ def sees_client_bits(scopes: frozenset[str]) -> bool:
     return PROVENANCE_SCOPE in scopes or FIXED_PAYLOAD_SCOPE in scopes
 
 
-def reveals_generated(scopes: frozenset[str], client_chosen: bool) -> bool:
-    """Whether a generation's answer shows the payload its text carries: the payload
-    the client chose itself, or an issued one to an analyst's key."""
-    return client_chosen or sees_registry_bits(scopes)
+def reveals_generated(scopes: frozenset[str]) -> bool:
+    """Whether a generation's answer shows the registry-issued payload its text carries
+    (to an analyst's key). A client-chosen payload is always echoed to the key that
+    chose it, and it is sealed: the text carries its registry entry's payload instead,
+    whose bits the answer shows only to analysts (``Sample.shown_payload``)."""
+    return sees_registry_bits(scopes)
 
 
 def redact_stored(response: Mapping[str, Any], scopes: frozenset[str]) -> dict[str, Any]:
@@ -55,7 +60,8 @@ def redact_stored(response: Mapping[str, Any], scopes: frozenset[str]) -> dict[s
     out = dict(response)
     if sees_registry_bits(scopes):
         return out
-    if out.get("message_id") is not None and out.get("payload") is not None:
+    own = out.get("client_payload") is True  # the client's chosen bits: its own
+    if out.get("message_id") is not None and out.get("payload") is not None and not own:
         out["payload"] = None  # /generate
     if isinstance(out.get("watermark"), Mapping):  # a Responses object
         out["watermark"] = _redact_info(out["watermark"])
@@ -72,7 +78,7 @@ def redact_stored(response: Mapping[str, Any], scopes: frozenset[str]) -> dict[s
 
 def _redact_info(info: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(info)
-    if out.get("message_id") is not None:
+    if out.get("message_id") is not None and out.get("client_payload") is not True:
         out["payload_bits"] = None
         out["payload_hex"] = None
     return out

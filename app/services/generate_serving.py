@@ -129,19 +129,20 @@ async def _run(
     claim: gen.IdempotencyClaim | None,
     scopes: frozenset[str],
 ) -> Any:
-    message_id = None
-    if body.payload is not None:
+    chosen = None
+    if body.payload is not None:  # sealed in a registry entry of its own
         p = body.payload
         spelled = (p.bits, p.hex, p.integer, p.num_bits)
-        payload = await gen.fixed_payload(runtime, scopes, tenant_id, key, spelled)
+        chosen = await gen.fixed_payload(runtime, scopes, tenant_id, key, spelled)
+        payload, message_id = await gen.allocate_sealed(runtime, tenant_id, key, chosen)
     else:  # a registry entry; a bare request records empty metadata, as /v1 does
         metadata = body.metadata if body.metadata is not None else {}
         payload, message_id = await gen.allocate(runtime, tenant_id, key, metadata, body.num_bits)
     sampling = _sampling(body)
-    reveal = reveals_generated(scopes, client_chosen=body.payload is not None)
+    reveal = reveals_generated(scopes)
     sample = gen.submit(
         runtime, engine, tenant_id, key, prompt_ids, sampling, payload, message_id,
-        reveal_payload=reveal,
+        reveal_payload=reveal, chosen=chosen,
     )  # fmt: skip
     if body.stream:
         return StreamingResponse(
@@ -164,6 +165,7 @@ async def _run(
 def _response(sample: gen.Sample, result: GenerationResult) -> GenerateResponse:
     job = sample.job
     assert sample.payload is not None  # /generate always watermarks
+    shown = sample.shown_payload()
     text = sample.runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     total = time.perf_counter() - job.enqueued_at
     n = len(result.token_ids)
@@ -175,12 +177,11 @@ def _response(sample: gen.Sample, result: GenerationResult) -> GenerateResponse:
         num_tokens=n,
         finish_reason="eos" if result.finish_reason == "eos" else "length",
         payload=PayloadOut(
-            bits=sample.payload.bits,
-            hex=format(sample.payload.to_int(), "x"),
-            num_bits=sample.payload.num_bits,
+            bits=shown.bits, hex=format(shown.to_int(), "x"), num_bits=shown.num_bits
         )
-        if sample.reveal_payload
+        if shown is not None
         else None,
+        client_payload=sample.chosen is not None,
         num_bits=sample.payload.num_bits,
         message_id=sample.message_id,
         key_version=sample.key.version,

@@ -27,7 +27,13 @@ from app.services.disclosure import FIXED_PAYLOAD_SCOPE
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
-from app.stores.client_payloads import record_client_payload, repeats_key
+from app.stores.client_payloads import (
+    SEALED_METADATA_KEY,
+    record_client_payload,
+    repeats_key,
+    sealed_length,
+    sealed_metadata,
+)
 from worldcup_core import Payload, SamplingConfig
 from worldcup_core.fingerprint import text_fingerprint
 from worldcup_core.generation import (
@@ -72,9 +78,12 @@ async def fixed_payload(
     no context's favoured tokens stay fixed across texts. A key chooses payloads only
     with the ``fixed_payload`` scope (an admin's grant to the tenant, held by the key),
     and each payload at most ``fixed_payload_repeats`` times per key version within
-    ``fixed_payload_window_s`` (counted in the store, shared by replicas). The payload
-    is then recorded as a candidate of the registry test, so that its texts are named
-    as the client's payload (``client_payload``), not as another user's entry."""
+    ``fixed_payload_window_s`` (counted in the store, shared by replicas).
+
+    The payload is then sealed, not embedded (:func:`allocate_sealed`): each text gets a
+    registry entry that records the chosen bits, and carries the entry's keyed payload.
+    The client's labels (the bits it chose) say nothing about the bits its texts carry,
+    so its texts teach a stealing attacker what a metadata request's do."""
     if FIXED_PAYLOAD_SCOPE not in scopes:
         runtime.metrics.rejections.labels("fixed_payload_not_allowed").inc()
         raise APIError(
@@ -108,9 +117,6 @@ async def fixed_payload(
                 {"Retry-After": str(retry)},
                 param="payload",
             )
-    # a registry candidate from now on: texts under it are named as this payload, never
-    # as another user's entry (app.stores.client_payloads)
-    await record_client_payload(runtime.store, tenant_id, key.version, payload.bits)
     return payload
 
 
@@ -238,6 +244,41 @@ async def allocate(
     num_bits: int | None,
 ) -> tuple[Payload, int]:
     """A registry entry (durably, before generating) and the payload it maps to."""
+    if SEALED_METADATA_KEY in metadata:
+        raise APIError(
+            422,
+            f"metadata: the key {SEALED_METADATA_KEY!r} is the service's own (it records a "
+            "sealed client-chosen payload)",
+            "reserved_metadata_key",
+            param="metadata",
+        )
+    return await _allocate(runtime, tenant_id, key, metadata, num_bits)
+
+
+async def allocate_sealed(
+    runtime: Runtime, tenant_id: str, key: KeyVersion, chosen: Payload
+) -> tuple[Payload, int | None]:
+    """A registry entry that seals the client-chosen payload ``chosen`` (its bits in the
+    entry's metadata, :func:`app.stores.client_payloads.sealed_metadata`), and the keyed
+    payload the text carries instead: the entry's, of :func:`sealed_length` bits.
+
+    With ``seal_client_payloads`` off, the text carries ``chosen`` itself and no entry
+    is issued; the payload is recorded as a registry candidate instead, so that its
+    texts are named as the client's payload, never as another user's entry."""
+    if not runtime.settings.seal_client_payloads:
+        await record_client_payload(runtime.store, tenant_id, key.version, chosen.bits)
+        return chosen, None
+    length = sealed_length(chosen.num_bits, runtime.settings.default_num_bits)
+    return await _allocate(runtime, tenant_id, key, sealed_metadata(chosen.bits), length)
+
+
+async def _allocate(
+    runtime: Runtime,
+    tenant_id: str,
+    key: KeyVersion,
+    metadata: dict[str, Any],
+    num_bits: int | None,
+) -> tuple[Payload, int]:
     try:
         entry, payload = await runtime.tenants.allocate(
             tenant_id, key, num_bits or runtime.settings.default_num_bits, metadata
@@ -262,10 +303,20 @@ class Sample:
     job: GenerationJob
     # whether the answer shows the payload's bits (app.services.disclosure)
     reveal_payload: bool = False
+    # the client-chosen payload its registry entry seals (allocate_sealed), or None
+    chosen: Payload | None = None
     deadline: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.runtime.settings.request_timeout_s
+
+    def shown_payload(self) -> Payload | None:
+        """The payload the answer shows: the client's own where it chose one (never the
+        keyed payload that seals it: those bits would be a stealing attacker's labels),
+        the carried one where the key may see it, else None."""
+        if self.chosen is not None:
+            return self.chosen
+        return self.payload if self.reveal_payload else None
 
 
 def submit(
@@ -279,11 +330,13 @@ def submit(
     message_id: int | None,
     constraint: TokenConstraint | None = None,
     reveal_payload: bool = False,
+    chosen: Payload | None = None,
 ) -> Sample:
     """Queue one generation; without a payload it runs unwatermarked (only for a
     completion that keeps no generated token: max_tokens 0, the prompt scored).
     ``reveal_payload``: whether its answer may show the payload's bits
-    (:func:`app.services.disclosure.reveals_generated`)."""
+    (:func:`app.services.disclosure.reveals_generated`); ``chosen``: the client-chosen
+    payload ``payload``'s registry entry seals (:func:`allocate_sealed`)."""
     scheme = key.scheme if payload is not None else None
     try:
         job = engine.submit(GenerationRequest(ids, sampling, scheme, payload, constraint))
@@ -291,7 +344,7 @@ def submit(
         raise queue_full(runtime) from None
     except EngineStopped:
         raise APIError(503, "the server is shutting down", "draining") from None
-    return Sample(runtime, tenant_id, key, payload, message_id, ids, job, reveal_payload)
+    return Sample(runtime, tenant_id, key, payload, message_id, ids, job, reveal_payload, chosen)
 
 
 async def next_event(sample: Sample) -> StepEvent | GenerationResult:

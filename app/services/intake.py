@@ -24,6 +24,7 @@ from app.services.runtime import Runtime
 from app.services.tenants import Principal
 from app.services.watermark import DecodeOutcome
 from app.stores.base import ProbeDecision
+from app.stores.client_payloads import sealed_bits, without_seal
 from worldcup_core.assess import Assessment
 
 Sketcher = Callable[[list[list[int]]], list[Sketch | None]]
@@ -118,14 +119,17 @@ def registry_match(
             client_payload=True,
             bits=found.bits,
         )
+    sealed = sealed_bits(entry.metadata)  # an entry that seals a client-chosen payload
     return RegistryMatchOut(
         message_id=entry.message_id,
-        metadata=readable_metadata(entry.metadata, entry.message_id),
+        metadata=readable_metadata(without_seal(entry.metadata), entry.message_id),
         issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
         num_bits=entry.num_bits,
         confidence=found.posterior,
         p_value=found.p_value,
         exact=outcome.entry_bits == outcome.result.bits,
+        client_payload=sealed is not None,
+        bits=sealed,
     )
 
 

@@ -22,11 +22,47 @@ The service records and asks (:func:`record_client_payload`, :func:`client_paylo
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from app.stores.base import Store
 
 FOREVER_S = 100 * 365 * 86_400.0  # how long a recorded payload stays a candidate
+
+# Sealed client payloads (SECURITY.md, "Forgery and framing"; issue #45): a chosen
+# payload is no longer embedded. The service issues a registry entry for it, records the
+# chosen bits on the entry under this metadata key (which clients may not send), and the
+# text carries the entry's keyed payload, as for a metadata request. A client's labels
+# then say nothing about the bits its texts carry. The payloads recorded above (by the
+# releases before) stay candidates, so that texts issued under them keep decoding.
+SEALED_METADATA_KEY = "worldcup:client_payload"
+SEALED_MIN_BITS = 16  # a shorter chosen payload is sealed in an entry of the default length
+
+
+def sealed_metadata(bits: str) -> dict[str, Any]:
+    """The registry entry metadata that seals the chosen payload ``bits``."""
+    return {SEALED_METADATA_KEY: _check_bits(bits)}
+
+
+def sealed_bits(metadata: Mapping[str, Any]) -> str | None:
+    """The chosen payload a registry entry seals, or None for an ordinary entry."""
+    bits = metadata.get(SEALED_METADATA_KEY)
+    return bits if isinstance(bits, str) else None
+
+
+def without_seal(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry's metadata as answers show it: the sealed payload is reported as
+    ``client_payload`` and ``bits``, to the keys that may see them, not as metadata."""
+    return {k: v for k, v in metadata.items() if k != SEALED_METADATA_KEY}
+
+
+def sealed_length(chosen_bits: int, default_bits: int) -> int:
+    """The length of the entry that seals a chosen payload of ``chosen_bits``: the same
+    length from ``SEALED_MIN_BITS`` up (so ``/decode`` at the chosen length finds it),
+    else the deployment's default (a 4-bit registry would hold 15 texts)."""
+    return chosen_bits if chosen_bits >= SEALED_MIN_BITS else max(default_bits, SEALED_MIN_BITS)
+
+
 _NO_LIMIT = 1 << 62
 
 

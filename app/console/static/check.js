@@ -87,7 +87,9 @@ function verdictText(mode, data, verdict) {
 function entryName(entry) {
   if (!entry.client_payload) return `message ${entry.message_id}`;
   // a client payload's bits only to keys that may choose payloads or are analysts
-  return entry.bits ? `the client's own payload ${entry.bits}` : "a payload the client chose";
+  const chosen = entry.bits ? `the client's own payload ${entry.bits}` : "a payload the client chose";
+  // sealed (today's): in a registry entry of its own; before sealing: no entry
+  return entry.message_id != null ? `message ${entry.message_id} (${chosen})` : chosen;
 }
 
 // The share of the text that carries the watermark (the answer's coverage), in words.
@@ -142,7 +144,8 @@ function showEntry(mode, data, entry) {
   if (!entry) return;
   if (entry.client_payload) {
     addRow(tbody, "client's own payload", entry.bits || "(bits shown to analysts' keys only)", true);
-  } else {
+  }
+  if (entry.message_id != null) {
     addRow(tbody, "message id", entry.message_id);
     addRow(tbody, "issued", fmtTime(entry.issued_at));
   }

@@ -214,13 +214,17 @@ class WatermarkInfo(OpenAIModel):
     message_id: int | None = Field(description="Registry entry, when the service allocated it.")
     key_version: int
     scheme: str
-    num_bits: int
+    num_bits: int = Field(description="The length of the payload the text carries.")
     payload_hex: str | None = Field(
-        description="The payload as hex: the one the request chose, echoed; a "
+        description="The payload as hex: the one the request chose, echoed (sealed: the "
+        "text carries registry entry `message_id`'s keyed payload instead); a "
         "registry-issued one only to a key with the `provenance` scope, null otherwise "
         "(payload bits are what a watermark-stealing attacker learns from: SECURITY.md)."
     )
     payload_bits: str | None = Field(description="The payload as bits; null as payload_hex.")
+    client_payload: bool = Field(
+        False, description="True: the request chose the payload, sealed in `message_id`."
+    )
 
 
 # ------------------------------------------------------------------ structured outputs

@@ -222,7 +222,7 @@ async def start(
     else:
         metadata = {"user": body.user} if body.user is not None else {}
     spec = pending.structure.spec
-    reveal = reveals_generated(scopes, client_chosen=fixed is not None)
+    reveal = reveals_generated(scopes)
     samples: list[gen.Sample] = []
     try:
         for i, sampling in enumerate(pending.sampling):
@@ -232,8 +232,8 @@ async def start(
                     gen.submit(runtime, engine, tenant_id, key, prompt, sampling, None, None)
                 )
                 continue
-            if fixed is not None:
-                payload, message_id = fixed, None
+            if fixed is not None:  # sealed: each choice its own entry
+                payload, message_id = await gen.allocate_sealed(runtime, tenant_id, key, fixed)
             else:
                 payload, message_id = await gen.allocate(
                     runtime, tenant_id, key, metadata, None if wm is None else wm.num_bits
@@ -243,7 +243,7 @@ async def start(
             samples.append(
                 gen.submit(
                     runtime, engine, tenant_id, key, prompt, sampling, payload, message_id,
-                    constraint, reveal_payload=reveal,
+                    constraint, reveal_payload=reveal, chosen=fixed,
                 )
             )  # fmt: skip
     except BaseException:
@@ -274,13 +274,15 @@ def usage(run: Run, outcomes: list[Outcome]) -> UsageInfo:
 
 def watermark_info(sample: gen.Sample) -> WatermarkInfo:
     assert sample.payload is not None
+    shown = sample.shown_payload()
     return WatermarkInfo(
         message_id=sample.message_id,
         key_version=sample.key.version,
         scheme=sample.key.scheme.version,
         num_bits=sample.payload.num_bits,
-        payload_hex=format(sample.payload.to_int(), "x") if sample.reveal_payload else None,
-        payload_bits=sample.payload.bits if sample.reveal_payload else None,
+        payload_hex=format(shown.to_int(), "x") if shown is not None else None,
+        payload_bits=shown.bits if shown is not None else None,
+        client_payload=sample.chosen is not None,
     )
 
 
