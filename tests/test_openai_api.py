@@ -476,7 +476,14 @@ def test_disconnect_without_stream_cancels_generation(
         base_url=f"{server.url}/v1", api_key=tenant["key"], max_retries=0, timeout=0.5
     ) as impatient:
         with pytest.raises(openai.APITimeoutError):  # the client gives up and hangs up
-            impatient.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000)
+            # min_tokens: no end-of-sequence before 2 000 tokens, so the answer cannot end
+            # before the client's 0.5 s however fast the CPU (it did on an idle AMX host)
+            impatient.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=2000,
+                extra_body={"min_tokens": 2000},
+            )
     deadline = time.monotonic() + 10
     while runtime.engine.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
