@@ -83,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             groups=settings.groups,
             layers=settings.layers,
             alpha=settings.alpha,
+            context_width=settings.context_width,
             version=settings.scheme,
         )
         cpu = CpuPool(

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
-from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+from worldcup_core import WatermarkKey, WorldCup
+from worldcup_core.config import service_config
 from worldcup_core.consistency import gate_log_p
 from worldcup_core.detector_model import agreement_z_many
 from worldcup_core.detector_weighted import verdict_log_p, weighted_log_p_many
@@ -39,8 +39,7 @@ def main() -> None:
     for name in ("texts", "tokens", "runs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
-    preset = WATERMARK_PRESETS[SERVICE_PRESET]
-    config = WatermarkConfig(groups=preset.groups, layers=preset.layers, alpha=preset.alpha)
+    config = service_config()
     scheme = WorldCup(WatermarkKey(b"gate-cost-bench-key-0123456789ab"), config)
     rng = np.random.default_rng(0)
     texts = [[int(x) for x in rng.integers(0, 49152, args.tokens)] for _ in range(args.texts)]

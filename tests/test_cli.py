@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from worldcup_cli.main import app
-from worldcup_core import Payload, SamplingConfig, WatermarkKey, WorldCup
+from worldcup_core import Payload, SamplingConfig, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.generation import GenerationRequest, generate
 from worldcup_core.models import load_tokenizer, tiny_random_model
 
@@ -130,6 +130,33 @@ def test_decode_and_detect_json_on_watermarked_text(key_file: Path) -> None:
     assert [float(c[3]) for c in cells] == pytest.approx(zs, abs=0.006)
     # as docs/cli.md says: z is the evidence for the value shown, never a signed value
     assert all(z >= 0 for z in zs) and max(zs) > 1 and "+" not in "".join(lines[2:])
+
+
+def test_a_key_of_another_context_width_is_read_at_its_own(key_file: Path) -> None:
+    """``--context-width`` is the key version's own (the service's WORLDCUP_CONTEXT_WIDTH
+    for new keys): a text written at c = 3 is watermarked read at 3 and not at 2."""
+    tokenizer = load_tokenizer()
+    tiny = tiny_random_model(tokenizer)
+    key = WatermarkKey.from_hex(key_file.read_text())
+    scheme = WorldCup(key, WatermarkConfig(context_width=3))
+    prompt = tokenizer("A test prompt", add_special_tokens=False).input_ids
+    req = GenerationRequest(
+        prompt,
+        SamplingConfig(max_new_tokens=96, min_new_tokens=96, seed=2),
+        scheme,
+        Payload("1100101001011100"),
+    )
+    (res,) = generate(tiny.model, [req], tiny.eos_token_ids, tiny.pad_token_id)
+    text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+    base = ["detect", "--key-file", str(key_file), "--json"]
+    wide = runner.invoke(app, [*base, "--context-width", "3"], input=text)
+    assert wide.exit_code == 0, wide.output
+    assert json.loads(wide.stdout)["verdict"] == "watermarked"
+    narrow = runner.invoke(app, base, input=text)
+    assert narrow.exit_code == 0 and json.loads(narrow.stdout)["verdict"] == "not_watermarked"
+    _assert_one_line_error(
+        runner.invoke(app, [*base, "--context-width", "9"], input=text), "context_width"
+    )
 
 
 @pytest.mark.parametrize(

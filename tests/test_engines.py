@@ -748,7 +748,8 @@ def test_cancellation_on_disconnect(service: Service) -> None:
         time.sleep(0.05)
     assert engine.in_flight == 0, "the sequence kept generating for a gone client"
     generated = _generated_tokens(service) - before
-    assert 1 <= generated < 300, generated  # 900 had it run on
+    # 900 had it run on; half a second connected is up to ~300 tokens on a fast CPU
+    assert 1 <= generated < 600, generated
 
 
 def test_full_queue_is_a_429(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from scipy import stats
 
 import worldcup_core.consistency as consistency
 from worldcup_core.baselines.kgw import KGW, KGWConfig, green_of, kgw_seed
+from worldcup_core.config import SERVICE_CONTEXT_WIDTH
 from worldcup_core.models import LoadedModel, load_tokenizer, tiny_random_model
 from worldcup_core.prf import SENTINEL, WatermarkKey
 from worldcup_eval.forgery import (
@@ -97,6 +98,9 @@ def _small(scenario: str, **kw: Any) -> ForgeryConfig:
         piggyback=0,
         human_texts=20,
         bystanders=50,
+        # the word world's 64 tokens repeat two-token contexts within this budget; the
+        # service's wider default is measured against it in the anchor test below
+        context_width=2,
     )
     return replace(config, **kw)
 
@@ -284,6 +288,22 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
         )
     before = {r["label"]: r for r in ungated["spoofs"]}["stolen d=8"]
     assert before["watermarked"]["k"] >= 2 and stolen["watermarked"]["k"] == 0, (before, stolen)
+    # the service's default width (c = 4 since issue #45), the same budget, still before
+    # the gates: the width alone starves the learner, and no spoof crosses the verdict
+    wide = replace(config, exposure="analysts", context_width=SERVICE_CONTEXT_WIDTH)
+    with monkeypatch.context() as m:
+        m.setattr(consistency, "AGREEMENT_Z_MIN", -math.inf)
+        m.setattr(consistency, "SIGN_GATE_LEVEL", math.inf)
+        widened = run_forgery(wide, tmp_path / "wide", word_lm, data_dir, False)
+    top = str(SERVICE_CONTEXT_WIDTH)
+    assert widened["learned"]["contexts"][top] > 2 * ungated["learned"]["contexts"]["2"]
+    assert {r["label"]: r for r in widened["spoofs"]}["stolen d=8"]["watermarked"]["k"] == 0
+    assert widened["human"]["watermarked"]["k"] == 0
+    wide_answers = read_jsonl(tmp_path / "wide" / ANSWERS)[:16]
+    wide_tenant = Tenant(wide)
+    judge = Judge(wide, wide_tenant, word_lm.tokenizer, wide_tenant.registry_ids(wide_answers))
+    said = judge.judge([word_lm.tokenizer.decode(a["tokens"]) for a in wide_answers])
+    assert sum(s["watermarked"] for s in said) >= 12  # its genuine answers keep their power
     assert not any(r["label"].startswith("aimed") for r in after["spoofs"])
     assert after["learned"]["positions"] == wc["learned"]["positions"]
     rows = {r["label"]: r for r in wc["spoofs"]}

@@ -214,7 +214,8 @@ def test_the_cli_agrees_for_a_one_key_asker_without_registry(
     got = []
     for _, text in world["texts"][world["plain"]]:
         args = ["detect", "--key-file", str(key_file), "--k", str(spec.groups)]
-        args += ["--layers", str(spec.layers), "--model", world["model"], "--json"]
+        args += ["--layers", str(spec.layers), "--context-width", str(spec.context_width)]
+        args += ["--model", world["model"], "--json"]
         r = runner.invoke(cli_app, args, input=text)
         assert r.exit_code == 0, r.output
         answer = json.loads(r.output)

@@ -46,7 +46,9 @@ RECEIPT = ("x-watermark-message-id", "x-watermark-key-version", "x-watermark-sch
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with LiveServer(make_settings(tiny_model_dir, tmp_path_factory.mktemp("oc"))) as live:
+    # context_width 2: the 40-token seeded answers decoded below were chosen at c = 2
+    settings = make_settings(tiny_model_dir, tmp_path_factory.mktemp("oc"), context_width=2)
+    with LiveServer(settings) as live:
         yield live
 
 

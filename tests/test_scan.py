@@ -37,7 +37,14 @@ from worldcup_cli.main import app as cli_app
 from worldcup_core import WatermarkKey
 from worldcup_core.message import MessageIdCodec
 from worldcup_scan.bench import watermarked_ids, word_tokens
-from worldcup_scan.keys import KeySpec, ScanKeys, StoreSession, keys_from_files, open_store
+from worldcup_scan.keys import (
+    KeySourceError,
+    KeySpec,
+    ScanKeys,
+    StoreSession,
+    keys_from_files,
+    open_store,
+)
 from worldcup_scan.run import ScanOptions, ScanStateError, run_scan
 from worldcup_scan.scanner import COLUMNS, Scanner, ScanSpec
 
@@ -561,6 +568,12 @@ def test_key_files_label_the_output(tmp_path: Path) -> None:
     same = ScanKeys(loaded.keys, {}, 8)
     assert same.fingerprint() == loaded.fingerprint()
     assert ScanKeys(loaded.keys[:1], {}, 8).fingerprint() != loaded.fingerprint()
+    # --context-width: the width the key versions were issued with (a store's carry theirs)
+    wide = keys_from_files(keys, num_bits=8, context_width=4)
+    assert {k.context_width for k in loaded.keys} == {2}
+    assert {k.worldcup().config.context_width for k in wide.keys} == {4}
+    with pytest.raises(KeySourceError, match="context_width"):
+        keys_from_files(keys, context_width=9)
 
 
 def test_bench_scan_prints_rates_for_one_and_two_workers_on_both_engines() -> None:

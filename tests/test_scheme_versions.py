@@ -62,18 +62,26 @@ def test_v1_texts_survive_the_upgrade_to_v2(tiny_model_dir: Path, tmp_path: Path
                 (old["text"], 1, old["message_id"]),
                 (new["text"], 2, new["message_id"]),
             ):
-                r = c.post("/decode", json={"text": text, "num_bits": 16}, headers=auth)
-                assert r.status_code == 200, r.text
-                body = r.json()
-                assert body["key_version"] == version and body["is_watermarked"]
-                assert body["registry_match"]["message_id"] == message_id
-                r = c.post("/detect", json={"text": text}, headers=auth)
-                assert r.json()["is_watermarked"] and r.json()["key_version"] == version
-                r = c.post("/provenance", json={"text": text}, headers=ADMIN)
-                assert r.status_code == 200, r.text
-                match = r.json()["match"]
-                assert match["tenant_id"] == tenant_id and match["key_version"] == version
-                assert match["registry_entry"]["message_id"] == message_id
+                assert_traced(c, auth, tenant_id, text, version, message_id)
+
+
+def assert_traced(
+    c: TestClient, auth: dict[str, str], tenant_id: str, text: str, version: int, message_id: int
+) -> None:
+    """``text`` decodes to its registry entry, detects and is traced by /provenance to
+    ``tenant_id``'s key ``version``."""
+    r = c.post("/decode", json={"text": text, "num_bits": 16}, headers=auth)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["key_version"] == version and body["is_watermarked"]
+    assert body["registry_match"]["message_id"] == message_id
+    r = c.post("/detect", json={"text": text}, headers=auth)
+    assert r.json()["is_watermarked"] and r.json()["key_version"] == version
+    r = c.post("/provenance", json={"text": text}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    match = r.json()["match"]
+    assert match["tenant_id"] == tenant_id and match["key_version"] == version
+    assert match["registry_entry"]["message_id"] == message_id
 
 
 @pytest.mark.parametrize("version", ["worldcup-v1", "worldcup-v2"])

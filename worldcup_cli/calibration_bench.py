@@ -47,7 +47,7 @@ import numpy.typing as npt
 from worldcup_core import WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.assess import TestP, assess
 from worldcup_core.collection import read_collection
-from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+from worldcup_core.config import service_config
 from worldcup_core.detector_model import model_applies, model_text_cells
 from worldcup_core.detector_weighted import verdict_log_p, verdict_match
 from worldcup_core.message import MessageIdCodec
@@ -85,11 +85,6 @@ def human_chunks(data_dir: Path, tokenizer: Any, length: int = CHUNK) -> list[li
         for ids in encoded
         for s in range(0, len(ids) - length + 1, length)
     ]
-
-
-def service_config() -> WatermarkConfig:
-    preset = WATERMARK_PRESETS[SERVICE_PRESET]
-    return WatermarkConfig(groups=preset.groups, layers=preset.layers, alpha=preset.alpha)
 
 
 def _batches(count: int, texts: int, per_key: int, rng: np.random.Generator) -> Iterator[list[int]]:

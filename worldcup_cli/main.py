@@ -56,6 +56,14 @@ KeyFileOpt = Annotated[
 ]
 KOpt = Annotated[int, typer.Option("--k", help="Groups of g-value families (bits per token).")]
 LayersOpt = Annotated[int, typer.Option("--layers", help="Tournament layers m.")]
+ContextWidthOpt = Annotated[
+    int,
+    typer.Option(
+        "--context-width",
+        help="Context width c: the preceding tokens that seed a step (the key version's "
+        "own; the service gives new keys WORLDCUP_CONTEXT_WIDTH).",
+    ),
+]
 AlphaOpt = Annotated[float, typer.Option("--alpha", help="Watermark strength alpha.")]
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="worldcup or a baseline (mpac, ...).")]
 VersionOpt = Annotated[
@@ -206,13 +214,19 @@ def _scheme(
     alpha: float,
     variant: str,
     version: str = SCHEME_V2,
+    context_width: int = 2,
 ) -> Any:
     from worldcup_core.baselines import BASELINES, build_baseline
 
     try:
         if scheme == "worldcup":
             cfg = WatermarkConfig(
-                groups=k, layers=layers, alpha=alpha, variant=Variant(variant), version=version
+                groups=k,
+                layers=layers,
+                alpha=alpha,
+                context_width=context_width,
+                variant=Variant(variant),
+                version=version,
             )
             return WorldCup(key, cfg)
         if scheme in BASELINES:
@@ -321,6 +335,7 @@ def generate(
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     k: KOpt = 2,
     layers: LayersOpt = 30,
+    context_width: ContextWidthOpt = 2,
     alpha: AlphaOpt = 1.2,
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
@@ -360,7 +375,9 @@ def generate(
         fail(str(exc))
     if not prompt.strip():
         fail("the prompt is empty")
-    wm: WatermarkScheme = _scheme(key, scheme, k, layers, alpha, variant, scheme_version)
+    wm: WatermarkScheme = _scheme(
+        key, scheme, k, layers, alpha, variant, scheme_version, context_width
+    )
     try:
         lm = load_model(model, device=device, dtype=dtype)
     except ModelLoadError as exc:
@@ -454,6 +471,7 @@ def decode(
     num_bits: Annotated[int, typer.Option("--num-bits", help="Payload length in bits.")],
     k: KOpt = 2,
     layers: LayersOpt = 30,
+    context_width: ContextWidthOpt = 2,
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
     scheme_version: VersionOpt = SCHEME_V2,
@@ -468,7 +486,9 @@ def decode(
         fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
     if list_size < 1:
         fail(f"--list-size must be >= 1, got {list_size}")
-    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant, scheme_version)
+    wm: WatermarkScheme = _scheme(
+        key, scheme, k, layers, 1.2, variant, scheme_version, context_width
+    )
     ids = _tokenize(_stdin_text(), model)
     weighted = with_model and isinstance(wm, WorldCup) and model_applies(wm.config)
     if weighted:
@@ -530,6 +550,7 @@ def detect(
     ] = None,
     k: KOpt = 2,
     layers: LayersOpt = 30,
+    context_width: ContextWidthOpt = 2,
     variant: VariantOpt = "worldcup",
     scheme: SchemeOpt = "worldcup",
     scheme_version: VersionOpt = SCHEME_V2,
@@ -554,7 +575,9 @@ def detect(
         fail(f"--num-bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
     if not 0.0 < significance < 1.0:
         fail(f"--significance must be in (0, 1), got {significance}")
-    wm: WatermarkScheme = _scheme(key, scheme, k, layers, 1.2, variant, scheme_version)
+    wm: WatermarkScheme = _scheme(
+        key, scheme, k, layers, 1.2, variant, scheme_version, context_width
+    )
     ids = _tokenize(_stdin_text(), model)
     det = wm.detect(ids, num_bits=None, significance=significance)
     length = num_bits or CLI_DEFAULT_NUM_BITS

@@ -46,11 +46,6 @@ class WatermarkPreset:
     alpha: float
     source: str  # where the choice is measured or documented
 
-    def config(self, version: str) -> WatermarkConfig:
-        return WatermarkConfig(
-            groups=self.groups, layers=self.layers, alpha=self.alpha, version=version
-        )
-
 
 # "paper": every figure of the paper and of docs/results before issue #29 (k = 2, alpha = 1.2).
 # "frontier": chosen from the measured quality frontier by the rule in
@@ -62,6 +57,9 @@ WATERMARK_PRESETS: dict[str, WatermarkPreset] = {
 }
 # the preset of new key versions when none is configured
 SERVICE_PRESET = "frontier"
+# the context width c of new key versions when none is configured (a key version stores
+# its own, so changing this never changes how an issued text decodes)
+SERVICE_CONTEXT_WIDTH = 4
 
 
 # Below this the sampler's float32 logits / temperature overflow to inf and the
@@ -112,6 +110,23 @@ class WatermarkConfig:
         if not 1 <= num_bits <= MAX_PAYLOAD_BITS:
             raise ValueError(f"num_bits must be in 1..{MAX_PAYLOAD_BITS}, got {num_bits}")
         return -(-num_bits // self.groups)
+
+
+def service_config(version: str = SCHEME_V2) -> WatermarkConfig:
+    """What the service gives a new key version when nothing is configured: the service
+    preset's k, m and alpha at the service's context width.
+
+    >>> service_config().context_width == SERVICE_CONTEXT_WIDTH
+    True
+    """
+    preset = WATERMARK_PRESETS[SERVICE_PRESET]
+    return WatermarkConfig(
+        groups=preset.groups,
+        layers=preset.layers,
+        alpha=preset.alpha,
+        context_width=SERVICE_CONTEXT_WIDTH,
+        version=version,
+    )
 
 
 @dataclass(frozen=True)

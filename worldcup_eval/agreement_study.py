@@ -44,15 +44,19 @@ GENUINE_TEMPERATURE = 0.7
 DEFAULT_LINES = (1.5, 2.0, 2.5)
 
 
-def collect_genuine(lm: Any, out: Path, count: int, data_dir: Path, seed: int = 0) -> None:
-    """``count`` genuine answers under the forgery tenant's key, on the training prompts
-    taken from the far end (away from the attacker's first ones), resuming."""
+def collect_genuine(
+    lm: Any, out: Path, count: int, data_dir: Path, seed: int = 0, context_width: int = 0
+) -> None:
+    """``count`` genuine answers under the forgery tenant's key (its context width
+    ``context_width``, 0 the service's), on the training prompts taken from the far end
+    (away from the attacker's first ones), resuming."""
     config = ForgeryConfig(
         "per-request",
         GENUINE_TOKENS * count,
         temperature=GENUINE_TEMPERATURE,
         max_new_tokens=GENUINE_TOKENS,
         seed=seed,
+        context_width=context_width,
     )
     prompts = load_prompts(data_dir, config.spoof_prompts)
     prompts = replace(prompts, train=prompts.train[::-1])
@@ -100,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("agreement-study.json"))
     ap.add_argument("--tokens", type=int, default=None, help="read each genuine answer's first N")
+    ap.add_argument(
+        "--context-width",
+        type=int,
+        default=0,
+        help="the tenant key's context width (default: the service's); a run's own is read "
+        "from its config",
+    )
     args = ap.parse_args(argv)
     if args.genuine is None and args.run is None:
         ap.error("give --genuine, --run or both")
@@ -122,8 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(None)
     if args.genuine is not None and args.collect:
         args.genuine.mkdir(parents=True, exist_ok=True)
-        collect_genuine(lm, args.genuine, args.collect, args.data_dir or default_data_dir())
-    config = ForgeryConfig("per-request", args.budget_tokens, judge="model")
+    width = args.context_width
+    if args.run is not None and not width:
+        saved = args.run / f"config-{args.budget_tokens}.json"
+        if saved.is_file():
+            width = int(json.loads(saved.read_text()).get("context_width", 0))
+    if args.genuine is not None and args.collect:
+        collect_genuine(
+            lm, args.genuine, args.collect, args.data_dir or default_data_dir(), context_width=width
+        )
+    config = ForgeryConfig("per-request", args.budget_tokens, judge="model", context_width=width)
     tenant = Tenant(config)
     answers = [] if args.run is None else read_jsonl(args.run / "answers.jsonl")
     registry = tenant.registry_ids(within_budget(answers, args.budget_tokens))

@@ -123,6 +123,9 @@ class ForgeryConfig:
     # ``fixed`` only: the chosen payload sealed in a registry entry (the service as it
     # is), or carried by the text itself (False: the releases before)
     sealed: bool = True
+    # the tenant key's context width c; 0: what the service gives new keys
+    # (worldcup_core.config.SERVICE_CONTEXT_WIDTH)
+    context_width: int = 0
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -135,6 +138,15 @@ class ForgeryConfig:
             raise ValueError(f"judge must be one of {JUDGES}, got {self.judge!r}")
         if self.exposure not in EXPOSURES:
             raise ValueError(f"exposure must be one of {EXPOSURES}, got {self.exposure!r}")
+        if not 0 <= self.context_width <= 8:
+            raise ValueError(f"context_width must be in 0..8, got {self.context_width}")
+
+    @property
+    def width(self) -> int:
+        """The tenant key's context width (the scheme is public: the attacker knows it)."""
+        from worldcup_core.config import SERVICE_CONTEXT_WIDTH
+
+        return self.context_width or SERVICE_CONTEXT_WIDTH
 
     @property
     def watermarked_by_worldcup(self) -> bool:
@@ -184,7 +196,7 @@ class Tenant:
             groups=preset.groups,
             layers=preset.layers,
             alpha=preset.alpha,
-            context_width=defaults.context_width,
+            context_width=self.config.width,
             scheme=defaults.version,
         )
 
@@ -531,17 +543,11 @@ def learn_from(answers: Sequence[dict[str, Any]], config: ForgeryConfig) -> Any:
     Payloads are used where they vary (``per-request``, or several fixed accounts)."""
     from worldcup_eval.stealing import LearnerConfig, learn
 
-    width = 1 if config.scenario == "kgw" else _worldcup_width()
+    width = 1 if config.scenario == "kgw" else config.width
     vary = config.knows_payloads
     # the attacker's labels: what it chose, which a sealed entry does not carry
     rows = ((a["tokens"], a["base"], a.get("label", a["bits"]) if vary else None) for a in answers)
     return learn(rows, LearnerConfig(width=width, top_p=config.top_p))
-
-
-def _worldcup_width() -> int:
-    from worldcup_core.config import WatermarkConfig
-
-    return WatermarkConfig().context_width
 
 
 # ----------------------------------------------------------------------------- spoofs
@@ -1036,6 +1042,7 @@ def run_forgery(
         + ("-model" if config.judge == "model" else "")
         + ("-exposed" if config.exposure == "all" else "")
         + ("-sealed" if config.scenario == "fixed" and config.sealed else "")
+        + (f"-c{config.width}" if config.scenario != "kgw" and config.width != 2 else "")
     )
     (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
     (out / f"report-{name}.md").write_text(report(summary))
@@ -1162,6 +1169,12 @@ def main(argv: list[str] | None = None) -> int:
         help="fixed: the texts carry the chosen payload itself, as before sealing (the "
         "default is the service as it is: each sealed in a registry entry of its own)",
     )
+    ap.add_argument(
+        "--context-width",
+        type=int,
+        default=0,
+        help="the tenant key's context width c (default: what the service gives new keys)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -1182,6 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
         judge=args.judge,
         exposure=args.exposure,
         sealed=not args.unsealed,
+        context_width=args.context_width,
     )
     try:
         lm = load_model(args.model, device=args.device)

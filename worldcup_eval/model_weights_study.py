@@ -120,10 +120,9 @@ def answer_key(index: int) -> tuple[Any, str]:
 
 
 def service_config() -> Any:
-    from worldcup_core import SCHEME_V2
-    from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+    from worldcup_core.config import service_config as new_key_config
 
-    return WATERMARK_PRESETS[SERVICE_PRESET].config(SCHEME_V2)
+    return new_key_config()
 
 
 def load_lm() -> Any:

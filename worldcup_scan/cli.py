@@ -94,6 +94,14 @@ def scan(
     scheme_version: Annotated[str, typer.Option("--scheme-version")] = "worldcup-v2",
     k: Annotated[int, typer.Option("--k")] = 2,
     layers: Annotated[int, typer.Option("--layers")] = 30,
+    context_width: Annotated[
+        int,
+        typer.Option(
+            "--context-width",
+            help="Key files: the context width c they were issued with (a store's keys "
+            "carry their own).",
+        ),
+    ] = 2,
     significance: Annotated[
         float,
         typer.Option(
@@ -183,7 +191,7 @@ def scan(
         if key_file:
             if store is not None or tenant is not None:
                 _fail("--key-file cannot be combined with --store or --tenant")
-            keys = keys_from_files(key_file, scheme_version, k, layers, num_bits)
+            keys = keys_from_files(key_file, scheme_version, k, layers, num_bits, context_width)
         else:
             url = (
                 store

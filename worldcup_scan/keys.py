@@ -105,6 +105,7 @@ def keys_from_files(
     groups: int = 2,
     layers: int = 30,
     num_bits: int | None = None,
+    context_width: int = 2,
 ) -> ScanKeys:
     """One key per file, labelled by the file's name (each file is its own "tenant")."""
     specs = []
@@ -124,7 +125,16 @@ def keys_from_files(
         if label in seen:
             raise KeySourceError(f"two key files are named {label!r}; names label the output")
         seen.add(label)
-        spec = KeySpec(label, label, 1, key.secret, groups=groups, layers=layers, scheme=scheme)
+        spec = KeySpec(
+            label,
+            label,
+            1,
+            key.secret,
+            groups=groups,
+            layers=layers,
+            context_width=context_width,
+            scheme=scheme,
+        )
         try:
             spec.worldcup()
         except ValueError as exc:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worldcup_core.config import SERVICE_PRESET, WATERMARK_PRESETS
+from worldcup_core.config import SERVICE_CONTEXT_WIDTH, SERVICE_PRESET, WATERMARK_PRESETS
 
 PLACEHOLDERS = {"", "changeme", "change-me", "changethis", "placeholder", "secret", "example"}
 
@@ -113,6 +113,11 @@ class Settings(BaseSettings):
     groups: Annotated[int, Field(ge=1, le=8)] = WATERMARK_PRESETS[SERVICE_PRESET].groups
     layers: Annotated[int, Field(ge=1, le=64)] = WATERMARK_PRESETS[SERVICE_PRESET].layers
     alpha: Annotated[float, Field(ge=0, le=10)] = WATERMARK_PRESETS[SERVICE_PRESET].alpha
+    # the context width c of new key versions: how many preceding tokens seed a step.
+    # Wider contexts make watermark stealing far sparser for the same budget (SECURITY.md,
+    # "Forgery and framing"); every key version keeps its own, so texts issued under
+    # another width decode as before.
+    context_width: Annotated[int, Field(ge=1, le=8)] = SERVICE_CONTEXT_WIDTH
     default_num_bits: Annotated[int, Field(ge=1, le=64)] = 32
     # Deprecated (issue 35): carries no threshold and changes no answer. Every verdict,
     # is_watermarked and registry naming use the fixed 1e-6 of worldcup_core.assess; the
