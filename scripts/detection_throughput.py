@@ -12,6 +12,15 @@ Prints one JSON object. For each precision of detection's forward passes
   (its time share), each one's rate then;
 
 and once: ``model_free`` (the same tests without weights) and ``generation alone``.
+
+``--engine vllm`` (run it from ``.venv-vllm``: ``make setup-vllm``) measures the vLLM
+engine as the service builds it (:meth:`app.engines.vllm.VLLMEngine.load`, the WorldCup
+processor loaded, ``WORLDCUP_MAX_BATCH_SIZE`` = ``--max-batch``): ``weights`` (vLLM's
+prompt log-probs, at most half of its sequence slots), ``model`` (those, then the tests),
+generation alone and ``beside_generation``; vLLM computes in its own dtype, so there is
+one arm, not one per ``--dtypes``. ``--watermark`` gives every generation row a key and
+a random payload (the service's path; default: plain rows, as the hf figures of
+docs/operations.md were taken).
 Every rate is wall-clock texts (or tokens) per second of this process, with the
 process's CPU seconds per text beside it (``cpu_s_per_text``: all its threads; on a
 shared machine the wall rate mostly measures the neighbours, the CPU time less so).
@@ -54,6 +63,7 @@ from app.services.watermark import verdict_stats
 from worldcup_core import SamplingConfig, WatermarkConfig, WatermarkKey, WorldCup
 from worldcup_core.detector_weighted import verdict_decode_many
 from worldcup_core.generation import GenerationRequest, GenerationResult
+from worldcup_core.message import Payload
 from worldcup_core.model_weights import weights_model
 from worldcup_core.models import load_model
 from worldcup_scan.bench import word_tokens
@@ -85,10 +95,22 @@ def _score(scheme: WorldCup, texts: list[list[int]], weights: Any) -> None:
         verdict_decode_many(scheme, [ids], NUM_BITS, None if weights is None else [weights[i]])
 
 
-async def _generate(engine: HFEngine, rows: int, tokens: int) -> tuple[int, float]:
+async def _generate(
+    engine: Any, rows: int, tokens: int, scheme: WorldCup | None = None
+) -> tuple[int, float]:
     sampling = SamplingConfig(max_new_tokens=tokens, min_new_tokens=tokens, seed=3)
     started = time.perf_counter()
-    jobs = [engine.submit(GenerationRequest([1, 2, 3, 4], sampling)) for _ in range(rows)]
+    jobs = [
+        engine.submit(
+            GenerationRequest(
+                [1, 2, 3, 4],
+                sampling,
+                scheme,
+                None if scheme is None else Payload.from_int(secrets.randbits(NUM_BITS), NUM_BITS),
+            )
+        )
+        for _ in range(rows)
+    ]
     made = 0
     for job in jobs:
         item: Any = None
@@ -129,7 +151,9 @@ async def _one_dtype(
             _score(scheme, texts, weights)
         detection = asyncio.ensure_future(engine.token_weights(texts))
         with Clock() as both:
-            made, gen_s = await _generate(engine, args.rows, args.gen_tokens)
+            made, gen_s = await _generate(
+                engine, args.rows, args.gen_tokens, scheme if args.watermark else None
+            )
             await detection
     finally:
         engine.stop()
@@ -188,6 +212,55 @@ def _power(
     return out
 
 
+async def _vllm(
+    scheme: WorldCup, texts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The vLLM engine's arm (module docstring): weights alone, all in, generation
+    alone, then both at once."""
+    from app.core.config import Settings
+    from app.engines.vllm import VLLMEngine
+
+    config: dict[str, Any] = {"env": "dev", "max_batch_size": args.max_batch}
+    if args.model is not None:
+        config["model_path"] = args.model
+    settings = Settings(_env_file=None, **config)  # type: ignore[call-arg]
+    started = time.perf_counter()
+    engine, _, _ = VLLMEngine.load(settings, Metrics())
+    out: dict[str, Any] = {
+        "cold_start_s": round(time.perf_counter() - started, 1),
+        "max_batch": args.max_batch,
+        "detection_slots": engine.weights_texts,
+    }
+    gen_scheme = scheme if args.watermark else None
+    engine.start()
+    n = len(texts)
+    try:
+        await _generate(engine, args.rows, 8, gen_scheme)  # warm
+        await engine.token_weights(texts[: args.batch])
+        made, alone_s = await _generate(engine, args.rows, args.gen_tokens, gen_scheme)
+        out["generation_alone_tokens_per_s"] = round(made / alone_s, 2)
+        with Clock() as weights_clock:
+            await engine.token_weights(texts)
+        with Clock() as model_clock:
+            weights = await engine.token_weights(texts)
+            _score(scheme, texts, weights)
+        detection = asyncio.ensure_future(engine.token_weights(texts))
+        with Clock() as both:
+            made, gen_s = await _generate(engine, args.rows, args.gen_tokens, gen_scheme)
+            await detection
+        detection_s = both.wall
+    finally:
+        engine.stop()
+    # the engine core is a spawned process: the CPU seconds here are this process's only
+    out["weights"] = weights_clock.rate(n)
+    out["model"] = model_clock.rate(n)
+    out["beside_generation"] = {
+        "generation_tokens_per_s": round(made / gen_s, 2),
+        "detection_texts_per_s": round(n / detection_s, 2),
+    }
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -208,11 +281,24 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "weights_batch_texts": args.batch,
         "cpus": os.cpu_count(),
         "model_free": free.rate(args.texts),
+        "engine": args.engine,
+        "generation_watermarked": args.watermark,
+        "generation_rows": args.rows,
+        "generation_tokens": args.gen_tokens,
     }
+    if args.engine == "vllm":
+        result["vllm"] = await _vllm(scheme, texts, args)
+        result["load_average"] = {
+            "before": load_before,
+            "after": [round(x, 2) for x in os.getloadavg()],
+        }
+        return result
     engine = _engine(lm, lm.model, args)
     engine.start()
     try:
-        made, alone_s = await _generate(engine, args.rows, args.gen_tokens)
+        made, alone_s = await _generate(
+            engine, args.rows, args.gen_tokens, scheme if args.watermark else None
+        )
     finally:
         engine.stop()
     result["generation_alone_tokens_per_s"] = round(made / alone_s, 2)
@@ -252,4 +338,11 @@ if __name__ == "__main__":
     parser.add_argument("--dtypes", default="float32,bfloat16", help="weights dtypes compared")
     parser.add_argument("--answers", type=Path, default=None, help="watermarked answers.jsonl")
     parser.add_argument("--answers-count", type=int, default=30)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument(
+        "--max-batch", type=int, default=8, help="vllm: WORLDCUP_MAX_BATCH_SIZE (max_num_seqs)"
+    )
+    parser.add_argument(
+        "--watermark", action="store_true", help="generation rows carry a key and payload"
+    )
     print(json.dumps(asyncio.run(main(parser.parse_args())), indent=2))  # noqa: T201

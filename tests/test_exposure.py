@@ -741,6 +741,11 @@ def test_attack_bench_budgets_stop_the_attack(model_dir: Path) -> None:
     runs = {(r["strategy"], r["budgets"]): r for r in result["runs"]}
     assert set(runs) == {(s, b) for s in STRATEGIES for b in (False, True)}
     assert result["initial_p_value"] < 1e-6 and result["text_words"] > 20
+    # the attacked key is a new tenant's (the service's width) and the judge weighs tokens
+    from worldcup_core.config import SERVICE_CONTEXT_WIDTH
+
+    assert result["context_width"] == SERVICE_CONTEXT_WIDTH
+    assert result["statistic"] == "model"
     budgets = result["budgets"]
     assert budgets == {"full": 30, "verdict": 20, "window_s": 86400.0}  # the defaults
     for name in STRATEGIES:

@@ -279,13 +279,19 @@ async def _strategy(
     return run, final, why
 
 
-async def _score(client: Any, admin: dict[str, str], text: str) -> float:
+async def _judge(client: Any, admin: dict[str, str], text: str) -> dict[str, Any]:
     """The judge: the admin's /provenance, unmetered (the tenant's probe budget, shared
     by all its keys, may be spent by the attack). One tenant with one key version is
     searched, so its p-value is the tenant key's own."""
     r = await client.post("/provenance", json={"text": text}, headers=admin)
     r.raise_for_status()
-    return float(r.json()["p_value"])
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+async def _score(client: Any, admin: dict[str, str], text: str) -> float:
+    """The judge's p-value (:func:`_judge`)."""
+    return float((await _judge(client, admin, text))["p_value"])
 
 
 def _clear_probes(db: Path) -> None:
@@ -368,7 +374,9 @@ async def _phase(
                 }
             )
         if not budgets:
-            state["initial_p_value"] = await _score(client, admin, text)
+            initial = await _judge(client, admin, text)
+            state["initial_p_value"] = float(initial["p_value"])
+            state["statistic"] = initial.get("statistic")
     return rows
 
 
@@ -424,6 +432,8 @@ def run_attack_bench(
         "text_words": len(state["text"].split()),
         "initial_p_value": state["initial_p_value"],
         "max_queries": max_queries,
+        "context_width": settings.context_width,  # of the tenant's key (WORLDCUP_CONTEXT_WIDTH)
+        "statistic": state.get("statistic"),  # the judge's: model or model_free
         "budgets": budgets_used,
         "runs": rows,
     }
@@ -434,6 +444,8 @@ def format_attack_bench(result: dict[str, Any]) -> str:
     lines = [
         f"model {result['model']}; text of {result['text_words']} words, "
         f"p = {result['initial_p_value']:.2g} before the attack; "
+        f"key context width {result.get('context_width', 2)}, "
+        f"statistic {result.get('statistic') or 'model_free'}; "
         f"budgets {b['full']} (full) / {b['verdict']} (verdict) per {b['window_s']:g} s; "
         f"at most {result['max_queries']} queries per run",
         "",
