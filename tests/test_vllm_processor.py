@@ -313,6 +313,62 @@ async def test_detection_weights_are_bounded_windowed_and_stop() -> None:
         await engine.token_weights(texts)
 
 
+@pytest.mark.anyio
+async def test_detection_takes_its_time_share_while_generation_runs() -> None:
+    """With generation in flight, detection's prompt-log-prob requests run one at a time
+    and each waits until generation has had its share (d (1 - s) / s after a request of
+    d seconds): 6 requests of >= 40 ms at s = 1/2 take >= 6 * 40 + 5 * 40 ms, where the
+    same 6 with nothing generating run 2 at a time. A share of 0.8 waits a quarter."""
+    import asyncio
+    import time
+
+    from app.core.metrics import Metrics
+    from app.engines.vllm import WEIGHT_LOGPROBS, VLLMEngine
+
+    engine = VLLMEngine(_Stoppable(), _Stoppable(), [0], Metrics(), 4, 8)  # type: ignore[arg-type]
+    engine.start()
+    running, most = 0, 0
+
+    async def fake(ids: list[int]) -> list[list[tuple[int, float]] | None]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.04)
+        running -= 1
+        return [[(t, -float(t + 1)) for t in range(WEIGHT_LOGPROBS)] for _ in ids[1:]]
+
+    engine._prompt_top = fake  # type: ignore[method-assign]
+    texts = [list(range(100 + 20 * i, 110 + 20 * i)) for i in range(6)]
+
+    async def timed() -> float:
+        nonlocal most
+        most = 0
+        started = time.perf_counter()
+        await engine.token_weights(texts)
+        return time.perf_counter() - started
+
+    alone = await timed()
+    assert most == 2  # weights_texts: half of the 4 slots
+    generation = asyncio.ensure_future(asyncio.sleep(60))  # a row in flight
+    engine._tasks[object()] = generation  # type: ignore[index]
+    try:
+        beside = await timed()
+        assert most == 1
+        assert beside >= 0.44 - 1e-3, beside  # 6 x 40 ms run + 5 x 40 ms generation's turn
+        assert beside > alone
+        engine.weights_time_share = 0.8
+        engine._weigh_due = 0.0
+        quick = await timed()
+        assert most == 1 and quick >= 0.24 + 5 * 0.01 - 1e-3, quick
+    finally:
+        generation.cancel()
+        engine._tasks.clear()
+    # generation over: full concurrency again, no wait
+    await timed()
+    assert most == 2
+    engine.stop()
+
+
 @pytest.mark.vllm
 def test_every_grammar_kind_reaches_vllm_through_the_one_table() -> None:
     """The vllm engine reads a request's grammar from its constraint's ``spec`` and

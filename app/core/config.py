@@ -133,7 +133,8 @@ class Settings(BaseSettings):
     # false, or the detector role: model-free (every answer says which). vllm reads them
     # from its prompt log-probs (top 64), at most min(weights_batch_texts,
     # max_batch_size // 2) texts and weights_batch_tokens tokens at once, in windows of
-    # weights_max_tokens (app/engines/vllm.py); the other weights_* fields are hf's.
+    # weights_max_tokens, and while generation runs one at a time, each followed by
+    # generation's turn (weights_time_share; app/engines/vllm.py); the rest are hf's.
     # The hf engine runs them in batches of at most weights_batch_texts texts and
     # weights_batch_tokens padded tokens, between two generation steps, at
     # most weights_max_pending texts queued; texts longer than weights_max_tokens are

@@ -49,12 +49,22 @@ nearly everywhere (``scripts/vllm_weights_approx.py --engine vllm``). At most
 ``min(weights_batch_texts, max_batch_size // 2)`` such requests (at least one) and
 ``weights_batch_tokens`` prompt tokens run at once, so detection never holds more
 than half of vLLM's sequence slots and generation keeps the rest.
+
+Slots alone do not bound compute: a detection request is a whole prompt's prefill
+with log-probs, so four of them beside four generation rows left generation 17 % of
+its rate (docs/operations.md). **While generation runs, detection takes its time
+share** (``WORLDCUP_WEIGHTS_TIME_SHARE``, default one half, as on the hf engine): one
+detection request at a time, and after one that took ``d`` seconds the next waits
+``d (1 - share) / share``, so generation has the engine to itself for the rest. With
+nothing generating, detection runs at its full concurrency.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -274,6 +284,7 @@ class VLLMEngine:
             1, min(settings.weights_batch_texts, settings.max_batch_size // 2)
         )
         engine.weights_tokens = settings.weights_batch_tokens
+        engine.weights_time_share = settings.weights_time_share
         # a window must fit the model's context with the one token generated after it
         engine.weights_window = max(
             2,
@@ -317,6 +328,9 @@ class VLLMEngine:
         self._weigh_room: asyncio.Condition | None = None
         self._weigh_texts = 0
         self._weigh_tokens = 0
+        # while generation runs: detection's share of the time, and when the next may start
+        self.weights_time_share = 0.5
+        self._weigh_due = 0.0  # time.monotonic()
 
     def __repr__(self) -> str:
         return f"VLLMEngine({len(self._tasks)} in flight)"
@@ -358,14 +372,13 @@ class VLLMEngine:
         assert room is not None
         size = len(ids)
         async with room:
-            await room.wait_for(
-                lambda: (
-                    self._weigh_texts < self.weights_texts
-                    and (self._weigh_texts == 0 or self._weigh_tokens + size <= self.weights_tokens)
-                )
-            )
+            while (wait := self._detection_wait(size)) > 0:
+                # a finishing detection request notifies; a due time passes on its own
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room.wait(), None if wait == math.inf else wait)
             self._weigh_texts += 1
             self._weigh_tokens += size
+        started = time.monotonic()
         task = asyncio.current_task()
         try:
             if not self._running:
@@ -389,8 +402,27 @@ class VLLMEngine:
             async with room:
                 self._weigh_texts -= 1
                 self._weigh_tokens -= size
+                if self._tasks:  # generation ran beside it: generation's turn now
+                    end = time.monotonic()
+                    share = self.weights_time_share
+                    rest = (end - started) * (1.0 - share) / share
+                    self._weigh_due = max(self._weigh_due, end + rest)
                 room.notify_all()
         return await asyncio.to_thread(token_weights_from_top, rows, ids, DETECTION_SAMPLING, 1)
+
+    def _detection_wait(self, size: int) -> float:
+        """0 when one more detection request of ``size`` tokens may start now, else the
+        seconds until it may (``math.inf``: until a running one finishes). While
+        generation runs, one at a time and only once generation has had its share."""
+        generating = bool(self._tasks)
+        limit = 1 if generating else self.weights_texts
+        if self._weigh_texts >= limit:
+            return math.inf
+        if self._weigh_texts and self._weigh_tokens + size > self.weights_tokens:
+            return math.inf
+        if generating:
+            return max(0.0, self._weigh_due - time.monotonic())
+        return 0.0
 
     async def _prompt_top(self, ids: list[int]) -> list[list[tuple[int, float]] | None]:
         """vLLM's top :data:`WEIGHT_LOGPROBS` prompt log-probs before each token after
