@@ -760,5 +760,7 @@ def test_attack_bench_budgets_stop_the_attack(model_dir: Path) -> None:
     for name in ("greedy", "salted", "greedy, 4 keys", "greedy via /provenance"):
         assert runs[(name, True)]["answered"] == budgets["full"], runs[(name, True)]
     assert runs[("greedy, verdict key", True)]["survived"]
+    for r in result["runs"]:  # the verdict's line is below the bench's 0.01
+        assert r["watermarked"] == (r["final_p_value"] < 1e-6) and r["survived"] >= r["watermarked"]
     table = format_attack_bench(result)
     assert table.count("\n| ") == 2 * len(STRATEGIES) + 1 and "blocked by probe budget" in table

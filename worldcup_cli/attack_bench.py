@@ -30,7 +30,8 @@ Strategies (the attacker's keys are ``full`` unless said otherwise):
 
 Every run stops when every query of a step was refused (probe budget) or
 after ``max_queries`` queries. The final text (without salt) is scored by the
-admin's ``/provenance`` (unmetered): "survived" means p < 0.01 there.
+admin's ``/provenance`` (unmetered): "survived" means p < 0.01 there, and
+"watermarked" that the one verdict still says so (p below its line, 1e-6).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worldcup_cli.benchlib import Progress, Server, free_socket, wait_ready
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 if TYPE_CHECKING:
     from app.core.config import Settings
@@ -371,6 +373,7 @@ async def _phase(
                     "seconds": seconds,
                     "final_p_value": p_final,
                     "survived": p_final < SIGNIFICANCE,
+                    "watermarked": p_final < VERDICT_WATERMARKED_BELOW,
                 }
             )
         if not budgets:
@@ -450,14 +453,15 @@ def format_attack_bench(result: dict[str, Any]) -> str:
         f"at most {result['max_queries']} queries per run",
         "",
         "| strategy | probe budgets | queries sent | answered | words deleted | stopped because "
-        "| p after (full detector) | watermark survived |",
-        "|---|---|---|---|---|---|---|---|",
+        "| p after (full detector) | watermark survived (p < 0.01) | verdict still watermarked |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         pct = 100 * r["words_deleted"] / result["text_words"]
         lines.append(
             f"| {r['strategy']} | {'on' if r['budgets'] else 'off'} | {r['queries']} "
             f"| {r['answered']} | {r['words_deleted']} ({pct:.1f} %) | {r['outcome']} "
-            f"| {r['final_p_value']:.2g} | {'yes' if r['survived'] else 'no'} |"
+            f"| {r['final_p_value']:.2g} | {'yes' if r['survived'] else 'no'} "
+            f"| {'yes' if r['final_p_value'] < VERDICT_WATERMARKED_BELOW else 'no'} |"
         )
     return "\n".join(lines)
