@@ -340,3 +340,28 @@ def test_a_bad_device_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFix
         main([*args, "--device", "nonsense"])
     assert stopped.value.code == 2
     assert "unknown device 'nonsense'" in capsys.readouterr().err
+
+
+def test_dtype_reaches_the_model_loader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worldcup_core.models as models
+
+    args = ["--scenario", "kgw", "--budget-tokens", "10", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--dtype", "float16"])
+    assert stopped.value.code == 2
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+    asked: list[str] = []
+
+    def refuse(model: str | None, device: str = "cpu", dtype: str = "auto") -> None:
+        asked.append(dtype)
+        raise models.ModelLoadError("not loaded in this test")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    for dtype in ("bfloat16", None):
+        with pytest.raises(SystemExit) as stopped:
+            main([*args, *(("--dtype", dtype) if dtype else ())])
+        assert stopped.value.code == 2
+        assert "not loaded in this test" in capsys.readouterr().err
+    assert asked == ["bfloat16", "auto"]
