@@ -285,6 +285,13 @@ class SoakConfig:
     backoff_s: float = 0.2  # a client's pause after a 503/429 (real clients back off)
     recovery_grace_s: float = 1.0  # requests started this long after restart must not 503
     max_bit_errors: int = 5  # raw decode vs the issued payload (a wrong payload: ~bits/2)
+    # A generated text must carry a watermark: p below this. Not the production verdict
+    # (1e-6): at 64 tokens that misses some genuine texts (power; the agreement gate
+    # costs most on short texts, SECURITY.md), which says nothing about failover. A
+    # text generated without the watermark has a uniform p, so over the run's ~70 texts
+    # a dropped watermark fails the check all but surely; another payload shows in the
+    # bit errors.
+    max_p_value: float = 1e-3
     min_attribution: float = 0.9  # share of registry texts /decode must attribute correctly
     seed: int = 0
 
@@ -338,6 +345,7 @@ class SoakReport:
     outage: OutageWindow | None = None
     decode_checked: int = 0
     decode_mismatches: list[str] = field(default_factory=list)
+    p_values: list[float] = field(default_factory=list)  # /decode's, per unsealed text
     registry_attributed: int = 0  # metadata texts whose /decode named their own message id
     misattributed: list[str] = field(default_factory=list)  # registry decode named another
     bit_errors: list[int] = field(default_factory=list)  # raw decode vs issued, per text
@@ -439,10 +447,11 @@ class SoakReport:
             out.append(f"message ids received <2s before the outage: {before}, during it: {during}")
         out.append(
             f"decode check: {self.decode_checked - len(self.decode_mismatches)}"
-            f"/{self.decode_checked} generated texts decode to their own payload (watermarked, "
-            f"<= {self.config.max_bit_errors} of {self.config.num_bits} bits off); raw bits "
-            f"exact in {self.bit_errors.count(0)}, bit errors "
-            f"{dict(sorted(Counter(self.bit_errors).items()))}"
+            f"/{self.decode_checked} generated texts decode to their own payload (p < "
+            f"{self.config.max_p_value:g}, <= {self.config.max_bit_errors} of "
+            f"{self.config.num_bits} bits off); raw bits exact in {self.bit_errors.count(0)}, "
+            f"bit errors {dict(sorted(Counter(self.bit_errors).items()))}; the production "
+            f"verdict (p < 1e-6) in {sum(p < 1e-6 for p in self.p_values)}/{len(self.p_values)}"
         )
         out.append(
             f"registry attribution: {self.registry_attributed}/{len(self.message_ids)} "
@@ -683,9 +692,9 @@ async def _verify(
         out = r.json()
         if g.sealed:  # the carried bits are the entry's, unknown here: it names the entry
             match = out["registry_match"]
-            if not out["is_watermarked"]:
+            if out["p_value"] >= report.config.max_p_value:
                 report.decode_mismatches.append(
-                    f"sealed payload {g.bits} (message {g.message_id}): not watermarked "
+                    f"sealed payload {g.bits} (message {g.message_id}): no watermark "
                     f"(p={out['p_value']:.2g})"
                 )
             elif match is not None and match["message_id"] == g.message_id:
@@ -698,7 +707,8 @@ async def _verify(
         report.bit_errors.append(errors)
         # Raw decoding is not bit-exact on short texts, but a text carrying another
         # payload than the one its response named would be ~num_bits/2 off.
-        if not out["is_watermarked"] or errors > report.config.max_bit_errors:
+        report.p_values.append(out["p_value"])
+        if out["p_value"] >= report.config.max_p_value or errors > report.config.max_bit_errors:
             report.decode_mismatches.append(
                 f"{g.message_id or 'explicit'} payload {g.bits}: decoded {out['bits']} "
                 f"({errors} bit errors, p={out['p_value']:.2g})"
