@@ -35,6 +35,7 @@ from typing import Any, Literal
 import httpx
 
 from app.core.config import Settings
+from worldcup_core.verdict import VERDICT_WATERMARKED_BELOW
 
 __all__ = [
     "ADMIN_TOKEN",
@@ -451,7 +452,8 @@ class SoakReport:
             f"{self.config.max_p_value:g}, <= {self.config.max_bit_errors} of "
             f"{self.config.num_bits} bits off); raw bits exact in {self.bit_errors.count(0)}, "
             f"bit errors {dict(sorted(Counter(self.bit_errors).items()))}; the production "
-            f"verdict (p < 1e-6) in {sum(p < 1e-6 for p in self.p_values)}/{len(self.p_values)}"
+            f"verdict (p < {VERDICT_WATERMARKED_BELOW:g}) in "
+            f"{sum(p < VERDICT_WATERMARKED_BELOW for p in self.p_values)}/{len(self.p_values)}"
         )
         out.append(
             f"registry attribution: {self.registry_attributed}/{len(self.message_ids)} "
