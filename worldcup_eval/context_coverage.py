@@ -70,17 +70,6 @@ def coverage(
     return rows
 
 
-def read_tokens(path: Path) -> list[list[int]]:
-    """Each answer's tokens, one line at a time: a run's rows also hold the base
-    log-probs (about 0.6 MB of Python objects an answer, 7 GB at 2e6 tokens)."""
-    out: list[list[int]] = []
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                out.append([int(t) for t in json.loads(line)["tokens"]])
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m worldcup_eval.context_coverage", description=__doc__
@@ -95,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{args.answers}: no such file")
     if args.held_out < 1 or min(args.widths) < 1 or min(args.min_count) < 1:
         ap.error("--held-out, --widths and --min-count must be at least 1")
-    tokens = read_tokens(args.answers)
+    from worldcup_eval.forgery import read_jsonl
+
+    tokens = [[int(t) for t in r["tokens"]] for r in read_jsonl(args.answers, ("tokens",))]
     if len(tokens) <= args.held_out:
         ap.error(f"{args.answers}: {len(tokens)} answers, not more than --held-out {args.held_out}")
     train, held = tokens[: -args.held_out], tokens[-args.held_out :]
