@@ -319,6 +319,17 @@ def append_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         os.fsync(fh.fileno())
 
 
+def saved_config(run: Path, budget_tokens: int) -> ForgeryConfig:
+    """The configuration a run saved for ``budget_tokens`` (``config-BUDGET.json``),
+    fields a newer release added taking their defaults."""
+    saved = json.loads((run / f"config-{budget_tokens}.json").read_text())
+    fields = {k: v for k, v in saved.items() if k in ForgeryConfig.__dataclass_fields__}
+    for name in ("deltas", "rewrite_shares"):
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    return ForgeryConfig(**fields)
+
+
 def within_budget(answers: Sequence[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
     """The answers a budget of ``budget`` generated tokens buys: by index, until spent."""
     out, spent = [], 0

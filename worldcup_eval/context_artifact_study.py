@@ -1,0 +1,178 @@
+"""Where a text's watermark evidence sits: in contexts common in the tenant's outputs? (#45)
+
+A stealing spoofer learns the watermark only where its collected answers showed it: in
+the contexts (the last c tokens) it saw often. Where it saw a context rarely or never,
+its spoof's token is the plain model's and carries no watermark. A genuine answer
+carries the watermark at every scored context, common or rare. Gloaguen et al. (ICML
+2025) detect learning-based spoofers by this artifact. The service knows every text
+it generated for a tenant, so it could count the contexts itself; this study measures
+the test offline, with the attacker's own answers as those counts (the worst case for
+the service: the attacker saw everything it counts).
+
+Per text, each scored token's leave-one-out evidence ``z_t``
+(:func:`worldcup_core.evidence.text_evidence`: mean 0 and variance 1 without the
+watermark) is put in the **rare** group, where its context was seen fewer than
+``--rare-below`` times in *other* answers, or the **common** group. Two statistics:
+
+* ``R = sum_rare z_t / sqrt(n_rare)``: the evidence in rare contexts alone (about
+  N(0, 1) where they carry no watermark, large for genuine text);
+* ``D``: the common group's mean ``z`` minus the rare group's, standardised
+  (``/ sqrt(1/n_common + 1/n_rare)``): about 0 for genuine text, positive for a spoof.
+
+Among the texts the service's verdict calls watermarked (the rows of a
+:mod:`worldcup_eval.fluency_study` JSON over the same texts, ``--verdicts``), the
+table says how many each line takes: genuine answers (the cost) and spoofs (the power).
+
+``python -m worldcup_eval.context_artifact_study --run RUN --budget-tokens N --verdicts
+FLUENCY_JSON [--genuine DIR ...] [--rare-below 5] [--out FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worldcup_eval.forgery import (
+    Tenant,
+    clopper_pearson,
+    read_jsonl,
+    saved_config,
+    within_budget,
+)
+
+R_LINES = (1.0, 1.64, 2.33)  # a spoof when R is below the line
+D_LINES = (2.0, 3.0, 4.0)  # a spoof when D is above the line
+
+
+@dataclass(frozen=True)
+class Split:
+    """A text's scored evidence split by how often its contexts were seen elsewhere."""
+
+    rare: int
+    common: int
+    r: float  # sum of rare z / sqrt(rare); NaN without rare tokens
+    d: float  # standardised common-minus-rare mean z; NaN without both groups
+
+
+def split_evidence(zs: Sequence[float], seen: Sequence[int], rare_below: int) -> Split:
+    """:class:`Split` of tokens' ``zs`` whose contexts were ``seen`` that many times."""
+    z = np.asarray(zs, dtype=np.float64)
+    n = np.asarray(seen, dtype=np.int64)
+    if z.shape != n.shape:
+        raise ValueError("one count per token")
+    rare, common = z[n < rare_below], z[n >= rare_below]
+    r = float(rare.sum() / math.sqrt(rare.size)) if rare.size else math.nan
+    d = math.nan
+    if rare.size and common.size:
+        d = float((common.mean() - rare.mean()) / math.sqrt(1 / common.size + 1 / rare.size))
+    return Split(int(rare.size), int(common.size), r, d)
+
+
+def context_counts(contexts: Iterable[Iterable[tuple[int, ...]]]) -> Counter[tuple[int, ...]]:
+    """How many texts scored each context (once per text, as the scheme scores it)."""
+    counts: Counter[tuple[int, ...]] = Counter()
+    for text in contexts:
+        counts.update(set(text))
+    return counts
+
+
+def _fmt(k: int, n: int) -> str:
+    lo, hi = clopper_pearson(k, n)
+    return f"{k}/{n} [{100 * lo:.1f}, {100 * hi:.1f}] %"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m worldcup_eval.context_artifact_study", description=__doc__
+    )
+    ap.add_argument("--run", type=Path, required=True, help="a forgery run's folder")
+    ap.add_argument("--budget-tokens", type=int, required=True)
+    ap.add_argument(
+        "--verdicts", type=Path, required=True, help="a fluency_study JSON over the same texts"
+    )
+    ap.add_argument("--genuine", type=Path, nargs="+", default=[], help="as the fluency study's")
+    ap.add_argument("--rare-below", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("context-artifact.json"))
+    args = ap.parse_args(argv)
+    spoof_path = args.run / f"spoofs-{args.budget_tokens}.jsonl"
+    for path in (spoof_path, args.verdicts, args.run / f"config-{args.budget_tokens}.json"):
+        if not path.is_file():
+            ap.error(f"{path}: no such file")
+    from worldcup_core.evidence import text_evidence
+    from worldcup_core.models import load_tokenizer
+
+    config = saved_config(args.run, args.budget_tokens)
+    scheme = Tenant(config).worldcup()
+    width = scheme.config.context_width
+    tok = load_tokenizer(None)
+
+    def retokenized(tokens: Sequence[int]) -> list[int]:  # as the service reads a text
+        ids: list[int] = tok(
+            tok.decode(tokens, skip_special_tokens=True), add_special_tokens=False
+        ).input_ids
+        return ids
+
+    def contexts(ids: Sequence[int]) -> list[tuple[int, ...]]:
+        return [tuple(ids[i - width : i]) for i in scheme.scored_indices(ids)]
+
+    answers = [
+        retokenized(a["tokens"])
+        for a in within_budget(read_jsonl(args.run / "answers.jsonl"), args.budget_tokens)
+    ]
+    counts = context_counts(contexts(a) for a in answers)
+    verdicts = json.loads(args.verdicts.read_text())["sets"]
+    sets: dict[str, tuple[list[list[int]], bool]] = {"genuine, run (T 1.0)": (answers, True)}
+    labels = {name.split(" (")[0]: name for name in verdicts}
+    for folder in args.genuine:
+        rows = read_jsonl(folder / "answers.jsonl")
+        sets[labels[f"genuine, {folder.name}"]] = ([retokenized(a["tokens"]) for a in rows], False)
+    for row in read_jsonl(spoof_path):
+        _, delta, _, _ = row["key"].split("/")
+        label = "plain model" if float(delta) == 0 else f"stolen d={float(delta):g}"
+        sets.setdefault(label, ([], False))[0].append(retokenized(row["tokens"]))
+    result: dict[str, Any] = {
+        "rare_below": args.rare_below,
+        "contexts": len(counts),
+        "sets": {},
+    }
+    out = sys.stdout
+    out.write(
+        f"{len(counts)} contexts in {len(answers)} answers; rare: seen in fewer than "
+        f"{args.rare_below} other answers\n"
+    )
+    for name, (texts, counted) in sets.items():
+        flags = [bool(r["watermarked"]) for r in verdicts[name]["rows"]]
+        if len(flags) != len(texts):
+            ap.error(f"--verdicts: {len(flags)} rows for {len(texts)} texts of {name!r}")
+        rows = []
+        for ids, wm in zip(texts, flags, strict=True):
+            marks = [m for m in text_evidence(scheme, ids, config.num_bits) if m.z is not None]
+            own = 1 if counted else 0  # the text's own answer counted its contexts once
+            seen = [counts.get(tuple(ids[m.index - width : m.index]), 0) - own for m in marks]
+            split = split_evidence([float(m.z or 0.0) for m in marks], seen, args.rare_below)
+            rows.append({"watermarked": wm, **split.__dict__})
+        result["sets"][name] = rows
+        held = [r for r in rows if r["watermarked"]]
+        share = np.mean([r["rare"] / max(1, r["rare"] + r["common"]) for r in held]) if held else 0
+        out.write(f"\n{name}: {len(held)} of {len(rows)} watermarked; rare share {share:.2f}\n")
+        for line in R_LINES:
+            taken = sum(not r["r"] >= line for r in held)  # NaN (no rare token): taken
+            out.write(f"  R < {line:<5g} takes {_fmt(taken, len(held))}\n")
+        for line in D_LINES:
+            taken = sum(r["d"] > line for r in held)
+            out.write(f"  D > {line:<5g} takes {_fmt(taken, len(held))}\n")
+    args.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
