@@ -31,8 +31,8 @@ from worldcup_eval.forgery import (
     ForgeryConfig,
     Judge,
     Tenant,
-    clopper_pearson,
     collect_answers,
+    fmt_rate,
     judge_weights,
     load_prompts,
     read_jsonl,
@@ -84,11 +84,6 @@ def judge_at_lines(
     finally:
         consistency.AGREEMENT_Z_MIN, consistency.SIGN_GATE_LEVEL = saved  # type: ignore[misc]
     return rows
-
-
-def _fmt(k: int, n: int) -> str:
-    lo, hi = clopper_pearson(k, n)
-    return f"{k}/{n} [{100 * lo:.1f}, {100 * hi:.1f}] %"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 named = sum(r[f"{judge}/{tag}/named"] for r in rows)
                 label = "ungated" if tag == "raw" else f"line {tag}"
                 out.write(
-                    f"  {judge:10s} {label:9s} {_fmt(wm, len(rows)):>24s}   "
-                    f"{_fmt(named, len(rows)):>24s}\n"
+                    f"  {judge:10s} {label:9s} {fmt_rate(wm, len(rows)):>24s}   "
+                    f"{fmt_rate(named, len(rows)):>24s}\n"
                 )
     args.out.write_text(json.dumps(result))
     return 0

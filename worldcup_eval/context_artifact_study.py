@@ -43,7 +43,7 @@ import numpy as np
 
 from worldcup_eval.forgery import (
     Tenant,
-    clopper_pearson,
+    fmt_rate,
     read_jsonl,
     saved_config,
     within_budget,
@@ -83,11 +83,6 @@ def context_counts(contexts: Iterable[Iterable[tuple[int, ...]]]) -> Counter[tup
     for text in contexts:
         counts.update(set(text))
     return counts
-
-
-def _fmt(k: int, n: int) -> str:
-    lo, hi = clopper_pearson(k, n)
-    return f"{k}/{n} [{100 * lo:.1f}, {100 * hi:.1f}] %"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write(f"\n{name}: {len(held)} of {len(rows)} watermarked; rare share {share:.2f}\n")
         for line in R_LINES:
             taken = sum(not r["r"] >= line for r in held)  # NaN (no rare token): taken
-            out.write(f"  R < {line:<5g} takes {_fmt(taken, len(held))}\n")
+            out.write(f"  R < {line:<5g} takes {fmt_rate(taken, len(held))}\n")
         for line in D_LINES:
             taken = sum(r["d"] > line for r in held)
-            out.write(f"  D > {line:<5g} takes {_fmt(taken, len(held))}\n")
+            out.write(f"  D > {line:<5g} takes {fmt_rate(taken, len(held))}\n")
     args.out.write_text(json.dumps(result))
     return 0
 

@@ -41,8 +41,8 @@ from worldcup_eval.fluency import fluency_z, surprisal_from_logits
 from worldcup_eval.forgery import (
     Judge,
     Tenant,
-    clopper_pearson,
     collect_answers,
+    fmt_rate,
     judge_weights,
     load_prompts,
     read_jsonl,
@@ -89,11 +89,6 @@ def auc(spoofs: Sequence[float], genuine: Sequence[float]) -> float:
     greater = (a[:, None] > b[None, :]).sum()
     ties = (a[:, None] == b[None, :]).sum()
     return float((greater + 0.5 * ties) / (a.size * b.size))
-
-
-def _fmt(k: int, n: int) -> str:
-    lo, hi = clopper_pearson(k, n)
-    return f"{k}/{n} [{100 * lo:.1f}, {100 * hi:.1f}] %"
 
 
 def _quantiles(z: Sequence[float]) -> dict[str, float]:
@@ -245,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write(f"\n{name}: {len(rows)} texts; z {json.dumps(_quantiles(zs))}\n")
         out.write(f"  {'':24s}{'ungated':>22s} {header}\n")
         for what, chosen in (("watermarked", wm), ("named an entry", named)):
-            kept = [_fmt(sum(r["z"] <= x for r in chosen), len(rows)) for x in args.lines]
+            kept = [fmt_rate(sum(r["z"] <= x for r in chosen), len(rows)) for x in args.lines]
             cells = " ".join(f"{c:>22s}" for c in kept)
-            out.write(f"  {what:24s}{_fmt(len(chosen), len(rows)):>22s} {cells}\n")
+            out.write(f"  {what:24s}{fmt_rate(len(chosen), len(rows)):>22s} {cells}\n")
     # how far apart the spoofs are from the service's own answers at the same settings
     base = [r["z"] for r in result["sets"]["genuine, run (T 1.0)"]["rows"]]
     result["auc_vs_run_answers"] = {

@@ -907,6 +907,12 @@ def _fmt(r: dict[str, Any]) -> str:
     return f"{r['k']}/{r['n']} [{100 * lo:.1f}, {100 * hi:.1f}] %"
 
 
+def fmt_rate(k: int, n: int) -> str:
+    """``k/n [lo, hi] %``: a rate with its 95 % Clopper-Pearson interval, as the
+    studies print them."""
+    return _fmt(rate(k, n))
+
+
 def measure_spoofs(
     config: ForgeryConfig,
     tenant: Tenant,
