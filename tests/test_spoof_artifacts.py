@@ -162,3 +162,27 @@ def test_a_runs_saved_config_reads_back(tmp_path: Path) -> None:
     del saved["human_tokens"]
     (tmp_path / "config-1234.json").write_text(json.dumps(saved))
     assert saved_config(tmp_path, 1234) == config
+
+
+def test_the_studies_refuse_bad_input_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nonsense on the command line is an argparse error (exit 2, one line), never a
+    traceback, and nothing is loaded first."""
+    from worldcup_eval import context_artifact_study, fluency_study
+
+    run = ["--run", str(tmp_path), "--budget-tokens", "100"]
+    cases = [
+        (fluency_study.main, [*run, "--genuine", str(tmp_path), "--collect", "-3"], ">= 0"),
+        (fluency_study.main, [*run, "--collect", "3"], "--collect needs --genuine"),
+        (fluency_study.main, [*run, "--top-p", "1.5"], "--top-p in (0, 1]"),
+        (fluency_study.main, run, "no spoofs-100.jsonl"),
+        (context_artifact_study.main, [*run, "--verdicts", "v.json"], "no such file"),
+        (context_artifact_study.main, [*run, "--verdicts", "v", "--rare-below", "0"], ">= 1"),
+    ]
+    for main, argv, said in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err

@@ -98,8 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rare-below", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("context-artifact.json"))
     args = ap.parse_args(argv)
+    if args.rare_below < 1:
+        ap.error("--rare-below must be >= 1")
     spoof_path = args.run / f"spoofs-{args.budget_tokens}.jsonl"
-    for path in (spoof_path, args.verdicts, args.run / f"config-{args.budget_tokens}.json"):
+    answers_of = [folder / "answers.jsonl" for folder in args.genuine]
+    for path in (
+        spoof_path,
+        args.verdicts,
+        args.run / f"config-{args.budget_tokens}.json",
+        *answers_of,
+    ):
         if not path.is_file():
             ap.error(f"{path}: no such file")
     from worldcup_core.evidence import text_evidence
@@ -128,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     sets: dict[str, tuple[list[list[int]], bool]] = {"genuine, run (T 1.0)": (answers, True)}
     labels = {name.split(" (")[0]: name for name in verdicts}
     for folder in args.genuine:
+        label = labels.get(f"genuine, {folder.name}")
+        if label is None:
+            ap.error(f"--genuine {folder}: not a set of --verdicts (its folder name names it)")
         rows = read_jsonl(folder / "answers.jsonl")
-        sets[labels[f"genuine, {folder.name}"]] = ([retokenized(a["tokens"]) for a in rows], False)
+        sets[label] = ([retokenized(a["tokens"]) for a in rows], False)
     for row in read_jsonl(spoof_path):
         _, delta, _, _ = row["key"].split("/")
         label = "plain model" if float(delta) == 0 else f"stolen d={float(delta):g}"

@@ -164,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("fluency-study.json"))
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.collect < 0 or args.genuine_limit < 0 or args.top_k < 0:
+        ap.error("--collect, --genuine-limit and --top-k must be >= 0")
+    if args.max_new_tokens < 1 or not args.temperature > 0 or not 0 < args.top_p <= 1:
+        ap.error("--max-new-tokens must be >= 1, --temperature > 0 and --top-p in (0, 1]")
+    if args.collect and not args.genuine:
+        ap.error("--collect needs --genuine DIR: where to write the answers")
     spoof_path = args.run / f"spoofs-{args.budget_tokens}.jsonl"
     if not spoof_path.is_file():
         ap.error(f"--run {args.run}: no {spoof_path.name} (a forgery run's folder)")
