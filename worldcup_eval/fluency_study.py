@@ -39,6 +39,7 @@ import numpy as np
 
 from worldcup_eval.fluency import fluency_z, surprisal_from_logits
 from worldcup_eval.forgery import (
+    MODEL_DTYPES,
     Judge,
     Tenant,
     collect_answers,
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=MODEL_DTYPES,
         default="auto",
         help="the model's weights (bfloat16: about twice the CPU rate where the CPU has "
         "AVX512-BF16); the forward passes take detection's precision from it",

@@ -91,6 +91,7 @@ EDITS: Final = "piggyback-{budget}.jsonl"
 TOP_LOGPROBS: Final = 20  # the base model's alternatives kept per position
 WATERMARKED_BELOW: Final = 1e-6  # the production verdict (worldcup_core.verdict)
 ANCHOR_FPR: Final = 1e-3  # KGW's own operating point in the literature
+MODEL_DTYPES: Final = ("auto", "float32", "bfloat16")  # --dtype (worldcup_core.models)
 
 
 @dataclass(frozen=True)
@@ -1171,7 +1172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=MODEL_DTYPES,
         default="auto",
         help="the model's weights: auto (default: bfloat16 on a GPU, float32 on the CPU) or "
         "bfloat16 (the GPU's numerics; about twice the CPU rate where the CPU has AVX512-BF16)",
