@@ -40,6 +40,9 @@ REPLICA = "x-worldcup-replica"
 # near-zero-entropy text from the instruct model, which no watermark can mark)
 TOKENS = 64
 BITS = 16
+# A text /decode cannot name is still the tenant's when its watermark shows at this
+# level: one generated without it, or under another key, gets below it once in 1000.
+MARKED_P = 1e-3
 
 
 def _redis_or_fail() -> redis.Redis:
@@ -369,9 +372,12 @@ def _load(
 
 def _tally(records: list[dict[str, Any]], service: Service) -> dict[str, Any]:
     """sent, 200s, failed (by status and code), lost: a 200 whose registry entry is
-    missing or whose text decodes to another entry, or a request never answered;
-    undecided: a 200 whose entry exists but whose text /decode could not name (too
-    little evidence in it: a property of the text, checked again after the load)."""
+    missing, whose text decodes to another entry, is short of its TOKENS or carries no
+    watermark of the tenant's (p at or above ``MARKED_P``), or a request never answered;
+    undecided: a 200 whose entry exists and whose text carries the tenant's watermark,
+    but too weakly for /decode to name its entry (a property of the text, checked again
+    after the load: the news opening of prompt 0 draws factual, low-entropy text, with p
+    between 1e-16 and 4e-8 in 17 of 17 in-process draws and 1.6e-5 once in CI)."""
     ok = [r for r in records if r["status"] == 200]
     lost = [r for r in records if r["status"] is None]
     undecided: list[dict[str, Any]] = []
@@ -387,7 +393,13 @@ def _tally(records: list[dict[str, Any]], service: Service) -> dict[str, Any]:
             r["decoded"] = again.json()
             match = r["decoded"].get("registry_match") if again.status_code == 200 else None
         r["entry_status"] = entry.status_code
-        if entry.status_code != 200 or (match and match["message_id"] != issued["message_id"]):
+        marked = float((r.get("decoded") or {}).get("p_value", 1.0)) < MARKED_P
+        if (
+            entry.status_code != 200
+            or (match and match["message_id"] != issued["message_id"])
+            or issued.get("num_tokens") != TOKENS
+            or not marked
+        ):
             lost.append(r)
         elif match is None:
             undecided.append(r)
@@ -402,6 +414,8 @@ def _tally(records: list[dict[str, Any]], service: Service) -> dict[str, Any]:
             "message_id": r["body"].get("message_id"),
             "entry_status": r.get("entry_status"),
             "p_value": decoded.get("p_value"),
+            "num_tokens": r["body"].get("num_tokens"),
+            "num_scored_tokens": decoded.get("num_scored_tokens"),
             "registry_match": decoded.get("registry_match"),
             "text": r["body"].get("text", r["body"])[:200],
         }
@@ -440,7 +454,7 @@ def test_replica_killed_during_load(service: Service) -> None:
         f"\n[serve] replica kill: {json.dumps(tally)} in {elapsed:.1f} s; replaced after "
         f"{time.monotonic() - killed_at[0]:.1f} s"
     )
-    assert tally["lost"] == 0 and tally["undecided"] == 0, tally
+    assert tally["lost"] == 0, tally  # undecided: weak, but the tenant's (_tally)
     assert tally["ok"] + sum(tally["failed"].values()) == tally["sent"]
     assert set(tally["failed"]) <= {"502 replica_unavailable"}, tally
     assert tally["ok"] >= tally["sent"] - 8, tally  # at most one batch in flight died
@@ -495,7 +509,7 @@ def test_downscale_under_load_drains(service: Service) -> None:
             except httpx.HTTPError as exc:
                 rec["status"], rec["body"] = None, {"raw": repr(exc)}
             streams.append(rec)
-            i += 100
+            i += 2  # stream 0 the even prompts, stream 1 the odd ones
 
     from ray import serve
 
@@ -542,5 +556,5 @@ def test_downscale_under_load_drains(service: Service) -> None:
     )
     assert len(service.cluster.replica_pids()) == 1
     assert drained and all(r["status"] == 200 for r in drained), drained
-    assert tally["failed"] == {} and tally["lost"] == 0 and tally["undecided"] == 0, tally
+    assert tally["failed"] == {} and tally["lost"] == 0, tally
     assert tally["ok"] == tally["sent"] >= 4, tally

@@ -3,6 +3,7 @@ calibration, power) and the context split of evidence (worldcup_eval.context_art
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -128,7 +129,8 @@ def test_the_context_split_of_evidence() -> None:
     """worldcup_eval.context_artifact_study: R is about N(0, 1) where rare contexts carry
     no watermark and large where they do; D compares the groups' means; contexts are
     counted once per text."""
-    from worldcup_eval.context_artifact_study import context_counts, split_evidence
+    from worldcup_core.context_sketch import split_evidence
+    from worldcup_eval.context_artifact_study import context_counts
 
     rng = np.random.default_rng(2)
     null_r = [
@@ -172,6 +174,8 @@ def test_the_studies_refuse_bad_input_with_a_message(
     from worldcup_eval import context_artifact_study, fluency_study
 
     run = ["--run", str(tmp_path), "--budget-tokens", "100"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"sets": 3}')
     cases = [
         (fluency_study.main, [*run, "--genuine", str(tmp_path), "--collect", "-3"], ">= 0"),
         (fluency_study.main, [*run, "--collect", "3"], "--collect needs --genuine"),
@@ -179,6 +183,9 @@ def test_the_studies_refuse_bad_input_with_a_message(
         (fluency_study.main, run, "no spoofs-100.jsonl"),
         (context_artifact_study.main, [*run, "--verdicts", "v.json"], "no such file"),
         (context_artifact_study.main, [*run, "--verdicts", "v", "--rare-below", "0"], ">= 1"),
+        (context_artifact_study.main, run, "required: --verdicts"),
+        (context_artifact_study.main, ["--table", str(tmp_path / "no.json")], "no such file"),
+        (context_artifact_study.main, ["--table", str(bad)], "not a study's JSON"),
     ]
     for main, argv, said in cases:
         with pytest.raises(SystemExit) as exit_:
@@ -186,3 +193,37 @@ def test_the_studies_refuse_bad_input_with_a_message(
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
+
+
+def test_a_saved_context_study_prints_again_with_the_services_rule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--table`` reprints docs/results/forgery/context-artifact.json; the service's rule
+    line counts the texts :func:`~worldcup_core.context_sketch.spoof_artifact` flags."""
+    from worldcup_core.context_sketch import Split, spoof_artifact
+    from worldcup_eval import context_artifact_study
+
+    path = Path(__file__).resolve().parents[1] / "docs/results/forgery/context-artifact.json"
+    assert context_artifact_study.main(["--table", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["sets"]["stolen d=4"]
+    held = [r for r in rows if r["watermarked"]]
+    flagged = sum(spoof_artifact(Split(r["rare"], r["common"], r["r"], r["d"])) for r in held)
+    section = out.split("stolen d=4:")[1]
+    assert f"the service's rule (R < 1.64 and D > 3) takes {flagged}/{len(held)} " in section
+    assert 0 < flagged < len(held)
+
+
+def test_spoof_prompts_can_be_held_out_from_another_range(data_dir: Path) -> None:
+    """--spoof-from: the spoofer's topics are another range of ELI5 questions, none of
+    them among the training prompts; 0 keeps the earlier runs' split."""
+    from worldcup_eval.forgery import load_prompts
+
+    first = load_prompts(data_dir, 40)
+    later = load_prompts(data_dir, 40, 40)
+    assert len(later.spoof) == 40 and not set(later.spoof) & set(first.spoof)
+    assert not set(later.spoof) & set(later.train)
+    assert set(first.spoof) <= set(later.train)
+    assert len(first.train) == len(later.train)
+    with pytest.raises(ValueError, match="held-out questions 190..230"):
+        load_prompts(data_dir, 40, 190)

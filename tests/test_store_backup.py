@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -22,7 +23,9 @@ from test_trust_safety import generate
 from typer.testing import CliRunner
 
 from app.main import create_app
+from app.services.intake import encode_texts
 from worldcup_cli.main import app as cli
+from worldcup_core.context_sketch import text_cells
 
 runner = CliRunner()
 
@@ -55,7 +58,14 @@ def _state(c: TestClient, auth: dict[str, str], texts: list[dict[str, Any]], cas
     case = c.get(f"/console/api/cases/{case_id}", headers=ADMIN)
     keys = c.get(f"/admin/tenants/{tenant_id}/api-keys", headers=ADMIN)
     assert case.status_code == 200 and keys.status_code == 200, (case.text, keys.text)
-    return {"matches": matches, "case": case.json(), "api_keys": keys.json()}
+    runtime: Any = c.app.state.runtime  # type: ignore[attr-defined]
+    scheme = c.portal.call(runtime.tenants.version, tenant_id, None).scheme  # type: ignore[union-attr]
+    cells = [text_cells(scheme, encode_texts(runtime.tokenizer, [g["text"]])[0]) for g in texts]
+    contexts = c.portal.call(  # type: ignore[union-attr]
+        runtime.store.context_counts, tenant_id, 1, np.concatenate(cells).tolist()
+    )
+    assert min(contexts) >= 1  # the issued texts' contexts (the binary sketch) came back too
+    return {"matches": matches, "case": case.json(), "api_keys": keys.json(), "ctx": contexts}
 
 
 def _client_match(c: TestClient, auth: dict[str, str], text: str) -> tuple[Any, Any]:

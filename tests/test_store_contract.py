@@ -305,6 +305,42 @@ async def test_allocate_message_ids_and_persistence(store: Store) -> None:
     assert await store.registry_entry(tid, 0) is None
 
 
+async def test_context_counts_are_the_sketchs(store: Store) -> None:
+    """The tenant's context sketch (issue #45) in the store counts as the in-memory
+    :class:`~worldcup_core.context_sketch.ContextSketch` over the same texts, exactly:
+    many texts into a crowded sketch (shared counters, saturation at 255), a repeated
+    context once per text, a long text past one script command's 1000 counters; per
+    tenant and key version apart; nothing counted reads 0."""
+    import numpy as np
+
+    from worldcup_core.context_sketch import WIDTH_LOG2, ContextSketch
+
+    rng = np.random.default_rng(45)
+    tenant, key = tenant_records("ctx")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    pool = rng.integers(0, 1 << WIDTH_LOG2, size=(40, 4))  # 40 contexts' cells
+    pool[1, 2] = pool[0, 2]  # two contexts share a counter
+    texts = [pool[np.r_[0, rng.integers(0, 40, rng.integers(1, 30))]] for _ in range(300)]
+    texts.append(rng.integers(0, 1 << WIDTH_LOG2, size=(700, 4)))  # 2800 counters
+    sketch = ContextSketch()
+    for cells in texts:
+        sketch.add_text(cells)
+        await store.count_contexts(tid, 1, cells.tolist())
+    wanted = np.r_[pool, texts[-1][:50]]
+    got = await store.context_counts(tid, 1, wanted.tolist())
+    assert got == sketch.counts(wanted).tolist()
+    assert max(got) == 255 and min(got) >= 1
+    assert await store.context_counts(tid, 2, pool.tolist()) == [0] * 40
+    other, other_key = tenant_records("ctx-other")
+    await store.create_tenant(other, other_key)
+    assert await store.context_counts(other.tenant_id, 1, pool.tolist()) == [0] * 40
+    assert await store.context_counts(tid, 1, []) == []
+    await store.count_contexts(tid, 1, [])  # nothing to count
+    with pytest.raises(ValueError, match="outside"):
+        await store.count_contexts(tid, 1, [[0, 0, 0, 1 << WIDTH_LOG2]])
+
+
 async def test_set_fingerprint_is_stored_with_the_entry(store: Store) -> None:
     """The issued text's fingerprint (issue #45): set after allocation, read back by
     both reads, replaced by a later call; refused (False) without a live entry. The

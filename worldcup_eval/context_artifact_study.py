@@ -24,23 +24,24 @@ Among the texts the service's verdict calls watermarked (the rows of a
 table says how many each line takes: genuine answers (the cost) and spoofs (the power).
 
 ``python -m worldcup_eval.context_artifact_study --run RUN --budget-tokens N --verdicts
-FLUENCY_JSON [--genuine DIR ...] [--rare-below 5] [--out FILE]``
+FLUENCY_JSON [--genuine DIR ...] [--rare-below 5] [--out FILE]``; ``--table FILE``
+prints a saved JSON's table again, with the service's rule
+(:func:`worldcup_core.context_sketch.spoof_artifact`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
+from worldcup_core.context_sketch import D_ABOVE, R_BELOW, Split, split_evidence, spoof_artifact
 from worldcup_eval.forgery import (
     Tenant,
     fmt_rate,
@@ -51,30 +52,6 @@ from worldcup_eval.forgery import (
 
 R_LINES = (1.0, 1.64, 2.33)  # a spoof when R is below the line
 D_LINES = (2.0, 3.0, 4.0)  # a spoof when D is above the line
-
-
-@dataclass(frozen=True)
-class Split:
-    """A text's scored evidence split by how often its contexts were seen elsewhere."""
-
-    rare: int
-    common: int
-    r: float  # sum of rare z / sqrt(rare); NaN without rare tokens
-    d: float  # standardised common-minus-rare mean z; NaN without both groups
-
-
-def split_evidence(zs: Sequence[float], seen: Sequence[int], rare_below: int) -> Split:
-    """:class:`Split` of tokens' ``zs`` whose contexts were ``seen`` that many times."""
-    z = np.asarray(zs, dtype=np.float64)
-    n = np.asarray(seen, dtype=np.int64)
-    if z.shape != n.shape:
-        raise ValueError("one count per token")
-    rare, common = z[n < rare_below], z[n >= rare_below]
-    r = float(rare.sum() / math.sqrt(rare.size)) if rare.size else math.nan
-    d = math.nan
-    if rare.size and common.size:
-        d = float((common.mean() - rare.mean()) / math.sqrt(1 / common.size + 1 / rare.size))
-    return Split(int(rare.size), int(common.size), r, d)
 
 
 def context_counts(contexts: Iterable[Iterable[tuple[int, ...]]]) -> Counter[tuple[int, ...]]:
@@ -89,15 +66,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m worldcup_eval.context_artifact_study", description=__doc__
     )
-    ap.add_argument("--run", type=Path, required=True, help="a forgery run's folder")
-    ap.add_argument("--budget-tokens", type=int, required=True)
-    ap.add_argument(
-        "--verdicts", type=Path, required=True, help="a fluency_study JSON over the same texts"
-    )
+    ap.add_argument("--run", type=Path, help="a forgery run's folder")
+    ap.add_argument("--budget-tokens", type=int)
+    ap.add_argument("--verdicts", type=Path, help="a fluency_study JSON over the same texts")
     ap.add_argument("--genuine", type=Path, nargs="+", default=[], help="as the fluency study's")
     ap.add_argument("--rare-below", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("context-artifact.json"))
+    ap.add_argument(
+        "--table", type=Path, help="print a saved study's JSON again (nothing else needed)"
+    )
     args = ap.parse_args(argv)
+    if args.table is not None:
+        if not args.table.is_file():
+            ap.error(f"--table {args.table}: no such file")
+        try:
+            table(args.table, sys.stdout)
+        except (ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--table {args.table}: not a study's JSON ({type(exc).__name__}: {exc})")
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("run", "budget_tokens", "verdicts")
+               if getattr(args, n) is None]  # fmt: skip
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
     if args.rare_below < 1:
         ap.error("--rare-below must be >= 1")
     spoof_path = args.run / f"spoofs-{args.budget_tokens}.jsonl"
@@ -167,17 +157,40 @@ def main(argv: list[str] | None = None) -> int:
             split = split_evidence([float(m.z or 0.0) for m in marks], seen, args.rare_below)
             rows.append({"watermarked": wm, **split.__dict__})
         result["sets"][name] = rows
-        held = [r for r in rows if r["watermarked"]]
-        share = np.mean([r["rare"] / max(1, r["rare"] + r["common"]) for r in held]) if held else 0
-        out.write(f"\n{name}: {len(held)} of {len(rows)} watermarked; rare share {share:.2f}\n")
-        for line in R_LINES:
-            taken = sum(not r["r"] >= line for r in held)  # NaN (no rare token): taken
-            out.write(f"  R < {line:<5g} takes {fmt_rate(taken, len(held))}\n")
-        for line in D_LINES:
-            taken = sum(r["d"] > line for r in held)
-            out.write(f"  D > {line:<5g} takes {fmt_rate(taken, len(held))}\n")
+        write_set(out, name, rows)
     args.out.write_text(json.dumps(result))
     return 0
+
+
+def write_set(out: TextIO, name: str, rows: list[dict[str, Any]]) -> None:
+    """One set's lines: what each line, and the service's rule, takes of its watermarked
+    texts."""
+    held = [r for r in rows if r["watermarked"]]
+    share = np.mean([r["rare"] / max(1, r["rare"] + r["common"]) for r in held]) if held else 0
+    out.write(f"\n{name}: {len(held)} of {len(rows)} watermarked; rare share {share:.2f}\n")
+    for line in R_LINES:
+        taken = sum(not r["r"] >= line for r in held)  # NaN (no rare token): taken
+        out.write(f"  R < {line:<5g} takes {fmt_rate(taken, len(held))}\n")
+    for line in D_LINES:
+        taken = sum(r["d"] > line for r in held)
+        out.write(f"  D > {line:<5g} takes {fmt_rate(taken, len(held))}\n")
+    flagged = sum(
+        spoof_artifact(Split(**{k: r[k] for k in ("rare", "common", "r", "d")})) for r in held
+    )
+    out.write(
+        f"  the service's rule (R < {R_BELOW:g} and D > {D_ABOVE:g}) takes "
+        f"{fmt_rate(flagged, len(held))}\n"
+    )
+
+
+def table(path: Path, out: TextIO) -> None:
+    """Print a saved study's sets again (``--table``), with the service's rule."""
+    result = json.loads(path.read_text())
+    out.write(
+        f"{result['contexts']} contexts; rare: seen fewer than {result['rare_below']} times\n"
+    )
+    for name, rows in result["sets"].items():
+        write_set(out, name, rows)
 
 
 if __name__ == "__main__":

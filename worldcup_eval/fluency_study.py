@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
         )
-        prompts = load_prompts(args.data_dir or default_data_dir(), config.spoof_prompts)
+        prompts = load_prompts(
+            args.data_dir or default_data_dir(), config.spoof_prompts, config.spoof_from
+        )
         prompts = replace(prompts, train=prompts.train[::-1])  # away from the attacker's
         for folder in args.genuine:
             folder.mkdir(parents=True, exist_ok=True)

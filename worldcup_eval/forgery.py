@@ -108,6 +108,9 @@ class ForgeryConfig:
     top_p: float = 0.95
     batch_size: int = 16
     spoof_prompts: int = 40
+    # the first held-out question: ELI5 questions [spoof_from, spoof_from + spoof_prompts)
+    # are the spoofer's topics, the others train (0: the runs before it existed)
+    spoof_from: int = 0
     deltas: tuple[float, ...] = (2.0, 4.0)
     best_of: int = 4  # oracle-filtered spoofs: n drafts per prompt at the largest delta
     piggyback: int = 40  # genuine answers edited
@@ -141,6 +144,8 @@ class ForgeryConfig:
             raise ValueError(f"exposure must be one of {EXPOSURES}, got {self.exposure!r}")
         if not 0 <= self.context_width <= 8:
             raise ValueError(f"context_width must be in 0..8, got {self.context_width}")
+        if self.spoof_from < 0 or self.spoof_prompts < 1:
+            raise ValueError("spoof_from must be >= 0 and spoof_prompts >= 1")
 
     @property
     def width(self) -> int:
@@ -267,18 +272,23 @@ class Prompts:
     human: list[str]  # human continuations (controls), whole documents
 
 
-def load_prompts(data_dir: Path, spoof_prompts: int) -> Prompts:
-    """ELI5 questions (the first ``spoof_prompts`` held out for spoofing) and CNN
-    article openings as writing requests; human answers and articles for controls."""
+def load_prompts(data_dir: Path, spoof_prompts: int, spoof_from: int = 0) -> Prompts:
+    """ELI5 questions (``spoof_prompts`` of them from ``spoof_from`` on held out for
+    spoofing) and CNN article openings as writing requests; human answers and articles
+    for controls."""
     eli5 = _jsonl(data_dir / "eli5_longform_qa.jsonl")
     cnn = _jsonl(data_dir / "cnn_dailymail_test.jsonl")
     questions = [_clean_question(str(r["input"])) for r in eli5]
     openings = [" ".join(str(r["article"]).split()[:40]) for r in cnn]
     requests = [f"Continue this news article in a few paragraphs:\n\n{o}" for o in openings]
-    train = [q for pair in zip(questions[spoof_prompts:], requests, strict=False) for q in pair]
+    end = spoof_from + spoof_prompts
+    if spoof_from < 0 or end > len(questions):
+        raise ValueError(f"held-out questions {spoof_from}..{end} of {len(questions)}")
+    rest = questions[:spoof_from] + questions[end:]
+    train = [q for pair in zip(rest, requests, strict=False) for q in pair]
     human = [str(r["article"]) for r in cnn]
     human += ["\n\n".join(a for a in r.get("outputs", []) if a) for r in eli5]
-    return Prompts(train, questions[:spoof_prompts], [h for h in human if h.strip()])
+    return Prompts(train, questions[spoof_from:end], [h for h in human if h.strip()])
 
 
 def _clean_question(text: str) -> str:
@@ -1026,7 +1036,7 @@ def run_forgery(
     if lm is None:
         lm = load_model()
     tenant = Tenant(config)
-    prompts = load_prompts(data_dir or default_data_dir(), config.spoof_prompts)
+    prompts = load_prompts(data_dir or default_data_dir(), config.spoof_prompts, config.spoof_from)
     answers = collect_answers(lm, config, tenant, prompts, out, show_progress)
     cpu.lap("answers")
     learned = learn_from(answers, config)
@@ -1163,6 +1173,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deltas", type=float, nargs="+", default=[2.0, 4.0])
     ap.add_argument("--best-of", type=int, default=4)
     ap.add_argument("--spoof-prompts", type=int, default=40)
+    ap.add_argument(
+        "--spoof-from",
+        type=int,
+        default=0,
+        help="the first held-out ELI5 question (default 0): another range gives spoof "
+        "prompts a study was not tuned on",
+    )
     ap.add_argument("--piggyback", type=int, default=40)
     ap.add_argument("--human-texts", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=48)
@@ -1211,24 +1228,30 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from worldcup_core.models import ModelLoadError, load_model
+    from worldcup_eval.data import default_data_dir
 
     torch.set_num_threads(args.threads)
-    config = ForgeryConfig(
-        scenario=args.scenario,
-        budget_tokens=args.budget_tokens,
-        accounts=args.accounts,
-        deltas=tuple(args.deltas),
-        best_of=args.best_of,
-        spoof_prompts=args.spoof_prompts,
-        piggyback=args.piggyback,
-        human_texts=args.human_texts,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        judge=args.judge,
-        exposure=args.exposure,
-        sealed=not args.unsealed,
-        context_width=args.context_width,
-    )
+    try:
+        config = ForgeryConfig(
+            scenario=args.scenario,
+            budget_tokens=args.budget_tokens,
+            accounts=args.accounts,
+            deltas=tuple(args.deltas),
+            best_of=args.best_of,
+            spoof_prompts=args.spoof_prompts,
+            spoof_from=args.spoof_from,
+            piggyback=args.piggyback,
+            human_texts=args.human_texts,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            judge=args.judge,
+            exposure=args.exposure,
+            sealed=not args.unsealed,
+            context_width=args.context_width,
+        )
+        load_prompts(args.data_dir or default_data_dir(), config.spoof_prompts, config.spoof_from)
+    except (ValueError, OSError) as exc:
+        ap.error(str(exc))
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
     except ModelLoadError as exc:

@@ -198,6 +198,13 @@ class Settings(BaseSettings):
     # seed, same text; the releases before), recorded as a registry candidate: only for
     # deployments whose every fixed_payload key is trusted (SECURITY.md)
     seal_client_payloads: bool = True
+    # count the contexts of every watermarked text returned, per tenant and key version,
+    # in a count-min sketch in the store (worldcup_core.context_sketch; 4 MiB per tenant
+    # key version once written): the memory of the spoof-artifact check, which reports
+    # on every "watermarked" answer in the worldcup_spoof_artifact_checks_total metric
+    # (it does not change verdicts: SECURITY.md, Forgery and framing). False: nothing is
+    # counted, and the check reports "no_counts"
+    count_contexts: bool = True
 
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000

@@ -96,6 +96,14 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=r,
         )
+        self.spoof_artifact = Counter(
+            "worldcup_spoof_artifact_checks",
+            "The spoof-artifact check on watermarked answers, in shadow: it changes no "
+            "verdict (app.services.artifact). outcome: flagged (evidence in common contexts "
+            "only), clear, one_group (nothing to compare) or unavailable (no counts).",
+            ["outcome"],
+            registry=r,
+        )
         self.statistic = Counter(
             "worldcup_detection_statistic",
             "Texts scored, by the statistic their answer took (model or model_free).",

@@ -29,7 +29,7 @@ from app.schemas.watermark import (
     DetectResponse,
     verdict_fields,
 )
-from app.services import intake
+from app.services import artifact, intake
 from app.services.disclosure import sees_client_bits, sees_registry_bits
 from app.services.evidence import coverage_out, issued_similarity
 from app.services.registry import ambiguous_answer, expired_answer
@@ -150,9 +150,12 @@ async def assess_ids(
     if not ids:
         return []
     settings = runtime.settings
-    return await runtime.watermark.assess_texts(
-        principal.tenant.tenant_id, ids, settings.default_num_bits, settings.significance, num_bits
+    tenant_id = principal.tenant.tenant_id
+    assessed = await runtime.watermark.assess_texts(
+        tenant_id, ids, settings.default_num_bits, settings.significance, num_bits
     )
+    await artifact.check(runtime, tenant_id, ids, assessed)  # in shadow: counted only
+    return assessed
 
 
 async def _decode_outcomes(

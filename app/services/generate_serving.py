@@ -156,7 +156,7 @@ async def _run(
     finally:
         watcher.cancel()
     response = _response(sample, result)
-    await gen.record_fingerprint(sample, response.text)
+    await gen.record_issued(sample, response.text)
     if claim is not None:
         await claim.remember(response.model_dump(mode="json"))
     return response
@@ -220,7 +220,7 @@ async def _stream(
             item = await gen.next_event(sample)
             if isinstance(item, GenerationResult):
                 response = _response(sample, item)
-                await gen.record_fingerprint(sample, response.text)
+                await gen.record_issued(sample, response.text)
                 if claim is not None:
                     await claim.remember(response.model_dump(mode="json"))
                 if rest := deltas.rest(response.text):

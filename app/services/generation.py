@@ -24,6 +24,7 @@ from fastapi import Request
 from app.core.errors import APIError
 from app.engines.base import Engine, EngineStopped, GenerationJob, QueueFull, UnwatermarkedError
 from app.services.disclosure import FIXED_PAYLOAD_SCOPE
+from app.services.intake import encode_texts
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
 from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
@@ -35,6 +36,7 @@ from app.stores.client_payloads import (
     sealed_metadata,
 )
 from worldcup_core import Payload, SamplingConfig
+from worldcup_core.context_sketch import text_cells
 from worldcup_core.fingerprint import text_fingerprint
 from worldcup_core.generation import (
     GenerationRequest,
@@ -360,6 +362,33 @@ async def next_event(sample: Sample) -> StepEvent | GenerationResult:
     if isinstance(item, BaseException):
         raise APIError(500, "generation failed; it has been logged", "generation_failed")
     return item
+
+
+async def record_issued(sample: Sample, text: str) -> None:
+    """What the service keeps of a text it returns (issue #45): a registered text's
+    fingerprint (:func:`record_fingerprint`), and every watermarked text's contexts in
+    its tenant's context sketch (:func:`record_contexts`)."""
+    await record_fingerprint(sample, text)
+    await record_contexts(sample, text)
+
+
+async def record_contexts(sample: Sample, text: str) -> None:
+    """Count the contexts of a watermarked text the service returns, as /detect will read
+    the text (:mod:`worldcup_core.context_sketch`), in the sketch of the tenant's key
+    version it was issued with: the memory of the spoof-artifact check. Registered or
+    client-chosen payload alike (a stealing spoofer learns from both). A failed write
+    never fails the generation: the contexts then look rarer than they are."""
+    runtime = sample.runtime
+    if sample.payload is None or not runtime.settings.count_contexts:
+        return
+    scheme = sample.key.scheme
+    try:
+        cells = await runtime.offload(
+            lambda: text_cells(scheme, encode_texts(runtime.tokenizer, [text])[0]).tolist()
+        )
+        await runtime.store.count_contexts(sample.tenant_id, sample.key.version, cells)
+    except Exception as exc:  # a store error, an outage: the text is still issued
+        logger.warning("contexts of an issued text not counted (%s)", type(exc).__name__)
 
 
 async def record_fingerprint(sample: Sample, text: str) -> None:

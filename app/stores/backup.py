@@ -11,7 +11,8 @@ by type, with its remaining TTL, as JSON lines; keys are written without the pre
 so a dump restores under any prefix and into one Redis or a cluster alike. Skipped:
 the short-lived rate-limit, probe-accounting and creation-marker keys (but not the
 probe tables' durable records: the recorded client-chosen payloads and their repeat
-counts, :mod:`app.stores.client_payloads`). The registry's
+counts, :mod:`app.stores.client_payloads`). Binary strings (the tenants' context
+sketches, ``ctxsketch``) are kept as base64, type ``bytes`` (format version 2). The registry's
 counters (``msgseq``, ``msglive``, ``msgexp``) are read last: they only grow, so a
 dump taken while texts are issued never holds an entry above its tenant's counter
 (texts issued during the dump may or may not be in it). Restore refuses a namespace
@@ -20,6 +21,7 @@ that holds keys unless ``force`` (which deletes them first).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import sqlite3
@@ -33,7 +35,8 @@ from app.stores.client_payloads import durable_probe_key
 from app.stores.redis_layout import check_prefix
 
 FORMAT = "worldcup-store-backup"
-VERSION = 1
+VERSION = 2  # 2: binary strings (the context sketches) as type "bytes", base64
+_BINARY_KINDS = ("ctxsketch",)  # strings that are not text: read raw, written as base64
 SQLITE_MAGIC = b"SQLite format 3\x00"
 SQLITE_TABLES = ("tenants", "keys", "messages", "api_keys", "cases", "marker")
 _SKIPPED_KINDS = ("ratelimit", "ratelimit-op", "probe", "creating")
@@ -114,14 +117,14 @@ def restore_sqlite(backup: Path, db: Path, force: bool = False) -> BackupReport:
 # -- Redis ------------------------------------------------------------------------------
 
 
-def _client(url: str, cluster: bool) -> Any:
+def _client(url: str, cluster: bool, decode: bool = True) -> Any:
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
-        return RedisCluster.from_url(url, decode_responses=True)
+        return RedisCluster.from_url(url, decode_responses=decode)
     from redis.asyncio import Redis
 
-    return Redis.from_url(url, decode_responses=True)
+    return Redis.from_url(url, decode_responses=decode)
 
 
 def _kind(rest: str) -> str:
@@ -142,10 +145,16 @@ async def _keys(client: Any, prefix: str) -> AsyncIterator[str]:
         yield cast("str", key)
 
 
-async def _read(client: Any, key: str) -> dict[str, Any] | None:
+async def _read(client: Any, key: str, raw: Any = None) -> dict[str, Any] | None:
+    """The key's record; ``raw`` (a client that does not decode): the key is a binary
+    string, read through it and kept as base64 (type ``bytes``)."""
     kind = await client.type(key)
-    if kind == "string":
-        value: Any = await client.get(key)
+    value: Any
+    if kind == "string" and raw is not None:
+        data = await raw.get(key)
+        kind, value = "bytes", None if data is None else base64.b64encode(data).decode()
+    elif kind == "string":
+        value = await client.get(key)
     elif kind == "hash":
         value = await client.hgetall(key)
     elif kind == "set":
@@ -170,6 +179,7 @@ async def backup_redis(url: str, prefix: str, cluster: bool, out: Path) -> Backu
     """Dump the namespace ``prefix`` to ``out`` (JSON lines, written whole, then renamed)."""
     check_prefix(prefix)
     client = _client(url, cluster)
+    raw = _client(url, cluster, decode=False)
     part = out.with_name(out.name + ".part")
     report = BackupReport("redis", 0, 0)
     try:
@@ -179,11 +189,11 @@ async def backup_redis(url: str, prefix: str, cluster: bool, out: Path) -> Backu
             fh.write(json.dumps(head) + "\n")
 
             async def dump(key: str) -> None:
-                record = await _read(client, key)
-                if record is None:
-                    return
                 rest = key[len(prefix) + 1 :]
                 kind = _kind(rest)
+                record = await _read(client, key, raw if kind in _BINARY_KINDS else None)
+                if record is None:
+                    return
                 report.keys += 1
                 if kind == "tenant" and record["type"] == "hash":
                     report.tenants += 1
@@ -205,6 +215,7 @@ async def backup_redis(url: str, prefix: str, cluster: bool, out: Path) -> Backu
     finally:
         part.unlink(missing_ok=True)
         await client.aclose()
+        await raw.aclose()
     return report
 
 
@@ -212,6 +223,8 @@ def _write(pipe: Any, key: str, record: dict[str, Any]) -> None:
     kind, value = record["type"], record["value"]
     if kind == "string":
         pipe.set(key, value)
+    elif kind == "bytes":
+        pipe.set(key, base64.b64decode(value))
     elif kind == "hash":
         pipe.hset(key, mapping=value)
     elif kind == "set":

@@ -331,6 +331,21 @@ class Store(Protocol):
         later call replaces it). False, and nothing written, if there is no such entry
         (voided, expired, never issued)."""
 
+    async def count_contexts(
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+    ) -> None:
+        """Count one issued text's distinct contexts in the tenant's sketch for the key
+        version (:mod:`worldcup_core.context_sketch`: each row of ``cells`` one context's
+        counter per sketch row; conservative update from the counters before the text).
+        Not idempotent: a retried write overcounts, which only makes contexts look
+        common (never a spoof let through), so callers do not retry."""
+
+    async def context_counts(
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Each context's estimated count in that sketch (0 where nothing was counted)."""
+        ...
+
     async def registry_entries(
         self, tenant_id: str, message_ids: Sequence[int]
     ) -> list[RegistryEntry | None]:

@@ -38,6 +38,9 @@ One tenant (tag ``{t}``: one slot)::
                                         payloads (app.stores.client_payloads)
     p:{t}:idem:<key>          str   IdempotencyRecord JSON, with a TTL
     p:{t}:response:<id>       str   a stored /v1/responses record, with a TTL
+    p:{t}:ctxsketch:<kv>      str   the count-min sketch of the contexts of the texts
+                                        issued under key version kv (one byte a counter,
+                                        worldcup_core.context_sketch), 4 MiB once written
 
 One registry bucket of a tenant (tag ``{t:b}``; ``BUCKET_IDS`` consecutive ids, so a
 big tenant's registry spreads over slots, hence over shards)::

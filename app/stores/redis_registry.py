@@ -37,6 +37,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+import numpy as np
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -52,14 +53,17 @@ from app.stores.redis_base import RedisBase
 from app.stores.redis_layout import bucket_ids, bucket_of
 from app.stores.redis_scripts import (
     ADVANCE_WATERMARK,
+    COUNT_CONTEXTS,
     ISSUED_AMONG,
     MOVE_EXPIRED,
     NEXT_ID,
     NEXT_IDS,
     PUT_ENTRY,
+    READ_CONTEXTS,
     SET_FINGERPRINT,
     VOID_ENTRY,
 )
+from worldcup_core.context_sketch import estimate, flat_cells
 
 ALLOCATE_TRIES = 8  # ids tried when the counter went back (see the module docstring)
 # bulk reads: short commands (the server never blocks long on one), a bounded reply a trip
@@ -86,6 +90,8 @@ class RedisRegistry(RedisBase):
         self._put_entry = self._script(PUT_ENTRY)
         self._void_entry = self._script(VOID_ENTRY)
         self._set_fingerprint = self._script(SET_FINGERPRINT)
+        self._count_contexts = self._script(COUNT_CONTEXTS)
+        self._read_contexts = self._script(READ_CONTEXTS)
         self._next_ids = self._script(NEXT_IDS)
         self._move_expired = self._script(MOVE_EXPIRED)
         self._advance_watermark = self._script(ADVANCE_WATERMARK)
@@ -144,6 +150,32 @@ class RedisRegistry(RedisBase):
         field = str(int(message_id))
         raw = cast("str | None", await self._retry(lambda: self._redis.hget(key, field)))
         return None if raw is None else _entry(tenant_id, message_id, raw)
+
+    def _sketch(self, tenant_id: str, key_version: int) -> str:
+        return self._keys.t(tenant_id, "ctxsketch", int(key_version))
+
+    async def count_contexts(
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+    ) -> None:
+        """One script on the tenant's slot, run once (see :meth:`Store.count_contexts`)."""
+        flat = flat_cells(cells, distinct=True)
+        if flat.size == 0:
+            return
+        keys = [self._sketch(tenant_id, key_version)]
+        args = [flat.shape[1], *flat.ravel().tolist()]
+        async with self._guard():
+            await self._count_contexts(keys=keys, args=args)
+
+    async def context_counts(
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+    ) -> list[int]:
+        flat = flat_cells(cells)
+        if flat.size == 0:
+            return []
+        keys = [self._sketch(tenant_id, key_version)]
+        read = functools.partial(self._read_contexts, keys=keys, args=flat.ravel().tolist())
+        got = cast("list[int]", await self._retry(read))
+        return [int(v) for v in estimate(np.asarray(got, dtype=np.int64).reshape(flat.shape))]
 
     async def set_fingerprint(self, tenant_id: str, message_id: int, fingerprint: bytes) -> bool:
         """One script in the id's bucket slot (acknowledged by replicas when set); safe

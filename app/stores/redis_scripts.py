@@ -223,3 +223,55 @@ else
 end
 return {1, count + 1, 0}
 """
+
+# One issued text's contexts into a tenant's context sketch (worldcup_core.context_sketch:
+# conservative update from the counters before the text; a counter two contexts share
+# takes the larger). KEYS: the sketch string (one byte a counter, row-major). ARGV: the
+# sketch depth, then the text's distinct contexts' flat counter indices, context-major.
+# Commands of at most 1000 counters each (Lua's unpack has a limit).
+COUNT_CONTEXTS = """
+local depth = tonumber(ARGV[1])
+local chunk = 1000
+local cur = {}
+for s = 2, #ARGV, chunk do
+  local ops = {}
+  for i = s, math.min(s + chunk - 1, #ARGV) do
+    ops[#ops + 1] = 'GET'; ops[#ops + 1] = 'u8'; ops[#ops + 1] = '#' .. ARGV[i]
+  end
+  for _, v in ipairs(redis.call('BITFIELD', KEYS[1], unpack(ops))) do cur[#cur + 1] = v end
+end
+local best = {}
+for c = 0, #cur / depth - 1 do
+  local low = 255
+  for r = 1, depth do
+    if cur[c * depth + r] < low then low = cur[c * depth + r] end
+  end
+  local target = math.min(low + 1, 255)
+  for r = 1, depth do
+    local i = c * depth + r
+    local cell = ARGV[i + 1]
+    if cur[i] < target and (best[cell] or 0) < target then best[cell] = target end
+  end
+end
+local ops = {}
+for cell, v in pairs(best) do
+  ops[#ops + 1] = 'SET'; ops[#ops + 1] = 'u8'; ops[#ops + 1] = '#' .. cell; ops[#ops + 1] = v
+  if #ops >= 4 * chunk then redis.call('BITFIELD', KEYS[1], unpack(ops)); ops = {} end
+end
+if #ops > 0 then redis.call('BITFIELD', KEYS[1], unpack(ops)) end
+return 1
+"""
+
+# The counters of a tenant's context sketch. KEYS: the sketch string. ARGV: flat
+# counter indices. Their values (0 for a missing key or past its end).
+READ_CONTEXTS = """
+local out = {}
+for s = 1, #ARGV, 1000 do
+  local ops = {}
+  for i = s, math.min(s + 999, #ARGV) do
+    ops[#ops + 1] = 'GET'; ops[#ops + 1] = 'u8'; ops[#ops + 1] = '#' .. ARGV[i]
+  end
+  for _, v in ipairs(redis.call('BITFIELD_RO', KEYS[1], unpack(ops))) do out[#out + 1] = v end
+end
+return out
+"""

@@ -17,6 +17,8 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from app.stores.base import (
     RegistryEntry,
     RegistryFull,
@@ -25,8 +27,26 @@ from app.stores.base import (
     compact_json,
 )
 from app.stores.sqlite_base import SQLiteBase
+from worldcup_core.context_sketch import I64, conservative_update, estimate, flat_cells
 
 _IN_CHUNK = 30_000  # ids per ``IN (...)`` query: below SQLite's variable limit
+
+
+def _counters(c: sqlite3.Connection, tenant_id: str, key_version: int, flat: I64) -> I64:
+    """The stored counters of ``flat`` (contexts x depth flat cell indices), 0 where none."""
+    wanted = sorted(set(flat.ravel().tolist()))
+    stored: dict[int, int] = {}
+    for at in range(0, len(wanted), _IN_CHUNK):
+        chunk = wanted[at : at + _IN_CHUNK]
+        rows = c.execute(
+            "SELECT cell, count FROM context_counters WHERE tenant_id = ? AND key_version = ?"
+            f" AND cell IN ({','.join('?' * len(chunk))})",
+            (tenant_id, key_version, *chunk),
+        )
+        stored.update((int(r[0]), int(r[1])) for r in rows)
+    lookup = np.vectorize(lambda cell: stored.get(int(cell), 0), otypes=[np.int64])
+    out: I64 = lookup(flat)
+    return out
 
 
 def _count(
@@ -117,6 +137,41 @@ class SQLiteRegistry(SQLiteBase):
             issued_at=row["issued_at"],
             fingerprint=_blob(row["fingerprint"]),
         )
+
+    async def count_contexts(
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+    ) -> None:
+        check_tenant_id(tenant_id)
+        flat = flat_cells(cells, distinct=True)
+        if flat.size == 0:
+            return
+        version = int(key_version)
+
+        def op(c: sqlite3.Connection) -> None:
+            current = _counters(c, tenant_id, version, flat)
+            updated = conservative_update(current).astype(np.int64)
+            best: dict[int, int] = {}  # a counter two contexts share takes the larger
+            for cell, value in zip(flat.ravel().tolist(), updated.ravel().tolist(), strict=True):
+                best[cell] = max(value, best.get(cell, 0))
+            c.executemany(
+                "INSERT INTO context_counters (tenant_id, key_version, cell, count)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (tenant_id, key_version, cell)"
+                " DO UPDATE SET count = MAX(count, excluded.count)",
+                [(tenant_id, version, cell, value) for cell, value in best.items()],
+            )
+
+        await self._write(op)
+
+    async def context_counts(
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+    ) -> list[int]:
+        check_tenant_id(tenant_id)
+        flat = flat_cells(cells)
+        if flat.size == 0:
+            return []
+        version = int(key_version)
+        current = await self._run(lambda c: _counters(c, tenant_id, version, flat))
+        return [int(v) for v in estimate(current)]
 
     async def set_fingerprint(self, tenant_id: str, message_id: int, fingerprint: bytes) -> bool:
         check_tenant_id(tenant_id)

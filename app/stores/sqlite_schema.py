@@ -121,6 +121,13 @@ CREATE TABLE IF NOT EXISTS cases (
 CREATE INDEX IF NOT EXISTS cases_by_tenant ON cases (tenant_id, created_at);
 CREATE INDEX IF NOT EXISTS cases_by_batch ON cases (batch_id, created_at);
 CREATE INDEX IF NOT EXISTS cases_expiry ON cases (expires_at);
+CREATE TABLE IF NOT EXISTS context_counters (
+    tenant_id   TEXT NOT NULL,
+    key_version INTEGER NOT NULL,
+    cell        INTEGER NOT NULL,
+    count       INTEGER NOT NULL,
+    PRIMARY KEY (tenant_id, key_version, cell)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS marker (
     id    INTEGER PRIMARY KEY CHECK (id = 1),
     value TEXT NOT NULL

@@ -350,7 +350,7 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     logprobs = before_cut(tokenizer, every, cut, len(every) - len(logprobs))
-                await gen.record_fingerprint(sample, text)  # the choice's whole text
+                await gen.record_issued(sample, text)  # the choice's whole text
                 yield Piece(text[shown:], finish, len(item.token_ids), logprobs, prompt)
                 return
             if item.prompt_logprobs is not None:
@@ -369,7 +369,7 @@ async def follow(sample: gen.Sample, engine: Engine, stops: list[str]) -> AsyncI
             cut = _stop_at(text, stops)
             if cut is not None:
                 engine.cancel(sample.job)  # the client has what it asked for
-                await gen.record_fingerprint(sample, text[:cut])
+                await gen.record_issued(sample, text[:cut])
                 kept = before_cut(tokenizer, every, cut, len(every) - len(logprobs))
                 yield Piece(text[shown:cut], "stop", len(deltas.tokens), kept, prompt)
                 return

@@ -1,0 +1,87 @@
+"""The spoof-artifact check on "watermarked" answers, in shadow (issue #45).
+
+A watermark-stealing spoof carries the watermark only in the contexts its maker saw
+often in the tenant's answers; a genuine text carries it in rare contexts too
+(:mod:`worldcup_core.context_sketch`). The service counts the contexts of every
+watermarked text it returns (:func:`app.services.generation.record_contexts`), and
+here reads a "watermarked" text's evidence against those counts, under the key
+version and payload length that decided.
+
+It changes no verdict yet: the cost of a gate on genuine answers grows with a
+tenant's volume (more of its contexts become common), and that has to be measured
+where the volume is. So each check is counted, by outcome, in
+``worldcup_spoof_artifact_checks_total``: an operator sees what a gate would take
+on the deployment's own traffic before it is turned on. The check never fails an
+answer: a store error is the outcome ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+from app.services.runtime import Runtime
+from app.services.watermark import Assessed, best_length
+from worldcup_core.context_sketch import (
+    Split,
+    context_cells,
+    leave_one_out,
+    split_evidence,
+    spoof_artifact,
+)
+from worldcup_core.evidence import text_evidence
+from worldcup_core.scheme import WorldCup
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["flagged", "clear", "one_group", "unavailable"]
+
+
+def _marks(scheme: WorldCup, ids: list[int], num_bits: int) -> tuple[list[float], list[list[int]]]:
+    """The text's scored tokens' leave-one-out z and their contexts' cells (worker job)."""
+    marks = [m for m in text_evidence(scheme, ids, num_bits) if m.z is not None]
+    width = scheme.config.context_width
+    cells = context_cells(scheme.key, ids, [m.index for m in marks], width)
+    return [float(m.z or 0.0) for m in marks], cells.tolist()
+
+
+def outcome_of(split: Split) -> Outcome:
+    if spoof_artifact(split):
+        return "flagged"
+    return "one_group" if split.rare == 0 or split.common == 0 else "clear"
+
+
+async def check(
+    runtime: Runtime, tenant_id: str, ids: Sequence[list[int]], assessed: Sequence[Assessed]
+) -> list[Outcome | None]:
+    """Each watermarked text's outcome (None for the others), counted in the metric."""
+    out: list[Outcome | None] = [None] * len(ids)
+    want = [  # the payload length that decided, else the one the answer shows
+        (i, a.assessment.key_version, a.assessment.num_bits or best_length(a.decoded))
+        for i, a in enumerate(assessed)
+        if a.assessment.is_watermarked and a.assessment.key_version is not None
+    ]
+    got = await asyncio.gather(
+        *(_one(runtime, tenant_id, ids[i], version, bits) for i, version, bits in want)
+    )
+    for (i, _, _), outcome in zip(want, got, strict=True):
+        out[i] = outcome
+        runtime.metrics.spoof_artifact.labels(outcome).inc()
+    return out
+
+
+async def _one(
+    runtime: Runtime, tenant_id: str, ids: list[int], key_version: int | None, num_bits: int
+) -> Outcome:
+    if not runtime.settings.count_contexts or key_version is None:
+        return "unavailable"
+    try:
+        scheme = (await runtime.tenants.version(tenant_id, key_version)).scheme
+        zs, cells = await runtime.offload(lambda: _marks(scheme, ids, num_bits))
+        counts = await runtime.store.context_counts(tenant_id, key_version, cells)
+    except Exception as exc:  # a store outage, a key version gone: no check, no failure
+        logger.warning("spoof-artifact check not run (%s)", type(exc).__name__)
+        return "unavailable"
+    return outcome_of(split_evidence(zs, leave_one_out(counts)))

@@ -1,0 +1,173 @@
+"""The service's context counts and its spoof-artifact check, in shadow (issue #45).
+
+Every watermarked text the service returns has its contexts counted in its tenant's
+sketch for the key version (registered or client-chosen payload, streamed or not); a
+"watermarked" answer is then read against those counts
+(:mod:`app.services.artifact`), and the outcome is counted in
+``worldcup_spoof_artifact_checks_total`` without changing the verdict. Over the tiny
+seeded model with seeded keys, on SQLite and on Redis (its own prefix).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from test_coverage import tides_body
+from test_service_api import fixed_watermark_keys, new_tenant, sse_events, store_client
+
+from app.services.artifact import outcome_of
+from app.services.intake import encode_texts
+from worldcup_core.context_sketch import (
+    ContextSketch,
+    context_cells,
+    leave_one_out,
+    split_evidence,
+    text_cells,
+)
+from worldcup_core.evidence import text_evidence
+
+HUMAN = (
+    " The harbour was quiet after the storm, and the fishermen mended their nets on the "
+    "stone quay while arguing about the price of diesel and the council's promise to repair "
+    "the broken lamp by the chandlery, which nobody believed."
+)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def client(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    with store_client(request.param, tiny_model_dir, tmp_path, "spoofart") as c:
+        yield c
+
+
+def _checks(c: TestClient) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("worldcup_spoof_artifact_checks_total{"):
+            outcome = line.split('outcome="')[1].split('"')[0]
+            out[outcome] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _scheme(c: TestClient, tenant_id: str) -> Any:
+    app: Any = c.app
+    return c.portal.call(app.state.runtime.tenants.version, tenant_id, None).scheme  # type: ignore[union-attr]
+
+
+def _ids(c: TestClient, text: str) -> list[int]:
+    app: Any = c.app
+    return encode_texts(app.state.runtime.tokenizer, [text])[0]
+
+
+def _counts(c: TestClient, tenant_id: str, cells: Any) -> list[int]:
+    app: Any = c.app
+    store = app.state.runtime.store
+    return list(c.portal.call(store.context_counts, tenant_id, 1, cells.tolist()))  # type: ignore[union-attr]
+
+
+def test_issued_texts_are_counted_as_the_sketch_counts_them(client: TestClient) -> None:
+    """Registered texts (plain and streamed) and a client-chosen payload's are counted,
+    each once: the store's counts equal a ContextSketch fed the same texts as /detect
+    reads them. A text the service did not return counts nothing."""
+    c = client
+    with fixed_watermark_keys(45):
+        tenant_id, auth = new_tenant(c, "counted")
+    texts = []
+    for seed in (1, 2):
+        r = c.post("/generate", json=tides_body(seed), headers=auth)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["text"])
+    r = c.post("/generate", json={**tides_body(3), "stream": True}, headers=auth)
+    assert r.status_code == 200
+    texts.append(json.loads(dict(sse_events(r.text))["result"])["text"])
+    body = {**tides_body(4), "payload": {"bits": "1" * 16}}
+    body.pop("metadata")
+    body.pop("num_bits")
+    r = c.post("/generate", json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    texts.append(r.json()["text"])
+    scheme = _scheme(c, tenant_id)
+    sketch = ContextSketch()
+    for text in texts:
+        sketch.add_text(text_cells(scheme, _ids(c, text)))
+    every = np.concatenate([text_cells(scheme, _ids(c, t)) for t in texts])
+    got = _counts(c, tenant_id, every)
+    assert got == sketch.counts(every).tolist()
+    assert min(got) >= 1
+    human = text_cells(scheme, _ids(c, HUMAN))
+    assert sum(_counts(c, tenant_id, human)) <= sum(sketch.counts(human).tolist()) == 0
+
+
+def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: TestClient) -> None:
+    """A genuine answer whose contexts are rare: its evidence is everywhere (clear, or
+    one group when nothing is common). A spoof made by hand, a genuine answer's opening
+    (its contexts counted as common) followed by human text (rare contexts, no
+    watermark), is flagged, and its verdict is still "watermarked". A text that is not
+    watermarked is not checked. Each outcome is the one the core gives on the store's
+    counts."""
+    c = client
+    with fixed_watermark_keys(46):
+        tenant_id, auth = new_tenant(c, "checked")
+    issued = []
+    for seed in (11, 12):
+        r = c.post("/generate", json=tides_body(seed), headers=auth)
+        assert r.status_code == 200, r.text
+        issued.append(r.json()["text"])
+    scheme = _scheme(c, tenant_id)
+    app: Any = c.app
+    store = app.state.runtime.store
+    opening = issued[1][: len(issued[1]) // 2]
+    for _ in range(8):  # the opening's contexts: seen in many answers (a spoofer's lessons)
+        c.portal.call(
+            store.count_contexts, tenant_id, 1, text_cells(scheme, _ids(c, opening)).tolist()
+        )  # type: ignore[union-attr]
+    spoof = opening + HUMAN
+
+    def expected(text: str) -> str:
+        ids = _ids(c, text)
+        marks = [m for m in text_evidence(scheme, ids, 16) if m.z is not None]
+        cells = context_cells(
+            scheme.key, ids, [m.index for m in marks], scheme.config.context_width
+        )
+        seen = leave_one_out(_counts(c, tenant_id, cells))
+        return outcome_of(split_evidence([float(m.z or 0) for m in marks], seen))
+
+    before = _checks(c)
+    answers = {}
+    for name, text in (("genuine", issued[0]), ("spoof", spoof), ("human", HUMAN)):
+        r = c.post("/decode", json={"text": text, "num_bits": 16}, headers=auth)
+        assert r.status_code == 200, r.text
+        answers[name] = r.json()
+    assert answers["genuine"]["verdict"] == answers["spoof"]["verdict"] == "watermarked"
+    assert answers["human"]["verdict"] != "watermarked"
+    want = [expected(issued[0]), expected(spoof)]
+    assert want[0] in ("clear", "one_group") and want[1] == "flagged"
+    after = _checks(c)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert {k: v for k, v in delta.items() if v} == {w: float(want.count(w)) for w in set(want)}, (
+        delta
+    )
+
+
+def test_with_counting_off_nothing_is_counted_and_the_check_says_so(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """count_contexts=False: the store keeps no counts and a watermarked answer's check
+    is "unavailable" (its verdict as ever)."""
+    with store_client("sqlite", tiny_model_dir, tmp_path, "off", count_contexts=False) as c:
+        with fixed_watermark_keys(47):
+            tenant_id, auth = new_tenant(c, "off")
+        r = c.post("/generate", json=tides_body(21), headers=auth)
+        assert r.status_code == 200, r.text
+        text = r.json()["text"]
+        cells = text_cells(_scheme(c, tenant_id), _ids(c, text))
+        assert set(_counts(c, tenant_id, cells)) == {0}
+        before = _checks(c).get("unavailable", 0)
+        r = c.post("/detect", json={"text": text}, headers=auth)
+        assert r.status_code == 200 and r.json()["verdict"] == "watermarked", r.text
+        assert _checks(c).get("unavailable", 0) == before + 1
