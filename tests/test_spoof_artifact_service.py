@@ -70,18 +70,26 @@ def _counts(c: TestClient, tenant_id: str, cells: Any) -> list[int]:
     return list(c.portal.call(store.context_counts, tenant_id, 1, cells.tolist()))  # type: ignore[union-attr]
 
 
+def _tenant_with_texts(
+    c: TestClient, name: str, key_seed: int, seeds: tuple[int, ...]
+) -> tuple[str, dict[str, str], list[str]]:
+    """A tenant (seeded keys) and its registered tides answers, one per seed."""
+    with fixed_watermark_keys(key_seed):
+        tenant_id, auth = new_tenant(c, name)
+    texts = []
+    for seed in seeds:
+        r = c.post("/generate", json=tides_body(seed), headers=auth)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["text"])
+    return tenant_id, auth, texts
+
+
 def test_issued_texts_are_counted_as_the_sketch_counts_them(client: TestClient) -> None:
     """Registered texts (plain and streamed) and a client-chosen payload's are counted,
     each once: the store's counts equal a ContextSketch fed the same texts as /detect
     reads them. A text the service did not return counts nothing."""
     c = client
-    with fixed_watermark_keys(45):
-        tenant_id, auth = new_tenant(c, "counted")
-    texts = []
-    for seed in (1, 2):
-        r = c.post("/generate", json=tides_body(seed), headers=auth)
-        assert r.status_code == 200, r.text
-        texts.append(r.json()["text"])
+    tenant_id, auth, texts = _tenant_with_texts(c, "counted", 45, (1, 2))
     r = c.post("/generate", json={**tides_body(3), "stream": True}, headers=auth)
     assert r.status_code == 200
     texts.append(json.loads(dict(sse_events(r.text))["result"])["text"])
@@ -111,13 +119,7 @@ def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: Test
     watermarked is not checked. Each outcome is the one the core gives on the store's
     counts."""
     c = client
-    with fixed_watermark_keys(46):
-        tenant_id, auth = new_tenant(c, "checked")
-    issued = []
-    for seed in (11, 12):
-        r = c.post("/generate", json=tides_body(seed), headers=auth)
-        assert r.status_code == 200, r.text
-        issued.append(r.json()["text"])
+    tenant_id, auth, issued = _tenant_with_texts(c, "checked", 46, (11, 12))
     scheme = _scheme(c, tenant_id)
     app: Any = c.app
     store = app.state.runtime.store

@@ -227,3 +227,24 @@ def test_spoof_prompts_can_be_held_out_from_another_range(data_dir: Path) -> Non
     assert len(first.train) == len(later.train)
     with pytest.raises(ValueError, match="held-out questions 190..230"):
         load_prompts(data_dir, 40, 190)
+
+
+def test_a_held_out_study_counts_prompts_an_oracle_gets_through(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Spoof rows carry their prompt: ``--table`` says on how many prompts some draft is
+    watermarked and not flagged (what a yes/no oracle's best of n gets past the rule)."""
+    from worldcup_core.context_sketch import Split, spoof_artifact
+    from worldcup_eval import context_artifact_study
+
+    path = (
+        Path(__file__).resolve().parents[1] / "docs/results/forgery/context-artifact-heldout.json"
+    )
+    assert context_artifact_study.main(["--table", str(path)]) == 0
+    section = capsys.readouterr().out.split("stolen d=4:")[1]
+    rows = json.loads(path.read_text())["sets"]["stolen d=4"]
+    by: dict[str, bool] = {}
+    for r in rows:
+        ok = r["watermarked"] and not spoof_artifact(Split(r["rare"], r["common"], r["r"], r["d"]))
+        by[r["prompt"]] = by.get(r["prompt"], False) or ok
+    assert f"(an oracle's best of 4): {sum(by.values())}/{len(by)}" in section

@@ -131,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--genuine {folder}: not a set of --verdicts (its folder name names it)")
         rows = read_jsonl(folder / "answers.jsonl")
         sets[label] = ([retokenized(a["tokens"]) for a in rows], False)
+    prompt_of: dict[str, list[str]] = {}  # each spoof's prompt (best-of-n per prompt)
     for row in read_jsonl(spoof_path):
         _, delta, _, _ = row["key"].split("/")
         label = "plain model" if float(delta) == 0 else f"stolen d={float(delta):g}"
         sets.setdefault(label, ([], False))[0].append(retokenized(row["tokens"]))
+        prompt_of.setdefault(label, []).append(row["key"].split("/")[2])
     result: dict[str, Any] = {
         "rare_below": args.rare_below,
         "contexts": len(counts),
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             seen = [counts.get(tuple(ids[m.index - width : m.index]), 0) - own for m in marks]
             split = split_evidence([float(m.z or 0.0) for m in marks], seen, args.rare_below)
             rows.append({"watermarked": wm, **split.__dict__})
+        for row, prompt in zip(rows, prompt_of.get(name, []), strict=False):
+            row["prompt"] = prompt
         result["sets"][name] = rows
         write_set(out, name, rows)
     args.out.write_text(json.dumps(result))
@@ -181,6 +185,21 @@ def write_set(out: TextIO, name: str, rows: list[dict[str, Any]]) -> None:
         f"  the service's rule (R < {R_BELOW:g} and D > {D_ABOVE:g}) takes "
         f"{fmt_rate(flagged, len(held))}\n"
     )
+    prompts: dict[str, list[bool]] = {}  # spoofs: per prompt, whether each draft gets by
+    for r in rows:
+        if "prompt" in r:
+            split = Split(*(r[k] for k in ("rare", "common", "r", "d")))
+            prompts.setdefault(r["prompt"], []).append(
+                r["watermarked"] and not spoof_artifact(split)
+            )
+    if prompts:
+        passed = sum(any(v) for v in prompts.values())
+        through = sum(any(r["watermarked"] for r in rows if r.get("prompt") == p) for p in prompts)
+        out.write(
+            f"  prompts with a watermarked draft: {through}/{len(prompts)}; with one the rule "
+            f"does not take (an oracle's best of {max(map(len, prompts.values()))}): "
+            f"{passed}/{len(prompts)}\n"
+        )
 
 
 def table(path: Path, out: TextIO) -> None:
