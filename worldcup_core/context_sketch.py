@@ -25,8 +25,9 @@ common-context evidence is not (both lines, :data:`R_BELOW` and :data:`D_ABOVE`)
 **The memory** is a count-min sketch (Cormode and Muthukrishnan, 2005) with
 conservative update (Estan and Varghese, 2002): ``depth`` rows of ``2**width_log2``
 saturating 8-bit counters, fixed in size whatever the tenant's volume. Its estimate
-never undercounts; collisions only overcount, which moves genuine tokens from the
-rare group to the common one (a cost, never a spoof let through by the sketch). A
+never undercounts; collisions only overcount, so a rare context can read as common,
+and the check then sees less of any text, genuine or spoofed (how that grows with a
+tenant's volume: ``scripts/context_sketch_load.py``). A
 context's cells come from one keyed BLAKE2b digest of its tokens (the subkey
 :data:`SUBKEY_LABEL`), so the stored counters say nothing about the texts without the
 key. A text's contexts are counted once per text, as the scheme scores a repeated
@@ -148,8 +149,9 @@ def _check_geometry(depth: int, width_log2: int) -> None:
 class ContextSketch:
     """A count-min sketch of texts' contexts with conservative update (see the module
     docstring); in memory, for tests and offline studies. The service keeps the same
-    counters in its store (one byte a counter, row-major), and both go through
-    :func:`conservative_update` and :func:`estimate`."""
+    counters in its store (one byte a counter, row-major) and updates them the same
+    way (SQLite through :func:`conservative_update`, Redis in a Lua script;
+    ``tests/test_store_contract.py`` holds both equal to this)."""
 
     def __init__(self, depth: int = DEPTH, width_log2: int = WIDTH_LOG2) -> None:
         _check_geometry(depth, width_log2)
