@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from test_service_api import ADMIN, make_settings, new_tenant
+from test_service_api import ADMIN, fixed_watermark_keys, make_settings, new_tenant
 
 from app.main import create_app
 from worldcup_core.islands import WHOLE_COVERAGE, island_coverage
@@ -63,13 +63,15 @@ def client(tiny_model_dir: Path, tmp_path: Path) -> Iterator[TestClient]:
 
 
 def test_a_genuine_answer_is_whole_and_half_of_one_is_part(client: TestClient) -> None:
-    """Genuine answers (tiny random model, a fresh random key per test run) are mostly
-    'whole': a genuine answer is 'part' about one time in six here (a stretch of it
-    falls significantly below the rest by chance: 2 of 12 measured, and the real model's
-    rate is in SECURITY.md), so of six at least three must be whole (four or more 'part'
-    has probability below 1 % at that rate); one of them, followed by as much human
-    text, is 'part'. Verbatim, each is 'whole' by its issued-text fingerprint anyway."""
-    _, auth = new_tenant(client)
+    """Genuine answers (tiny random model) are mostly 'whole': a genuine answer is 'part'
+    about one time in six here (a stretch of it falls significantly below the rest by
+    chance: 2 of 12 measured, and the real model's rate is in SECURITY.md), so of six at
+    least three must be whole; one of them, followed by as much human text, is 'part'.
+    Verbatim, each is 'whole' by its issued-text fingerprint anyway. The key is seeded
+    (a fresh random key failed CI once: /detect reads the text in the default payload
+    length's cells, where a 'whole' at 16 bits can come out 'part')."""
+    with fixed_watermark_keys(45):
+        _, auth = new_tenant(client)
     wholes: list[tuple[str, dict[str, Any]]] = []
     for seed in range(6):
         r = client.post("/generate", json=tides_body(seed), headers=auth)
