@@ -495,22 +495,25 @@ def test_idempotent_stream_replays_as_chunks(http: httpx.Client, tenant: dict[st
     headers = {"Authorization": f"Bearer {tenant['key']}", "Idempotency-Key": uuid.uuid4().hex}
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "n": 2, "stream": True}
 
-    def texts(r: httpx.Response) -> tuple[list[str], list[Any]]:
+    def texts(r: httpx.Response) -> tuple[list[str], dict[int, Any]]:
+        # each choice's text and receipt by its index: choices stream side by side,
+        # so which one closes first varies from run to run; the replay goes in order
         assert r.status_code == 200, r.text
         events = [line.removeprefix("data: ") for line in r.text.split("\n") if line]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         out = ["", ""]
-        marks = []
+        marks: dict[int, Any] = {}
         for chunk in chunks:
             for choice in chunk["choices"]:
                 out[choice["index"]] += choice["delta"].get("content") or ""
                 if choice.get("watermark"):
-                    marks.append(choice["watermark"])
+                    assert choice["index"] not in marks, "a choice sent two receipts"
+                    marks[choice["index"]] = choice["watermark"]
         return out, marks
 
     first = http.post("/v1/chat/completions", json=body, headers=headers)
     again = http.post("/v1/chat/completions", json=body, headers=headers)
     assert again.headers["idempotent-replayed"] == "true"
     assert texts(again) == texts(first)
-    assert len({m["message_id"] for m in texts(first)[1]}) == 2
+    assert len({m["message_id"] for m in texts(first)[1].values()}) == 2
