@@ -86,7 +86,9 @@ def faulty(app: FastAPI, monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequ
 def _tenant(client: TestClient) -> dict[str, str]:
     r = client.post("/admin/tenants", json={"name": "fail-closed"}, headers=ADMIN_AUTH)
     if r.status_code == 409:  # module-scoped app: the name exists from an earlier test
-        r = client.post("/admin/tenants", json={"name": f"fc-{uuid.uuid4().hex}"}, headers=ADMIN_AUTH)
+        r = client.post(
+            "/admin/tenants", json={"name": f"fc-{uuid.uuid4().hex}"}, headers=ADMIN_AUTH
+        )
     assert r.status_code == 201, r.text
     body = r.json()
     return {"tenant": body["tenant_id"], "Authorization": f"Bearer {body['api_key']}"}

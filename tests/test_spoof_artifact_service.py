@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from test_coverage import tides_body
-from test_service_api import fixed_watermark_keys, new_tenant, sse_events, store_client
+from test_service_api import ADMIN, fixed_watermark_keys, new_tenant, sse_events, store_client
 
 from app.services.artifact import outcome_of
 from app.services.intake import encode_texts
@@ -111,6 +111,22 @@ def test_issued_texts_are_counted_as_the_sketch_counts_them(client: TestClient) 
     assert sum(_counts(c, tenant_id, human)) <= sum(sketch.counts(human).tolist()) == 0
 
 
+def _with_spoof(c: TestClient, name: str) -> tuple[str, dict[str, str], list[str], str]:
+    """A tenant, two registered answers and a spoof made by hand: the second answer's
+    opening (its contexts counted as if seen in many answers: a spoofer's lessons)
+    followed by human text (rare contexts, no watermark)."""
+    tenant_id, auth, issued = _tenant_with_texts(c, name, 46, (11, 12))
+    scheme = _scheme(c, tenant_id)
+    app: Any = c.app
+    store = app.state.runtime.store
+    opening = issued[1][: len(issued[1]) // 2]
+    for _ in range(8):
+        c.portal.call(
+            store.count_contexts, tenant_id, 1, text_cells(scheme, _ids(c, opening)).tolist()
+        )  # type: ignore[union-attr]
+    return tenant_id, auth, issued, opening + HUMAN
+
+
 def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: TestClient) -> None:
     """A genuine answer whose contexts are rare: its evidence is everywhere (clear, or
     one group when nothing is common). A spoof made by hand, a genuine answer's opening
@@ -119,16 +135,8 @@ def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: Test
     watermarked is not checked. Each outcome is the one the core gives on the store's
     counts."""
     c = client
-    tenant_id, auth, issued = _tenant_with_texts(c, "checked", 46, (11, 12))
+    tenant_id, auth, issued, spoof = _with_spoof(c, "checked")
     scheme = _scheme(c, tenant_id)
-    app: Any = c.app
-    store = app.state.runtime.store
-    opening = issued[1][: len(issued[1]) // 2]
-    for _ in range(8):  # the opening's contexts: seen in many answers (a spoofer's lessons)
-        c.portal.call(
-            store.count_contexts, tenant_id, 1, text_cells(scheme, _ids(c, opening)).tolist()
-        )  # type: ignore[union-attr]
-    spoof = opening + HUMAN
 
     def expected(text: str) -> str:
         ids = _ids(c, text)
@@ -147,8 +155,24 @@ def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: Test
         answers[name] = r.json()
     assert answers["genuine"]["verdict"] == answers["spoof"]["verdict"] == "watermarked"
     assert answers["human"]["verdict"] != "watermarked"
+    # by default a flag changes nothing: the spoof still names the entry it copied from
+    assert answers["spoof"]["registry_match"] is not None
+    assert not any(a["registry_withheld"] for a in answers.values())
     want = [expected(issued[0]), expected(spoof)]
     assert want[0] in ("clear", "one_group") and want[1] == "flagged"
+    after = _checks(c)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert {k: v for k, v in delta.items() if v} == {w: float(want.count(w)) for w in set(want)}, (
+        delta
+    )
+
+    # /provenance checks the tenant its search named, under the deciding key version
+    before = _checks(c)
+    for text in (issued[0], spoof, HUMAN):
+        r = c.post("/provenance", json={"text": text}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert r.json()["found"] is (text != HUMAN), r.text
+        assert text == HUMAN or r.json()["match"]["tenant_id"] == tenant_id
     after = _checks(c)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert {k: v for k, v in delta.items() if v} == {w: float(want.count(w)) for w in set(want)}, (
@@ -173,3 +197,34 @@ def test_with_counting_off_nothing_is_counted_and_the_check_says_so(
         r = c.post("/detect", json={"text": text}, headers=auth)
         assert r.status_code == 200 and r.json()["verdict"] == "watermarked", r.text
         assert _checks(c).get("unavailable", 0) == before + 1
+
+
+def test_withhold_entry_names_no_entry_for_a_flagged_text(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """spoof_artifact_action="withhold_entry": the flagged spoof keeps its verdict, but
+    /decode, a verdict key's /decode and /provenance name no entry and say
+    registry_withheld; the genuine answer is named as ever."""
+    with store_client(
+        "sqlite", tiny_model_dir, tmp_path, "gate", spoof_artifact_action="withhold_entry"
+    ) as c:
+        tenant_id, auth, issued, spoof = _with_spoof(c, "gated")
+        body = {"name": "verdict", "scopes": ["detect", "decode"], "detail": "verdict"}
+        r = c.post(f"/admin/tenants/{tenant_id}/api-keys", json=body, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        verdict_auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
+        before = _checks(c)
+        for text, withheld in ((issued[0], False), (spoof, True)):
+            d = c.post("/decode", json={"text": text, "num_bits": 16}, headers=auth).json()
+            assert d["verdict"] == "watermarked", d
+            assert d["registry_withheld"] is withheld, d
+            assert (d["registry_match"] is None) is withheld, d
+            v = c.post("/decode", json={"text": text, "num_bits": 16}, headers=verdict_auth)
+            assert v.status_code == 200, v.text
+            assert v.json()["verdict"] == "watermarked"
+            assert (v.json()["registry_match"] is None) is withheld, v.json()
+            p = c.post("/provenance", json={"text": text}, headers=ADMIN).json()
+            assert p["found"] and p["match"]["tenant_id"] == tenant_id, p
+            assert p["match"]["registry_withheld"] is withheld, p
+            assert (p["match"]["registry_entry"] is None) is withheld, p
+        assert _checks(c).get("flagged", 0) == before.get("flagged", 0) + 3

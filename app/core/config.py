@@ -205,6 +205,11 @@ class Settings(BaseSettings):
     # (it does not change verdicts: SECURITY.md, Forgery and framing). False: nothing is
     # counted, and the check reports "no_counts"
     count_contexts: bool = True
+    # what a "flagged" check does: "count" (default: the metric only, no answer changes)
+    # or "withhold_entry" (the verdict stands, but no registry entry is named: the
+    # answer says registry_withheld). A gate an operator turns on once the metric shows
+    # its cost on the deployment's own tenants (docs/operations.md)
+    spoof_artifact_action: Literal["count", "withhold_entry"] = "count"
 
     # bulk scans and provenance
     max_batch_texts: Annotated[int, Field(ge=1, le=10_000)] = 1000

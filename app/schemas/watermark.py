@@ -324,6 +324,12 @@ REGISTRY_AMBIGUOUS_DESCRIPTION = (
     "below registry_min_confidence), so none is named although the registry test is "
     "below the watermarked level; a longer excerpt of the text may decide."
 )
+REGISTRY_WITHHELD_DESCRIPTION = (
+    "A registry entry fits the text, but is not named: the text's watermark evidence "
+    "sits in contexts this tenant's texts use often and is missing from its rare ones, "
+    "the pattern of a stolen-watermark spoof (the spoof-artifact check; only where the "
+    "deployment sets WORLDCUP_SPOOF_ARTIFACT_ACTION=withhold_entry). The verdict stands."
+)
 IS_WATERMARKED_DESCRIPTION = "Exactly verdict == 'watermarked' (p_value < threshold)."
 SIGNIFICANCE_DESCRIPTION = DEPRECATED_ALIAS.format("threshold")
 
@@ -350,6 +356,7 @@ class DecodeResponse(_VerdictAnswer):
         "retention: it was issued by this tenant, but its entry is gone.",
     )
     registry_ambiguous: bool = Field(False, description=REGISTRY_AMBIGUOUS_DESCRIPTION)
+    registry_withheld: bool = Field(False, description=REGISTRY_WITHHELD_DESCRIPTION)
     evidence: EvidenceOut | None = None
 
 
@@ -471,6 +478,7 @@ class ProvenanceMatch(StrictModel):
         False, description="The text matches an entry past the tenant's registry retention."
     )
     registry_ambiguous: bool = Field(False, description=REGISTRY_AMBIGUOUS_DESCRIPTION)
+    registry_withheld: bool = Field(False, description=REGISTRY_WITHHELD_DESCRIPTION)
 
 
 class TokenScore(StrictModel):

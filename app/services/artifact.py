@@ -64,18 +64,27 @@ async def check(
         if a.assessment.is_watermarked and a.assessment.key_version is not None
     ]
     got = await asyncio.gather(
-        *(_one(runtime, tenant_id, ids[i], version, bits) for i, version, bits in want)
+        *(check_one(runtime, tenant_id, ids[i], version, bits) for i, version, bits in want)
     )
     for (i, _, _), outcome in zip(want, got, strict=True):
         out[i] = outcome
-        runtime.metrics.spoof_artifact.labels(outcome).inc()
     return out
 
 
-async def _one(
-    runtime: Runtime, tenant_id: str, ids: list[int], key_version: int | None, num_bits: int
+async def check_one(
+    runtime: Runtime, tenant_id: str, ids: list[int], key_version: int, num_bits: int
 ) -> Outcome:
-    if not runtime.settings.count_contexts or key_version is None:
+    """One watermarked text's outcome under the key version and payload length that
+    decided (/provenance's, whose search named the tenant), counted in the metric."""
+    outcome = await _one(runtime, tenant_id, ids, key_version, num_bits)
+    runtime.metrics.spoof_artifact.labels(outcome).inc()
+    return outcome
+
+
+async def _one(
+    runtime: Runtime, tenant_id: str, ids: list[int], key_version: int, num_bits: int
+) -> Outcome:
+    if not runtime.settings.count_contexts:
         return "unavailable"
     try:
         scheme = (await runtime.tenants.version(tenant_id, key_version)).scheme

@@ -10,6 +10,7 @@ full or, for a ``verdict`` key, as one word. The routes in
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from app.core.errors import APIError
@@ -56,6 +57,7 @@ def _decode_response(
     outcome: DecodeOutcome,
     assessment: Assessment,
     statistic: Statistic,
+    withhold: bool = False,
 ) -> DecodeResponse:
     """A full /decode answer; the decoded bits and their per-bit confidence only to an
     analyst's key (:mod:`app.services.disclosure`), a matched client payload's bits only
@@ -64,6 +66,9 @@ def _decode_response(
     _count(runtime, assessment, statistic)
     analyst = sees_registry_bits(principal.scopes)
     match = intake.registry_match(runtime, outcome, assessment)
+    withheld = withhold and match is not None
+    if withheld:
+        match = None  # a flagged spoof artifact, and the gate is on: the verdict stands
     if match is not None and match.bits is not None and not sees_client_bits(principal.scopes):
         match.bits = None
     return DecodeResponse(
@@ -86,6 +91,7 @@ def _decode_response(
             outcome.match, outcome.expired, assessment, runtime.settings
         ),
         registry_ambiguous=ambiguous_answer(outcome.match, assessment, runtime.settings),
+        registry_withheld=withheld,
     )
 
 
@@ -154,8 +160,15 @@ async def assess_ids(
     assessed = await runtime.watermark.assess_texts(
         tenant_id, ids, settings.default_num_bits, settings.significance, num_bits
     )
-    await artifact.check(runtime, tenant_id, ids, assessed)  # in shadow: counted only
-    return assessed
+    outcomes = await artifact.check(runtime, tenant_id, ids, assessed)
+    return [replace(a, artifact=o) for a, o in zip(assessed, outcomes, strict=True)]
+
+
+def _withholds(runtime: Runtime, assessed: Assessed) -> bool:
+    """Whether the answer names no registry entry for a flagged spoof artifact (only
+    with ``spoof_artifact_action="withhold_entry"``; the verdict is never changed)."""
+    gate = runtime.settings.spoof_artifact_action == "withhold_entry"
+    return gate and assessed.artifact == "flagged"
 
 
 async def _decode_outcomes(
@@ -164,8 +177,9 @@ async def _decode_outcomes(
     ids: list[list[int]],
     num_bits: int | None,
     key_version: int | None,
-) -> list[tuple[DecodeOutcome, Assessment, Statistic]]:
-    """(the decoding the route shows, the text's verdict) for each text, at ``num_bits``
+) -> list[tuple[DecodeOutcome, Assessment, Statistic, bool]]:
+    """(the decoding the route shows, the text's verdict, its statistic, whether its
+    entry is withheld: :func:`_withholds`) for each text, at ``num_bits``
     or, where the request names none, at the length of the tested ones (those the tenant
     issued entries at, else the default) whose entry is found (:func:`best_length`)."""
     assessed = await assess_ids(runtime, principal, ids, num_bits)
@@ -190,7 +204,10 @@ async def _decode_outcomes(
                 raise _unknown_version(key_version) from None
             by_index.update(zip(at, outs, strict=True))
         shown = [by_index[i] for i in range(len(ids))]
-    return [(o, a.assessment, a.statistic) for o, a in zip(shown, assessed, strict=True)]
+    return [
+        (o, a.assessment, a.statistic, _withholds(runtime, a))
+        for o, a in zip(shown, assessed, strict=True)
+    ]
 
 
 def _is_verdict(principal: Principal) -> bool:
@@ -225,10 +242,10 @@ async def decode(
         _check_evidence_allowed(principal)
     ids, pieces, sketches = await intake.tokenise(runtime, principal, body.text, body.evidence)
     await intake.admit_one(runtime, principal, "decode", sketches)
-    outcome, assessment, statistic = (
+    outcome, assessment, statistic, withhold = (
         await _decode_outcomes(runtime, principal, [ids], body.num_bits, body.key_version)
     )[0]
-    answer = _decode_response(runtime, principal, outcome, assessment, statistic)
+    answer = _decode_response(runtime, principal, outcome, assessment, statistic, withhold)
     if not _is_verdict(principal):
         await _add_coverage(
             runtime, principal, [answer], [ids], [outcome.result.num_bits],
@@ -270,9 +287,13 @@ async def decode_batch(
     answered_ids: list[list[int]] = []
     lengths: list[int] = []
     issued: list[tuple[RegistryEntry | None, str]] = []
-    for index, text_ids, (outcome, assessment, statistic) in zip(good, ids, outcomes, strict=True):
+    for index, text_ids, (outcome, assessment, statistic, withhold) in zip(
+        good, ids, outcomes, strict=True
+    ):
         try:
-            answers.append(_decode_response(runtime, principal, outcome, assessment, statistic))
+            answers.append(
+                _decode_response(runtime, principal, outcome, assessment, statistic, withhold)
+            )
             answered.append(index)
             answered_ids.append(text_ids)
             lengths.append(outcome.result.num_bits)

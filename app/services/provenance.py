@@ -32,6 +32,7 @@ from app.schemas.watermark import (
     TokenScore,
     verdict_fields,
 )
+from app.services import artifact
 from app.services.evidence import (
     coverage_out,
     evidence_block,
@@ -202,6 +203,13 @@ async def _search(
         assert outcome.scheme is not None and outcome.tenant is not None
         decoded = outcome.decoded
         num_bits = decoded.result.num_bits
+        checked = None
+        if outcome.assessment.is_watermarked:  # as /decode's, under the deciding key
+            tenant_id, version = outcome.tenant.tenant_id, outcome.key_version
+            checked = await artifact.check_one(runtime, tenant_id, ids, version, num_bits)
+        found_entry = registry_match(runtime, decoded, outcome.assessment)
+        gate = settings.spoof_artifact_action == "withhold_entry"
+        withheld = gate and checked == "flagged" and found_entry is not None
         match = ProvenanceMatch(
             tenant_id=outcome.tenant.tenant_id,
             tenant_name=outcome.tenant.name,
@@ -209,11 +217,12 @@ async def _search(
             key_p_value=10.0**result.best.log10_p_value if result.best else 1.0,
             bits=decoded.result.bits,
             num_bits=num_bits,
-            registry_entry=registry_match(runtime, decoded, outcome.assessment),
+            registry_entry=None if withheld else found_entry,
             registry_expired=expired_answer(
                 decoded.match, decoded.expired, outcome.assessment, settings
             ),
             registry_ambiguous=ambiguous_answer(decoded.match, outcome.assessment, settings),
+            registry_withheld=withheld,
         )
     names = await _tenant_names(runtime, {t for t, _, _ in outcome.candidates})
     candidates = [

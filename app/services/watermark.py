@@ -124,6 +124,8 @@ class Assessed:
     decoded: dict[int, DecodeOutcome]
     statistic: Statistic = "model_free"  # whether the model's token weights were used
     weights: F64 | None = None  # the text's token weights (None: model-free)
+    # the spoof-artifact check's outcome (app.services.artifact; None: not checked)
+    artifact: str | None = None
 
 
 @dataclass(frozen=True)
