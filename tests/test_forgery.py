@@ -23,10 +23,11 @@ import torch
 from scipy import stats
 
 import worldcup_core.consistency as consistency
+from worldcup_core.baselines.cells import first_contexts
 from worldcup_core.baselines.kgw import KGW, KGWConfig, green_of, kgw_seed
 from worldcup_core.config import SERVICE_CONTEXT_WIDTH
 from worldcup_core.models import LoadedModel, load_tokenizer, tiny_random_model
-from worldcup_core.prf import SENTINEL, WatermarkKey
+from worldcup_core.prf import SENTINEL, WatermarkKey, context_at
 from worldcup_eval.forgery import (
     ANSWERS,
     ForgeryConfig,
@@ -41,9 +42,11 @@ from worldcup_eval.forgery import (
     negate,
     read_jsonl,
     run_forgery,
+    spoof_set,
+    variants,
     within_budget,
 )
-from worldcup_eval.stealing import LearnerConfig, learn
+from worldcup_eval.stealing import LearnerConfig, SpoofPlan, SpoofSequence, learn
 
 WORDS = (
     "the a cat dog sat on mat and ran to big red blue house tree sun moon day night green "
@@ -133,6 +136,55 @@ def test_learner_counts_first_occurrences_against_the_base_model() -> None:
     six = dict(zip(table[(6,)].ids.tolist(), table[(6,)].scores.tolist(), strict=True))
     assert six[5] == pytest.approx(math.log2((2 + 1) / (1.0 + 1)))  # (6,)->5 twice
     assert table[(6,)].occurrences == 2
+
+
+def test_the_adaptive_spoofer_steers_into_common_contexts() -> None:
+    """``common_next`` against brute force over random answers (the contexts seen in at
+    least m answers, by their first c-1 tokens), and the steer lands on exactly the
+    tokens completing the current context's tail into one of them, beside the boost."""
+    rng = random.Random(3)
+    vocab = list(range(12))
+    texts = [[rng.choice(vocab) for _ in range(30)] for _ in range(60)]
+    probs = {t: 1 / len(vocab) for t in vocab}
+    answers = [(t, [_base(probs, x) for x in t], None) for t in texts]
+    learned = learn(answers, LearnerConfig(width=2))
+    for m in (1, 3, 5):
+        seen: dict[tuple[int, ...], set[int]] = {}  # context -> answers it opened in
+        for n, t in enumerate(texts):
+            for i, _ in first_contexts(t, 2):
+                seen.setdefault(tuple(context_at(t, i, 2)), set()).add(n)
+        want: dict[tuple[int, ...], set[int]] = {}
+        for ctx, where in seen.items():
+            if len(where) >= m:
+                want.setdefault(ctx[:-1], set()).add(ctx[-1])
+        got = {k: set(v.tolist()) for k, v in learned.common_next(m).items()}
+        assert got == want
+    spoofing = SpoofSequence(SpoofPlan(learned, 0.0, steer=3.0, common_min=5), None)
+    spoofing.generated = [4, 7]
+    logits = np.zeros(len(vocab))
+    out = spoofing.process_logits(logits)
+    favoured = learned.common_next(5).get((7,), np.array([], dtype=np.int64))
+    assert favoured.size > 0
+    assert np.flatnonzero(out == 3.0).tolist() == sorted(favoured.tolist())
+    assert spoofing.boosted == 1  # the boost ran too (delta 0: it adds nothing)
+    plain = SpoofSequence(SpoofPlan(learned, 0.0), None)
+    plain.generated = [4, 7]
+    assert plain.steering() is None
+
+
+def test_the_steered_variant_has_keys_and_a_set_of_its_own() -> None:
+    """--steer adds best-of-n drafts at the largest delta under keys of their own, which
+    the studies read as a set apart from the stolen boost's (aimed or not)."""
+    config = ForgeryConfig(scenario="fixed", budget_tokens=10, deltas=(2.0, 4.0), steer=3.0)
+    tenant = Tenant(config)
+    steered = [v for v in variants(config, tenant) if v.steer]
+    assert [(v.delta, v.draws, v.aim) for v in steered] == [(4.0, config.best_of, "steered")]
+    assert not any(v.steer for v in variants(replace(config, steer=0.0), tenant))
+    assert spoof_set("steered/4/7/2") == "steered d=4"
+    assert spoof_set("plain/4/7/0") == spoof_set("aimed/4/7/0") == "stolen d=4"
+    assert spoof_set("plain/0/7/0") == "plain model"
+    with pytest.raises(ValueError, match="steer"):
+        ForgeryConfig(scenario="fixed", budget_tokens=10, steer=-1.0)
 
 
 def test_learner_recovers_the_payload_bit_a_context_carries() -> None:

@@ -47,6 +47,7 @@ from worldcup_eval.forgery import (
     fmt_rate,
     read_jsonl,
     saved_config,
+    spoof_set,
     within_budget,
 )
 
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         sets[label] = ([retokenized(a["tokens"]) for a in rows], False)
     prompt_of: dict[str, list[str]] = {}  # each spoof's prompt (best-of-n per prompt)
     for row in read_jsonl(spoof_path):
-        _, delta, _, _ = row["key"].split("/")
-        label = "plain model" if float(delta) == 0 else f"stolen d={float(delta):g}"
+        label = spoof_set(row["key"])
         sets.setdefault(label, ([], False))[0].append(retokenized(row["tokens"]))
         prompt_of.setdefault(label, []).append(row["key"].split("/")[2])
     result: dict[str, Any] = {
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, (texts, counted) in sets.items():
         flags = [bool(r["watermarked"]) for r in verdicts[name]["rows"]]
+        if counted and 0 < len(flags) < len(texts):
+            texts = texts[-len(flags) :]  # the fluency study's --genuine-limit: the last K
         if len(flags) != len(texts):
             ap.error(f"--verdicts: {len(flags)} rows for {len(texts)} texts of {name!r}")
         rows = []
@@ -185,6 +187,8 @@ def write_set(out: TextIO, name: str, rows: list[dict[str, Any]]) -> None:
         f"  the service's rule (R < {R_BELOW:g} and D > {D_ABOVE:g}) takes "
         f"{fmt_rate(flagged, len(held))}\n"
     )
+    alone = sum(r["rare"] == 0 or r["common"] == 0 for r in held)
+    out.write(f"  one group only (nothing to compare, never taken): {fmt_rate(alone, len(held))}\n")
     prompts: dict[str, list[bool]] = {}  # spoofs: per prompt, whether each draft gets by
     for r in rows:
         if "prompt" in r:

@@ -48,6 +48,7 @@ from worldcup_eval.forgery import (
     load_prompts,
     read_jsonl,
     saved_config,
+    spoof_set,
     within_budget,
 )
 
@@ -226,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             label += " (" + ", ".join(f"{k} {got[k]:g}" for k in SAMPLING_FIELDS) + ")"
         sets[label] = [a["tokens"] for a in read_jsonl(folder / "answers.jsonl")]
     for row in read_jsonl(spoof_path):  # key: aim/delta/prompt/draw
-        _, delta, _, _ = row["key"].split("/")
-        label = "plain model" if float(delta) == 0 else f"stolen d={float(delta):g}"
-        sets.setdefault(label, []).append(row["tokens"])
+        sets.setdefault(spoof_set(row["key"]), []).append(row["tokens"])
 
     result: dict[str, Any] = {"lines": args.lines, "registry_entries": len(registry), "sets": {}}
     out = sys.stdout

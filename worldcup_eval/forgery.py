@@ -80,6 +80,7 @@ from typing import Any, Final
 
 SCENARIOS: Final = ("fixed", "per-request", "kgw")
 JUDGES: Final = ("model", "model_free")
+STEERED: Final = "steered to common contexts"  # the adaptive spoofer's variant
 # what the API shows the attacker (app.services.disclosure): "analysts", the service as
 # it is (payload bits only to keys with the provenance scope: the attacker knows only the
 # payloads it chose itself); "all", as it was before that defence (every key saw its
@@ -113,6 +114,10 @@ class ForgeryConfig:
     spoof_from: int = 0
     deltas: tuple[float, ...] = (2.0, 4.0)
     best_of: int = 4  # oracle-filtered spoofs: n drafts per prompt at the largest delta
+    # the adaptive spoofer (0: none): as many drafts again at the largest delta, each
+    # token that leads into a context seen in >= 5 of the attacker's answers favoured by
+    # this many logits, to keep clear of the spoof-artifact check's rare contexts
+    steer: float = 0.0
     piggyback: int = 40  # genuine answers edited
     rewrite_shares: tuple[float, ...] = (0.1, 0.3, 0.5)
     human_texts: int = 1000
@@ -146,6 +151,8 @@ class ForgeryConfig:
             raise ValueError(f"context_width must be in 0..8, got {self.context_width}")
         if self.spoof_from < 0 or self.spoof_prompts < 1:
             raise ValueError("spoof_from must be >= 0 and spoof_prompts >= 1")
+        if not 0.0 <= self.steer <= 20.0:
+            raise ValueError(f"steer must be in [0, 20], got {self.steer:g}")
 
     @property
     def width(self) -> int:
@@ -591,12 +598,18 @@ class Variant:
     conditioned: bool = False
     target: str | None = None  # the payload a conditioned spoof aims at
     draws: int = 1  # drafts per prompt (best-of-n against the oracle)
+    steer: float = 0.0  # the adaptive spoofer's pull towards common contexts
 
     @property
     def label(self) -> str:
         return f"{self.name} d={self.delta:g}" + (
             f" best-of-{self.draws}" if self.draws > 1 else ""
         )
+
+    @property
+    def aim(self) -> str:
+        """The first field of its drafts' keys (``aim/delta/prompt/draw``)."""
+        return "steered" if self.steer else "aimed" if self.conditioned else "plain"
 
 
 def variants(config: ForgeryConfig, tenant: Tenant) -> list[Variant]:
@@ -611,7 +624,21 @@ def variants(config: ForgeryConfig, tenant: Tenant) -> list[Variant]:
     if config.best_of > 1 and config.deltas:
         top = out[-1]
         out.append(Variant(top.name, top.delta, top.conditioned, top.target, config.best_of))
+    if config.steer and config.deltas:
+        top_delta = max(config.deltas)
+        draws = max(config.best_of, 1)
+        out.append(Variant(STEERED, top_delta, draws=draws, steer=config.steer))
     return out
+
+
+def spoof_set(key: str) -> str:
+    """The set a saved draft belongs to in the studies, from its key
+    (``aim/delta/prompt/draw``): the plain model, the stolen boost (aimed or not) at a
+    delta, or the adaptive spoofer's."""
+    aim, delta, _, _ = key.split("/")
+    if float(delta) == 0:
+        return "plain model"
+    return f"{'steered' if aim == 'steered' else 'stolen'} d={float(delta):g}"
 
 
 def generate_spoofs(
@@ -632,7 +659,8 @@ def generate_spoofs(
     have = {r["key"] for r in read_jsonl(path)}
     jobs: list[Job] = []
     for v in variants(config, tenant):
-        spoofer = None if v.delta == 0 else Spoofer(SpoofPlan(learned, v.delta, v.conditioned))
+        plan = SpoofPlan(learned, v.delta, v.conditioned, steer=v.steer)
+        spoofer = None if v.delta == 0 else Spoofer(plan)
         for p, text in enumerate(prompts.spoof):
             for draw in range(v.draws):
                 key = _spoof_key(v, p, draw)
@@ -663,8 +691,7 @@ def generate_spoofs(
 
 
 def _spoof_key(v: Variant, prompt: int, draw: int) -> str:
-    aim = "aimed" if v.conditioned else "plain"
-    return f"{aim}/{v.delta:g}/{prompt}/{draw}"
+    return f"{v.aim}/{v.delta:g}/{prompt}/{draw}"
 
 
 # ----------------------------------------------------------------------------- piggyback
@@ -1180,6 +1207,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the first held-out ELI5 question (default 0): another range gives spoof "
         "prompts a study was not tuned on",
     )
+    ap.add_argument(
+        "--steer",
+        type=float,
+        default=0.0,
+        help="the adaptive spoofer (default 0: none): --best-of drafts a prompt more at the "
+        "largest delta, each token leading into a context seen in >= 5 of the attacker's "
+        "answers favoured by this many logits (keeps to common contexts)",
+    )
     ap.add_argument("--piggyback", type=int, default=40)
     ap.add_argument("--human-texts", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=48)
@@ -1240,6 +1275,7 @@ def main(argv: list[str] | None = None) -> int:
             best_of=args.best_of,
             spoof_prompts=args.spoof_prompts,
             spoof_from=args.spoof_from,
+            steer=args.steer,
             piggyback=args.piggyback,
             human_texts=args.human_texts,
             batch_size=args.batch_size,

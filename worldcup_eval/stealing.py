@@ -31,6 +31,12 @@ bit ``j`` in turn and keeps the ``j`` under which the split explains the tokens 
 plausibly carries. It then keeps the counts of each half. A spoof that aims at payload
 ``P`` scores a context with the half ``P[j]`` selects.
 
+**The adaptive spoofer** (``SpoofPlan.steer``) knows of the service's spoof-artifact
+check, which looks for a text's watermark in contexts the tenant's texts rarely use. On
+top of the boost it adds ``steer`` logits to every token that leads into a context seen
+in at least ``common_min`` of its answers (:meth:`Learned.common_next`), so its text
+keeps to common contexts, where it learned the watermark.
+
 Pure numpy over plain lists: no model, no key. The key stays with the judge.
 """
 
@@ -93,6 +99,21 @@ class Learned:
     tables: dict[int, dict[Context, Scores]] = field(default_factory=dict)
     conditioned: dict[Context, Conditioned] = field(default_factory=dict)
     positions: int = 0  # biased positions counted
+    _common_next: dict[int, dict[Context, IntArray]] = field(default_factory=dict, repr=False)
+
+    def common_next(self, min_answers: int) -> dict[Context, IntArray]:
+        """Per full-width context's last ``width - 1`` tokens: the tokens that complete
+        it into a context seen in at least ``min_answers`` answers (counted once an
+        answer, as the service counts its texts)."""
+        if min_answers not in self._common_next:
+            index: dict[Context, list[int]] = {}
+            for ctx, hit in self.tables.get(self.config.width, {}).items():
+                if hit.occurrences >= min_answers:
+                    index.setdefault(ctx[:-1], []).append(ctx[-1])
+            self._common_next[min_answers] = {
+                k: np.array(v, dtype=np.int64) for k, v in index.items()
+            }
+        return self._common_next[min_answers]
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -224,6 +245,11 @@ class SpoofPlan:
     conditioned: bool = False
     fallback: bool = True
     partial_weight: float = 0.5
+    # the adaptive spoofer: ``steer`` added to every token that leads into a context
+    # the attacker saw in at least ``common_min`` answers, so that its text keeps to
+    # contexts the service also counts as common (what the spoof-artifact check reads)
+    steer: float = 0.0
+    common_min: int = 5
 
 
 class SpoofSequence:
@@ -261,15 +287,27 @@ class SpoofSequence:
                 return hit.ids, plan.delta * weight * hit.scores
         return None
 
+    def steering(self) -> IntArray | None:
+        """The tokens the adaptive spoofer favours at this step (``plan.steer``): those
+        whose next context the attacker saw in ``plan.common_min`` answers or more."""
+        if self.plan.steer == 0.0:
+            return None
+        width = self.plan.learned.config.width
+        prefix = context_at(self.generated, len(self.generated), width)[1:]
+        return self.plan.learned.common_next(self.plan.common_min).get(prefix)
+
     def process_logits(self, logits: FloatArray) -> FloatArray:
-        found = self.boost()
-        if found is None:
+        found, steer = self.boost(), self.steering()
+        if found is None and steer is None:
             return logits
-        ids, add = found
-        keep = ids < logits.shape[-1]
         out = logits.copy()
-        out[ids[keep]] += add[keep]
-        self.boosted += 1
+        if steer is not None:
+            out[steer[steer < logits.shape[-1]]] += self.plan.steer
+        if found is not None:
+            ids, add = found
+            keep = ids < logits.shape[-1]
+            out[ids[keep]] += add[keep]
+            self.boosted += 1
         return out
 
     def reweight(self, candidates: IntArray, probs: FloatArray) -> FloatArray:
