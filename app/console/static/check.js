@@ -11,6 +11,10 @@ function noEntryReason(data) {
     return "another entry fits the text almost as well (a longer excerpt may decide)";
   }
   if (data && data.registry_expired) return "its entry is past the tenant's retention";
+  if (data && data.registry_withheld) {
+    return "the spoof-artifact check flagged the text (its watermark sits in contexts " +
+      "the tenant's texts use often, as a stolen watermark's does)";
+  }
   return null;
 }
 
