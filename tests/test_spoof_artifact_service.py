@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from test_coverage import tides_body
-from test_service_api import ADMIN, fixed_watermark_keys, new_tenant, sse_events, store_client
+from test_service_api import (
+    ADMIN,
+    fixed_watermark_keys,
+    make_settings,
+    new_tenant,
+    sse_events,
+    store_client,
+)
 
 from app.services.artifact import outcome_of
 from app.services.intake import encode_texts
@@ -45,10 +52,13 @@ def client(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path)
         yield c
 
 
-def _checks(c: TestClient) -> dict[str, float]:
+def _checks(c: TestClient, route: str = "detect") -> dict[str, float]:
+    """The metric's counts by outcome, for one route."""
     out: dict[str, float] = {}
     for line in c.get("/metrics").text.splitlines():
         if line.startswith("worldcup_spoof_artifact_checks_total{"):
+            if f'route="{route}"' not in line:
+                continue
             outcome = line.split('outcome="')[1].split('"')[0]
             out[outcome] = float(line.rsplit(" ", 1)[1])
     return out
@@ -166,14 +176,19 @@ def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: Test
         delta
     )
 
-    # /provenance checks the tenant its search named, under the deciding key version
-    before = _checks(c)
+    # /provenance checks the tenant its search named, under the deciding key version,
+    # counted apart (route="provenance"); by default the spoof's entry is still named
+    before, tenants_before = _checks(c, "provenance"), _checks(c)
     for text in (issued[0], spoof, HUMAN):
         r = c.post("/provenance", json={"text": text}, headers=ADMIN)
         assert r.status_code == 200, r.text
         assert r.json()["found"] is (text != HUMAN), r.text
-        assert text == HUMAN or r.json()["match"]["tenant_id"] == tenant_id
-    after = _checks(c)
+        if text != HUMAN:
+            match = r.json()["match"]
+            assert match["tenant_id"] == tenant_id and match["registry_entry"] is not None
+            assert match["registry_withheld"] is False
+    assert _checks(c) == tenants_before
+    after = _checks(c, "provenance")
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert {k: v for k, v in delta.items() if v} == {w: float(want.count(w)) for w in set(want)}, (
         delta
@@ -227,4 +242,21 @@ def test_withhold_entry_names_no_entry_for_a_flagged_text(
             assert p["found"] and p["match"]["tenant_id"] == tenant_id, p
             assert p["match"]["registry_withheld"] is withheld, p
             assert (p["match"]["registry_entry"] is None) is withheld, p
-        assert _checks(c).get("flagged", 0) == before.get("flagged", 0) + 3
+        batch = c.post(
+            "/decode/batch", json={"texts": [issued[0], spoof], "num_bits": 16}, headers=auth
+        )
+        assert batch.status_code == 200, batch.text
+        got = [item["result"] for item in batch.json()["results"]]
+        assert [g["verdict"] for g in got] == ["watermarked", "watermarked"], got
+        assert [g["registry_withheld"] for g in got] == [False, True], got
+        assert got[0]["registry_match"] is not None and got[1]["registry_match"] is None
+        assert _checks(c).get("flagged", 0) == before.get("flagged", 0) + 3  # 2 /decode, 1 batch
+        assert _checks(c, "provenance").get("flagged", 0) == 1
+
+
+def test_withhold_entry_needs_the_counts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A gate that could never fire is a configuration error, not a silent no-op."""
+    with pytest.raises(ValueError, match="WORLDCUP_COUNT_CONTEXTS"):
+        make_settings(
+            tiny_model_dir, tmp_path, spoof_artifact_action="withhold_entry", count_contexts=False
+        )

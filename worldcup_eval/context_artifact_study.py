@@ -123,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         for a in within_budget(read_jsonl(args.run / "answers.jsonl"), args.budget_tokens)
     ]
     counts = context_counts(contexts(a) for a in answers)
-    verdicts = json.loads(args.verdicts.read_text())["sets"]
+    study = json.loads(args.verdicts.read_text())
+    verdicts = study["sets"]
+    limit = int(study.get("genuine_limit") or 0)  # the fluency study's --genuine-limit
+    if study.get("budget_tokens", args.budget_tokens) != args.budget_tokens:
+        ap.error(f"--verdicts were made at --budget-tokens {study['budget_tokens']}")
     sets: dict[str, tuple[list[list[int]], bool]] = {"genuine, run (T 1.0)": (answers, True)}
     labels = {name.split(" (")[0]: name for name in verdicts}
     for folder in args.genuine:
@@ -149,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, (texts, counted) in sets.items():
         flags = [bool(r["watermarked"]) for r in verdicts[name]["rows"]]
-        if counted and 0 < len(flags) < len(texts):
-            texts = texts[-len(flags) :]  # the fluency study's --genuine-limit: the last K
+        if counted and limit and len(flags) == min(limit, len(texts)):
+            texts = texts[-len(flags) :]  # as the fluency study's --genuine-limit: the last K
         if len(flags) != len(texts):
             ap.error(f"--verdicts: {len(flags)} rows for {len(texts)} texts of {name!r}")
         rows = []

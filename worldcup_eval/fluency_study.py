@@ -229,7 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     for row in read_jsonl(spoof_path):  # key: aim/delta/prompt/draw
         sets.setdefault(spoof_set(row["key"]), []).append(row["tokens"])
 
-    result: dict[str, Any] = {"lines": args.lines, "registry_entries": len(registry), "sets": {}}
+    result: dict[str, Any] = {
+        "lines": args.lines,
+        "registry_entries": len(registry),
+        # which run answers the genuine set holds (the context study checks them)
+        "budget_tokens": args.budget_tokens,
+        "genuine_limit": args.genuine_limit,
+        "sets": {},
+    }
     out = sys.stdout
     out.write(f"registry: {len(registry)} entries; judge: the model-assisted verdict\n")
     header = " ".join(f"{'z<=' + format(x, 'g'):>22s}" for x in args.lines)

@@ -243,6 +243,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_spoof_artifact_gate(self) -> Self:
+        if self.spoof_artifact_action == "withhold_entry" and not self.count_contexts:
+            raise ValueError(
+                "WORLDCUP_SPOOF_ARTIFACT_ACTION=withhold_entry needs "
+                "WORLDCUP_COUNT_CONTEXTS=true (without counts no text is ever checked)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_redis_cluster(self) -> Self:
         if self.redis_cluster and not self.redis_url:
             raise ValueError("WORLDCUP_REDIS_CLUSTER=true needs WORLDCUP_REDIS_URL (any node)")

@@ -98,10 +98,12 @@ class Metrics:
         )
         self.spoof_artifact = Counter(
             "worldcup_spoof_artifact_checks",
-            "The spoof-artifact check on watermarked answers, in shadow: it changes no "
-            "verdict (app.services.artifact). outcome: flagged (evidence in common contexts "
-            "only), clear, one_group (nothing to compare) or unavailable (no counts).",
-            ["outcome"],
+            "The spoof-artifact check on watermarked answers (app.services.artifact); it "
+            "changes no verdict. route: detect (a tenant's /detect and /decode, batches "
+            "included) or provenance (the admin's search). outcome: flagged (evidence in "
+            "common contexts only), clear, one_group (nothing to compare) or unavailable "
+            "(no counts).",
+            ["route", "outcome"],
             registry=r,
         )
         self.statistic = Counter(

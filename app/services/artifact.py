@@ -7,12 +7,15 @@ watermarked text it returns (:func:`app.services.generation.record_contexts`), a
 here reads a "watermarked" text's evidence against those counts, under the key
 version and payload length that decided.
 
-It changes no verdict yet: the cost of a gate on genuine answers grows with a
-tenant's volume (more of its contexts become common), and that has to be measured
-where the volume is. So each check is counted, by outcome, in
-``worldcup_spoof_artifact_checks_total``: an operator sees what a gate would take
-on the deployment's own traffic before it is turned on. The check never fails an
-answer: a store error is the outcome ``unavailable``.
+It never changes a verdict. By default it only counts: the cost of a gate on genuine
+answers grows with a tenant's volume (more of its contexts become common), and that
+has to be measured where the volume is. So each check is counted, by route and
+outcome, in ``worldcup_spoof_artifact_checks_total``: an operator sees what a gate
+would take on the deployment's own traffic (route ``detect``: the tenants' own
+checks) before turning on ``spoof_artifact_action="withhold_entry"``, under which a
+flagged text names no registry entry (:mod:`app.services.detection`,
+:mod:`app.services.provenance`). The check never fails an answer: a store error is
+the outcome ``unavailable``, and then an entry is named as without the check.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from worldcup_core.scheme import WorldCup
 logger = logging.getLogger(__name__)
 
 Outcome = Literal["flagged", "clear", "one_group", "unavailable"]
+Route = Literal["detect", "provenance"]
 
 
 def _marks(scheme: WorldCup, ids: list[int], num_bits: int) -> tuple[list[float], list[list[int]]]:
@@ -64,7 +68,10 @@ async def check(
         if a.assessment.is_watermarked and a.assessment.key_version is not None
     ]
     got = await asyncio.gather(
-        *(check_one(runtime, tenant_id, ids[i], version, bits) for i, version, bits in want)
+        *(
+            check_one(runtime, tenant_id, ids[i], version, bits, "detect")
+            for i, version, bits in want
+        )
     )
     for (i, _, _), outcome in zip(want, got, strict=True):
         out[i] = outcome
@@ -72,12 +79,17 @@ async def check(
 
 
 async def check_one(
-    runtime: Runtime, tenant_id: str, ids: list[int], key_version: int, num_bits: int
+    runtime: Runtime,
+    tenant_id: str,
+    ids: list[int],
+    key_version: int,
+    num_bits: int,
+    route: Route,
 ) -> Outcome:
     """One watermarked text's outcome under the key version and payload length that
     decided (/provenance's, whose search named the tenant), counted in the metric."""
     outcome = await _one(runtime, tenant_id, ids, key_version, num_bits)
-    runtime.metrics.spoof_artifact.labels(outcome).inc()
+    runtime.metrics.spoof_artifact.labels(route, outcome).inc()
     return outcome
 
 

@@ -204,9 +204,10 @@ async def _search(
         decoded = outcome.decoded
         num_bits = decoded.result.num_bits
         checked = None
-        if outcome.assessment.is_watermarked:  # as /decode's, under the deciding key
+        if outcome.assessment.is_watermarked:  # as /decode's: the deciding key and length
             tenant_id, version = outcome.tenant.tenant_id, outcome.key_version
-            checked = await artifact.check_one(runtime, tenant_id, ids, version, num_bits)
+            bits = outcome.assessment.num_bits or num_bits
+            checked = await artifact.check_one(runtime, tenant_id, ids, version, bits, "provenance")
         found_entry = registry_match(runtime, decoded, outcome.assessment)
         gate = settings.spoof_artifact_action == "withhold_entry"
         withheld = gate and checked == "flagged" and found_entry is not None
