@@ -93,6 +93,13 @@ async def check_one(
     return outcome
 
 
+def withholds(runtime: Runtime, outcome: str | None) -> bool:
+    """Whether an answer names no registry entry for this outcome: a flagged text, with
+    ``spoof_artifact_action="withhold_entry"`` (the verdict is never changed)."""
+    gate = runtime.settings.spoof_artifact_action == "withhold_entry"
+    return gate and outcome == "flagged"
+
+
 async def _one(
     runtime: Runtime, tenant_id: str, ids: list[int], key_version: int, num_bits: int
 ) -> Outcome:

@@ -164,13 +164,6 @@ async def assess_ids(
     return [replace(a, artifact=o) for a, o in zip(assessed, outcomes, strict=True)]
 
 
-def _withholds(runtime: Runtime, assessed: Assessed) -> bool:
-    """Whether the answer names no registry entry for a flagged spoof artifact (only
-    with ``spoof_artifact_action="withhold_entry"``; the verdict is never changed)."""
-    gate = runtime.settings.spoof_artifact_action == "withhold_entry"
-    return gate and assessed.artifact == "flagged"
-
-
 async def _decode_outcomes(
     runtime: Runtime,
     principal: Principal,
@@ -179,7 +172,7 @@ async def _decode_outcomes(
     key_version: int | None,
 ) -> list[tuple[DecodeOutcome, Assessment, Statistic, bool]]:
     """(the decoding the route shows, the text's verdict, its statistic, whether its
-    entry is withheld: :func:`_withholds`) for each text, at ``num_bits``
+    entry is withheld: :func:`app.services.artifact.withholds`) for each text, at ``num_bits``
     or, where the request names none, at the length of the tested ones (those the tenant
     issued entries at, else the default) whose entry is found (:func:`best_length`)."""
     assessed = await assess_ids(runtime, principal, ids, num_bits)
@@ -205,7 +198,7 @@ async def _decode_outcomes(
             by_index.update(zip(at, outs, strict=True))
         shown = [by_index[i] for i in range(len(ids))]
     return [
-        (o, a.assessment, a.statistic, _withholds(runtime, a))
+        (o, a.assessment, a.statistic, artifact.withholds(runtime, a.artifact))
         for o, a in zip(shown, assessed, strict=True)
     ]
 

@@ -209,8 +209,7 @@ async def _search(
             bits = outcome.assessment.num_bits or num_bits
             checked = await artifact.check_one(runtime, tenant_id, ids, version, bits, "provenance")
         found_entry = registry_match(runtime, decoded, outcome.assessment)
-        gate = settings.spoof_artifact_action == "withhold_entry"
-        withheld = gate and checked == "flagged" and found_entry is not None
+        withheld = artifact.withholds(runtime, checked) and found_entry is not None
         match = ProvenanceMatch(
             tenant_id=outcome.tenant.tenant_id,
             tenant_name=outcome.tenant.name,
