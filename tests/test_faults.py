@@ -29,6 +29,8 @@ from soaklib import (
     ADMIN_TOKEN,
     RedisServer,
     SoakConfig,
+    SoakReport,
+    _judge,
     human_texts,
     run_soak,
     soak_settings,
@@ -306,3 +308,19 @@ def test_requests_during_an_outage_answer_fast(
         if path == "/detect" and status == 200:
             continue  # tenant and key versions may still be cached (cache_ttl_s)
         _assert_store_unavailable(r)
+
+
+def test_one_weak_text_passes_and_two_do_not() -> None:
+    """The decode rule's tolerance (no server): one genuine text short of p < 1e-3 is
+    power, two are a failure; a text that lost its payload fails alone."""
+
+    def judged(weak: int, mismatches: int = 0) -> list[str]:
+        report = SoakReport(SoakConfig(requests=0))
+        report.weak = [f"weak {i}" for i in range(weak)]
+        report.decode_mismatches = [f"lost {i}" for i in range(mismatches)]
+        _judge(report)
+        return report.violations
+
+    assert judged(0) == judged(1) == []
+    assert any("weakly" in v for v in judged(2))
+    assert any("do not decode" in v for v in judged(0, mismatches=1))
