@@ -268,6 +268,8 @@ def test_a_scan_of_the_store_names_a_client_payload_as_the_api_does(
     try:
         keys = session.load_keys(tenant_id)
         assert keys.client_payloads == {(tenant_id, 1): {16: [int(bits, 2)]}}
+        # and its texts, the registry test's weight of it: the one issued above
+        assert keys.client_uses == {(tenant_id, 1): {16: {int(bits, 2): 1}}}
         spec = ScanSpec(keys, "detect", Fields("text", "id"))
         rows = [
             RawRow("under-client-payload", "api", 0, text, None),

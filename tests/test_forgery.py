@@ -417,3 +417,21 @@ def test_dtype_reaches_the_model_loader(
         assert stopped.value.code == 2
         assert "not loaded in this test" in capsys.readouterr().err
     assert asked == ["bfloat16", "auto"]
+
+
+def test_naming_study_tallies_own_and_other_entries() -> None:
+    """The naming study counts an answer named for its own entry as right, for any
+    other entry as a false attribution, and ambiguity and the verdict apart."""
+    from worldcup_eval.naming_study import tally
+
+    said = [
+        {"watermarked": True, "named": 5, "ambiguous": False},
+        {"watermarked": True, "named": 9, "ambiguous": False},
+        {"watermarked": True, "named": None, "ambiguous": True},
+        {"watermarked": False, "named": None, "ambiguous": False},
+    ]
+    assert tally([5, 6, 7, 8], said) == {
+        "answers": 4, "watermarked": 3, "right": 1, "wrong": 1, "ambiguous": 1,
+    }  # fmt: skip
+    with pytest.raises(ValueError):
+        tally([5], said)

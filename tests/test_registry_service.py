@@ -205,3 +205,48 @@ def test_decode_without_a_length_shows_the_issued_one(client: TestClient) -> Non
     assert results[1]["registry_match"] is None
     fresh = client.post("/decode", json={"text": issued["text"]}, headers=empty).json()
     assert len(fresh["bits"]) == settings.default_num_bits and fresh["registry_match"] is None
+
+
+def test_a_client_payload_weighs_its_texts_on_both_match_paths() -> None:
+    """The service's matches (:class:`app.services.registry.RegistryLookup`) weigh a
+    recorded client payload by its texts (``ClientCandidates.uses``; 0, a payload
+    recorded before the count, weighs 1): the exhaustive path moves the best entry's
+    posterior by exactly the Bayes factor of that weight, and leaves the best candidate
+    and the p-value alone (the list path: ``test_registry_lookup``)."""
+    import numpy as np
+    from test_registry_lookup import simulated_cells
+
+    from app.services.registry import ClientCandidates, Plan, RegistryLookup
+    from app.stores.base import RegistrySize
+    from worldcup_core.decoder import llr_scale
+    from worldcup_core.message import MessageIdCodec
+    from worldcup_core.prf import WatermarkKey
+    from worldcup_core.registry_lookup import flip_costs, text_cells
+
+    rng = np.random.default_rng(4546)
+    num_bits, size = 16, 200
+    codec = MessageIdCodec(WatermarkKey(rng.bytes(32)), num_bits)
+    ids = np.arange(1, size + 1, dtype=np.uint64)
+    payloads = codec.payload_ints(ids)
+    plan = Plan(codec, RegistrySize(size, 0, 0, size), ids, payloads, 0, client=1)
+    lookup = RegistryLookup(store=None)  # type: ignore[arg-type]  # CPU-only methods
+    entry = int(payloads[7])
+    ones, trials = simulated_cells(rng, entry, num_bits, 0.08, 40)
+    cells = text_cells(ones, trials, num_bits)
+    rival = entry ^ 0b1  # a client payload one bit from the entry
+    plain = lookup.match_small(
+        plan, cells, ClientCandidates(np.array([rival], dtype=np.uint64), np.array([0]))
+    )
+    assert plain is not None and plain.message_id == 8 and not plain.client
+    beta = llr_scale(plain.match.agreement_z / (2 * np.sqrt(cells.total)))
+    gap = float(flip_costs(cells, np.array([rival], dtype=np.uint64))[0]) - float(
+        flip_costs(cells, np.array([entry], dtype=np.uint64))[0]
+    )
+    for uses in (1, 16, 1000):
+        got = lookup.match_small(
+            plan, cells, ClientCandidates(np.array([rival], dtype=np.uint64), np.array([uses]))
+        )
+        assert got is not None and got.message_id == 8
+        assert got.match.p_value == plain.match.p_value
+        want = 1 / plain.match.posterior + (uses - 1) * np.exp(-beta * gap)
+        assert 1 / got.match.posterior == pytest.approx(want, rel=1e-6)

@@ -13,6 +13,7 @@ from app.stores.base import RegistrySize, Store
 from app.stores.client_payloads import (
     client_key,
     client_payload_count,
+    client_payload_uses,
     payload_digest,
     record_client_payload,
     recorded_client_payloads,
@@ -138,6 +139,11 @@ async def test_recorded_client_payloads_are_listed_per_key_version(store: Store)
         4: [0b0110, 0b1011], 5: [0b01011], 16: [0x8001],
     }  # fmt: skip
     assert await client_payload_count(store, tid, 1, 4) == 2  # the service's counter agrees
+    # the texts under each, the registry test's prior weight ("1011" twice; none: 0)
+    assert await client_payload_uses(store, tid, 1, 4, [0b1011, 0b0110, 0b0001]) == {
+        0b0001: 0, 0b0110: 1, 0b1011: 2,
+    }  # fmt: skip
+    assert await client_payload_uses(store, tid, 2, 4, [0b1011]) == {0b1011: 0}
     assert await recorded_client_payloads(store, tid, 1, [4, 16, 8]) == {
         4: [0b0110, 0b1011], 16: [0x8001],
     }  # fmt: skip
@@ -147,5 +153,5 @@ async def test_recorded_client_payloads_are_listed_per_key_version(store: Store)
     assert await recorded_client_payloads(store, tid + "x", 1) == {4: [0b0001]}
     # the store's own read: payloads and the per-length counters, by cluster id
     clusters = await store.probe_clusters(tid, client_key(1))
-    assert len(clusters) == 4 + 3 and clusters == sorted(clusters)
+    assert len(clusters) == 4 + 3 + 4 and clusters == sorted(clusters)  # payloads, counters, uses
     assert ("count4", b"-") in clusters and (payload_digest(4, 0b0110), b"0110") in clusters

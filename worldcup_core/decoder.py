@@ -168,7 +168,11 @@ def decode_cells(
     z_rows, p_rows, count_rows = z.tolist(), p_vals.tolist(), counts.tolist()
     er_text, er_bit = np.nonzero(erased)
     er_rows = np.split(er_bit, np.searchsorted(er_text, np.arange(1, texts))) if texts else []
-    betas = [llr_scale(d) for d in delta.tolist()]
+    # a weighted unit is not a g-bit's worth (TextCells.llr_factor): live mass over
+    # the live variance, 1 for unit g-bits
+    live_var = np.where(erased, 0, var_f).sum(axis=1)
+    factor = np.divide(live_trials, live_var, out=np.ones(texts), where=live_var > 0)
+    betas = [llr_scale(d) * f for d, f in zip(delta.tolist(), factor.tolist(), strict=True)]
     out = []
     for i in range(texts):
         bits = all_bits[i * num_bits : (i + 1) * num_bits]
@@ -296,6 +300,8 @@ def registry_match(
     total: int,
     adjust: PosteriorAdjust | None = None,
     registry_size: int | None = None,
+    weights: npt.NDArray[np.float64] | None = None,
+    llr_factor: float = 1.0,
 ) -> RegistryMatch:
     """The best of ``candidates`` by ``agreement`` (R,): scored tokens that agree with
     each entry, out of ``total``, each agreeing with probability exactly 1/2 under H0.
@@ -305,14 +311,20 @@ def registry_match(
     part of the registry; else their number); the posterior is uniform over the
     registry with the bias estimated from the best entry. ``adjust(best, delta,
     posterior)`` lets a scheme revise the posterior (an entry the evidence
-    contradicts, a competitor outside the registry).
+    contradicts, a competitor outside the registry). ``weights`` (R,), each >= 1, are
+    the candidates' prior weights, the texts each was issued for (:func:`prior_logits`):
+    the best stays the likeliest candidate, and only its posterior weighs them.
+    ``llr_factor`` scales the log-likelihood ratio of a unit of agreement, for units
+    that are not binomial g-bits (weighted cells:
+    :attr:`worldcup_core.registry_lookup.TextCells.llr_factor`).
     """
     order = np.argsort(-agreement, kind="stable")
     best = int(order[0])
     a_best = int(agreement[best])
     log_p = registry_log_p(a_best, total, max(len(candidates), registry_size or 0))
     delta = a_best / total - 0.5
-    logits = llr_scale(delta) * (agreement - a_best).astype(np.float64)
+    logits = llr_factor * llr_scale(delta) * (agreement - a_best).astype(np.float64)
+    logits = logits + prior_logits(weights, best, logits.size)
     posterior = float(1.0 / np.exp(logits).sum())
     if adjust is not None:
         posterior = adjust(best, delta, posterior)
@@ -321,6 +333,28 @@ def registry_match(
     return registry_match_of(
         best, candidates[best], a_best, total, log_p, posterior, runner, margin
     )
+
+
+def prior_logits(
+    weights: npt.NDArray[np.float64] | None, best: int, size: int
+) -> npt.NDArray[np.float64]:
+    """Each candidate's log prior odds against candidate ``best``: ``log w - log
+    w_best`` for ``weights`` (``size``,), zeros without them.
+
+    A registry entry is issued for one text, so the posterior's prior is uniform over
+    entries. A client-chosen payload (:mod:`app.stores.client_payloads`, unsealed) is
+    issued for every text its client asked for under it: a text carries it that many
+    times more often a priori. Weighing it so keeps a damaged copy of a much-used payload
+    (a stolen spoof of it, issue #45) from being named as the entry that lies nearest
+    by chance, and costs a text of that entry nothing unless the payload fits it almost
+    as well."""
+    if weights is None:
+        return np.zeros(size)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (size,) or not bool(np.all(w >= 1.0)):
+        raise ValueError(f"weights must be {size} numbers, each >= 1")
+    out: npt.NDArray[np.float64] = np.log(w) - math.log(float(w[best]))
+    return out
 
 
 def registry_log_p(a_best: int, total: int, size: int) -> float:

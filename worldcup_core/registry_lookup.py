@@ -19,17 +19,21 @@ the store is asked about just those.
   corrected by the registry's size (a counter the store keeps at write time), as in
   the exhaustive path.
 * **Posterior.** Uniform over the registry, as in the exhaustive path, for the entries
-  found in the list; the registry's other entries are not seen, but their payloads
-  are keyed-random among the payloads outside the list, so their expected
-  contribution is ``(N - found) / (2^b - L)`` times the likelihood mass outside the
-  list, which factorises over bits: ``prod_i (1 + exp(-beta c_i)) - sum_list``.
+  found in the list (a recorded client payload weighs its texts:
+  :func:`worldcup_core.decoder.prior_logits`); the registry's other entries are not
+  seen, but their payloads are keyed-random among the payloads outside the list, so
+  their expected contribution is ``(N - found) / (2^b - L)`` times the likelihood mass
+  outside the list, which factorises over bits: ``prod_i (1 + exp(-beta c_i)) -
+  sum_list``.
 * **Weighted cells** (:mod:`worldcup_core.detector_model`: token weights from the
   served model): the same list, exhaustive match and completeness bound, on the
   weighted flip costs ``|2S - M|``; the p-value is the exact tail of the weighted
   agreement (:meth:`~worldcup_core.detector_model.WeightedCells.upper_log_sf`), again
-  Bonferroni over the registry. Every argument above holds for any nonnegative costs,
-  so the list's first issued payload is the registry's weighted-ML entry whenever its
-  cost is below ``complete_below``, as the exhaustive match on the same cells finds.
+  Bonferroni over the registry; the posterior's ``beta`` is scaled by
+  :attr:`TextCells.llr_factor` (a weighted unit is not a g-bit's worth). Every
+  argument above holds for any nonnegative costs, so the list's first issued payload
+  is the registry's weighted-ML entry whenever its cost is below ``complete_below``,
+  as the exhaustive match on the same cells finds.
 * **Expired ids** (registry retention) stay candidates: a text issued for an expired
   entry matches it and the answer says so, instead of being pinned on a live
   neighbour.
@@ -50,6 +54,7 @@ from worldcup_core.decoder import (
     RegistryMatch,
     contradicted,
     llr_scale,
+    prior_logits,
     registry_log_p,
     registry_match,
     registry_match_of,
@@ -100,6 +105,20 @@ class TextCells:
         if self.weighted is not None:
             return self.weighted.upper_log_sf(agreement)
         return registry_log_p(agreement, self.total, 1)
+
+    @property
+    def llr_factor(self) -> float:
+        """What one unit of agreement tells one payload from another, against a binomial
+        g-bit's worth: 1 for unweighted cells. A weighted cell's unit of mass comes from a
+        g-bit of weight ``w``, whose sign has variance ``w^2`` for ``w`` units of mass, so
+        a cost gap is worth ``sum M / sum W^2`` of the binomial's log-likelihood ratio
+        (the same factor whether a token's bias is uniform or grows with its weight: the
+        text's signal over its variance). Without it the posterior over-counted the
+        evidence about five-fold on chat answers (``sum W^2 / sum M`` about 5 there)."""
+        if self.weighted is None:
+            return 1.0
+        sumsq = int(self.weighted.sumsq.sum())
+        return int(self.weighted.mass.sum()) / sumsq if sumsq > 0 else 1.0
 
     @property
     def sd(self) -> float:
@@ -245,10 +264,15 @@ class _PayloadBits(Sequence[str]):
 
 
 def exhaustive_match(
-    cells: TextCells, payloads: U64, registry_size: int | None = None
+    cells: TextCells,
+    payloads: U64,
+    registry_size: int | None = None,
+    weights: F64 | None = None,
 ) -> RegistryMatch | None:
     """:func:`worldcup_core.decoder.match_cells` on payload integers, vectorised: the
-    maximum-likelihood entry of the whole registry (``index`` into ``payloads``)."""
+    maximum-likelihood entry of the whole registry (``index`` into ``payloads``);
+    ``weights`` (aligned with ``payloads``) are their prior weights
+    (:func:`worldcup_core.decoder.prior_logits`)."""
     if payloads.size == 0 or cells.total == 0:
         return None
     agreement = cells.agreement_max - np.rint(flip_costs(cells, payloads)).astype(np.int64)
@@ -258,7 +282,9 @@ def exhaustive_match(
         return 0.0 if _contradicts(cells, bits) else posterior
 
     candidates = _PayloadBits(payloads, cells.num_bits)
-    match = registry_match(candidates, agreement, cells.total, adjust, registry_size)
+    match = registry_match(
+        candidates, agreement, cells.total, adjust, registry_size, weights, cells.llr_factor
+    )
     if cells.weighted is None:
         return match
     a_best = int(agreement[match.index])
@@ -288,10 +314,13 @@ def list_match(
     live: npt.NDArray[np.bool_],
     expired: npt.NDArray[np.bool_],
     registry_size: int,
+    weights: F64 | None = None,
 ) -> ListMatch | None:
     """The best candidate among the listed payloads whose ids (``message_ids``, aligned
     with the list) are issued (``live``) or past retention (``expired``); None if the
-    list holds none, or the text has no scored g-bit."""
+    list holds none, or the text has no scored g-bit. ``weights`` (aligned with the list)
+    are the candidates' prior weights (:func:`worldcup_core.decoder.prior_logits`: a
+    client-chosen payload counts its texts); the registry's unseen entries weigh 1."""
     found = np.flatnonzero(live | expired)
     total = cells.total
     if found.size == 0 or total == 0:
@@ -309,8 +338,9 @@ def list_match(
     else:
         log_p = min(cells.log_sf(a_best) + math.log(size), 0.0)
     delta = a_best / total - 0.5
-    beta = llr_scale(delta)
-    rel = -beta * (costs - c_best)
+    beta = llr_scale(delta) * cells.llr_factor
+    prior = prior_logits(None if weights is None else weights[found], best_at, found.size)
+    rel = -beta * (costs - c_best) + prior
     log_seen = _log_sum_exp(rel)
     # the registry's unseen entries: keyed-random payloads outside the list
     unseen = size - int(found.size)
@@ -323,6 +353,8 @@ def list_match(
         if gap > 1e-12:  # mass outside the list: all minus list, in log space
             log_out = log_all + math.log(-math.expm1(-gap))
             log_tail = math.log(unseen) - math.log(outside) + log_out
+            if weights is not None:  # each unseen entry weighs 1, the best its own
+                log_tail -= math.log(float(weights[best]))
     posterior = math.exp(-float(np.logaddexp(log_seen, log_tail)))
     bits = format(int(plist.payloads[best]), f"0{cells.num_bits}b")
     if _contradicts(cells, bits):

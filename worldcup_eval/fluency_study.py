@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's weights (bfloat16: about twice the CPU rate where the CPU has "
         "AVX512-BF16); the forward passes take detection's precision from it",
     )
+    ap.add_argument(
+        "--unweighted-clients",
+        action="store_true",
+        help="weigh each recorded client payload 1, not by its texts (as before 2026-11-30)",
+    )
     ap.add_argument("--out", type=Path, default=Path("fluency-study.json"))
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     answers = within_budget(read_jsonl(args.run / "answers.jsonl"), args.budget_tokens)
     registry = tenant.registry_ids(answers)
-    judge = Judge(config, tenant, lm.tokenizer, registry, judge_weights(lm, config))
+    uses = None if args.unweighted_clients else tenant.client_uses(answers)
+    judge = Judge(config, tenant, lm.tokenizer, registry, judge_weights(lm, config), uses)
     model = weights_model(lm.model)
 
     sets: dict[str, list[list[int]]] = {}

@@ -263,6 +263,19 @@ class Tenant:
         ids = list(range(1, self.config.bystanders + 1))
         return ids + [int(a["message_id"]) for a in answers if a.get("message_id") is not None]
 
+    def client_uses(self, answers: Sequence[dict[str, Any]]) -> dict[int, int]:
+        """The texts issued under each client-chosen payload that is recorded as a
+        registry candidate (``fixed``, unsealed): what the service counts per payload
+        (:func:`app.stores.client_payloads.client_payload_uses`)."""
+        cfg = self.config
+        if cfg.scenario != "fixed" or cfg.sealed:
+            return {}
+        out: dict[int, int] = {}
+        for answer in answers:
+            payload = int(self.fixed_payload(int(answer["index"]) % cfg.accounts), 2)
+            out[payload] = out.get(payload, 0) + 1
+        return out
+
     def victim_payload(self) -> str:
         return str(self.codec().payload(self.config.victim).bits)
 
@@ -829,8 +842,12 @@ class Judge:
         tokenizer: Any,
         registry: Sequence[int],
         token_weights: Callable[[list[list[int]]], list[Any]] | None = None,
+        client_uses: dict[int, int] | None = None,
     ) -> None:
         self.config = config
+        # the texts issued under each recorded client payload (Tenant.client_uses), as
+        # the service counts them; None: each weighs 1, as before the count
+        self.client_uses = client_uses
         self.tenant = tenant
         self.tokenizer = tokenizer
         self.token_weights = token_weights  # None: the model-free verdict
@@ -845,7 +862,8 @@ class Judge:
 
         at = (spec.tenant_id, spec.version)
         entries = {at: {self.config.num_bits: sorted(registry)}}
-        client = {}
+        client: dict[tuple[str, int], dict[int, list[int]]] = {}
+        uses: dict[tuple[str, int], dict[int, dict[int, int]]] = {}
         if (
             self.config.scenario == "fixed"
             and not self.config.sealed
@@ -854,12 +872,15 @@ class Judge:
             # the accounts' payloads, recorded as candidates by the releases before sealing
             chosen = [int(self.tenant.fixed_payload(a), 2) for a in range(self.config.accounts)]
             client = {at: {self.config.num_bits: chosen}}
+            if self.client_uses is not None:
+                uses = {at: {self.config.num_bits: dict(self.client_uses)}}
         keys = ScanKeys(
             (spec,),
             entries if registry else {},
             self.config.num_bits,
             "forgery",
             client_payloads=client,
+            client_uses=uses,
         )
         return Scanner(
             ScanSpec(keys, mode="detect"),
@@ -1071,7 +1092,12 @@ def run_forgery(
     spoofs = generate_spoofs(lm, config, tenant, prompts, learned, out, show_progress)
     cpu.lap("spoofs")
     judge = Judge(
-        config, tenant, lm.tokenizer, tenant.registry_ids(answers), judge_weights(lm, config)
+        config,
+        tenant,
+        lm.tokenizer,
+        tenant.registry_ids(answers),
+        judge_weights(lm, config),
+        tenant.client_uses(answers),
     )
     summary: dict[str, Any] = {
         "config": asdict(config),

@@ -74,6 +74,9 @@ class ScanKeys:
     # named by no entry (app.stores.client_payloads; the store's are read by
     # StoreSession.load_keys)
     client_payloads: dict[tuple[str, int], dict[int, list[int]]] = field(default_factory=dict)
+    # the texts issued under each: ``client_uses[(tenant_id, version)][num_bits][payload]``,
+    # the registry test's prior weight of the payload (absent or 0: weighs 1)
+    client_uses: dict[tuple[str, int], dict[int, dict[int, int]]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"ScanKeys({len(self.keys)} keys from {self.source})"
@@ -90,6 +93,9 @@ class ScanKeys:
         for (tenant, version), lengths in sorted(self.client_payloads.items()):
             for bits, payloads in sorted(lengths.items()):
                 h.update(f"c|{tenant}|{version}|{bits}|{sorted(payloads)}\n".encode())
+        for (tenant, version), counted in sorted(self.client_uses.items()):
+            for bits, uses in sorted(counted.items()):
+                h.update(f"u|{tenant}|{version}|{bits}|{sorted(uses.items())}\n".encode())
         for tenant, below in sorted(self.expired_below.items()):
             h.update(f"e|{tenant}|{below}\n".encode())
         h.update(f"n|{self.num_bits}".encode())
@@ -216,7 +222,7 @@ class StoreSession:
     def load_keys(self, tenant: str | None = None) -> ScanKeys:
         """Every tenant's every key version (``tenant`` None), or one tenant's."""
         from app.core.security import KeyUnwrapError
-        from app.stores.client_payloads import recorded_client_payloads
+        from app.stores.client_payloads import client_payload_uses, recorded_client_payloads
 
         tenants = {t.tenant_id: t for t in self._run(self.store.list_tenants())}
         if tenant is not None:
@@ -232,6 +238,7 @@ class StoreSession:
         registry: dict[tuple[str, int], dict[int, list[int]]] = {}
         expired_below: dict[str, int] = {}
         client_payloads: dict[tuple[str, int], dict[int, list[int]]] = {}
+        client_uses: dict[tuple[str, int], dict[int, dict[int, int]]] = {}
         for r in records:
             try:
                 secret = self._wrapper.unwrap(r.tenant_id, r.version, r.wrapped_key)
@@ -271,8 +278,20 @@ class StoreSession:
             )
             if chosen:
                 client_payloads[(r.tenant_id, r.version)] = chosen
+                client_uses[(r.tenant_id, r.version)] = {
+                    bits: self._run(
+                        client_payload_uses(self.store, r.tenant_id, r.version, bits, payloads)
+                    )
+                    for bits, payloads in chosen.items()
+                }
         return ScanKeys(
-            tuple(specs), registry, None, "store", expired_below, client_payloads=client_payloads
+            tuple(specs),
+            registry,
+            None,
+            "store",
+            expired_below,
+            client_payloads=client_payloads,
+            client_uses=client_uses,
         )
 
     def registry_entries(

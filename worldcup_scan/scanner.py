@@ -142,6 +142,14 @@ class _Registry:
     expired: int  # how many expired ids lead ``payloads``
     expired_below: int
     client: npt.NDArray[np.uint64]  # recorded client-chosen payloads (no entry's)
+    client_weights: npt.NDArray[np.float64]  # their prior weights: their texts (>= 1)
+
+    def weights_for(self, payloads: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
+        """Each payload's prior weight: a client payload's texts, else 1 (an entry)."""
+        out = np.ones(payloads.size, dtype=np.float64)
+        for payload, weight in zip(self.client.tolist(), self.client_weights.tolist(), strict=True):
+            out[payloads == np.uint64(payload)] = weight
+        return out
 
     @property
     def candidates(self) -> int:
@@ -326,11 +334,12 @@ class Scanner:
             below = self.spec.keys.expired_below.get(tenant, 0)
             expired = np.arange(1, min(max(below, 1), codec.capacity), dtype=np.uint64)
             payloads = np.concatenate([codec.payload_ints(expired), codec.payload_ints(ordered)])
-            chosen = self.spec.keys.client_payloads.get(
-                (tenant, self.spec.keys.keys[key_index].version), {}
-            ).get(num_bits, [])
+            at = (tenant, self.spec.keys.keys[key_index].version)
+            chosen = self.spec.keys.client_payloads.get(at, {}).get(num_bits, [])
             client = np.setdiff1d(np.asarray(chosen, dtype=np.uint64), payloads)
-            cached = _Registry(codec, ordered, payloads, int(expired.size), below, client)
+            uses = self.spec.keys.client_uses.get(at, {}).get(num_bits, {})
+            weights = np.asarray([max(1, uses.get(int(x), 0)) for x in client], dtype=np.float64)
+            cached = _Registry(codec, ordered, payloads, int(expired.size), below, client, weights)
             self._candidates[(key_index, num_bits)] = cached
         return cached
 
@@ -353,7 +362,8 @@ class Scanner:
         cells = verdict_text_cells(scheme, ids, num_bits, weights)
         if not use_list(num_bits, size):
             payloads = np.concatenate([registry.payloads, registry.client])
-            match = exhaustive_match(cells, payloads, size)
+            prior = np.concatenate([np.ones(registry.payloads.size), registry.client_weights])
+            match = exhaustive_match(cells, payloads, size, prior)
             if match is None:
                 return None
             if match.index >= registry.payloads.size:  # a client payload: no entry
@@ -372,7 +382,8 @@ class Scanner:
             live = registry.ids[at] == listed
         gone = (listed >= 1) & (listed < registry.expired_below) & ~live
         chosen = np.isin(plist.payloads, registry.client) & ~live & ~gone
-        found = list_match(cells, plist, listed, live | chosen, gone, size)
+        prior = np.where(chosen, registry.weights_for(plist.payloads), 1.0)
+        found = list_match(cells, plist, listed, live | chosen, gone, size, prior)
         if found is None:
             return None
         named = None if chosen[found.match.index] else found.message_id

@@ -14,7 +14,9 @@ Either way the p-value is Bonferroni-corrected by the registry's size from count
 the store keeps at write time, and ids past the tenant's retention stay candidates,
 so a text issued for an expired entry is reported as such (``expired``) rather than
 matched to a live neighbour. The payloads clients chose (:mod:`app.stores.client_payloads`)
-are candidates too, so their texts are named as the client's payload, never as an entry.
+are candidates too, so their texts are named as the client's payload, never as an entry;
+each weighs as many entries as it has texts (:func:`worldcup_core.decoder.prior_logits`),
+so that a damaged copy of a much-used payload is not named as the entry nearest to it.
 """
 
 from __future__ import annotations
@@ -30,11 +32,17 @@ import numpy.typing as npt
 
 from app.core.config import Settings
 from app.stores.base import RegistrySize, Store, StoreError
-from app.stores.client_payloads import client_key, client_payload_count, payload_digest
+from app.stores.client_payloads import (
+    client_key,
+    client_payload_count,
+    client_payload_uses,
+    payload_digest,
+)
 from worldcup_core.assess import Assessment
 from worldcup_core.decoder import RegistryMatch
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.registry_lookup import (
+    F64,
     LIST_SIZE,
     U64,
     PayloadList,
@@ -80,6 +88,26 @@ class Plan:
         scanned where the cache holds more than the counters say (as the match's own p)."""
         scanned = int(self.payloads.size) if self.payloads is not None else 0
         return max(self.candidates, scanned, 1)
+
+
+@dataclass(frozen=True)
+class ClientCandidates:
+    """The recorded client-chosen payloads among one text's likeliest, and how many
+    texts each was issued under (0: recorded before the count; it then weighs 1)."""
+
+    payloads: U64
+    uses: npt.NDArray[np.int64]
+
+    def weights_for(self, payloads: U64) -> F64:
+        """The prior weight of each of ``payloads``: its texts where it is one of these,
+        else 1 (an entry)."""
+        out: F64 = np.ones(payloads.size, dtype=np.float64)
+        for payload, uses in zip(self.payloads.tolist(), self.uses.tolist(), strict=True):
+            out[payloads == np.uint64(payload)] = max(1, int(uses))
+        return out
+
+
+NO_CLIENT = ClientCandidates(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -143,14 +171,19 @@ class RegistryLookup:
                 self._cache.popitem(last=False)
             return cached
 
-    def match_small(self, plan: Plan, cells: TextCells, client: U64 | None = None) -> Found | None:
+    def match_small(
+        self, plan: Plan, cells: TextCells, client: ClientCandidates | None = None
+    ) -> Found | None:
         """The exhaustive match (CPU only), over the registry's payloads and ``client``,
-        the recorded client-chosen payloads among the text's likeliest."""
+        the recorded client-chosen payloads among the text's likeliest, each weighed by
+        its texts."""
         assert plan.ids is not None and plan.payloads is not None
-        extra = client if client is not None else np.zeros(0, dtype=np.uint64)
-        known = np.isin(extra, plan.payloads)  # an entry's own payload stays the entry
-        payloads = np.concatenate([plan.payloads, extra[~known]])
-        found = exhaustive_match(cells, payloads, plan.candidates)
+        extra = client if client is not None else NO_CLIENT
+        known = np.isin(extra.payloads, plan.payloads)  # an entry's own payload stays the entry
+        payloads = np.concatenate([plan.payloads, extra.payloads[~known]])
+        weights = np.ones(payloads.size)
+        weights[plan.payloads.size :] = extra.weights_for(extra.payloads[~known])
+        found = exhaustive_match(cells, payloads, plan.candidates, weights)
         if found is None:
             return None
         if found.index >= plan.ids.size:
@@ -167,11 +200,11 @@ class RegistryLookup:
         tenant_id: str,
         plans: dict[int, Plan],
         pending: list[tuple[int, Pending]],
-        client: list[U64] | None = None,
+        client: list[ClientCandidates] | None = None,
     ) -> list[Found | None]:
         """Ask the store which listed ids were issued (one round trip per key version for
         the whole batch), and match each text among its own and ``client`` (per text,
-        the recorded client-chosen payloads among its list)."""
+        the recorded client-chosen payloads among its list, each weighed by its texts)."""
         live: list[npt.NDArray[np.bool_]] = []
         asks: dict[int, list[tuple[int, npt.NDArray[np.intp]]]] = {}
         for n, (version, p) in enumerate(pending):
@@ -188,13 +221,14 @@ class RegistryLookup:
             for n, maybe in items:
                 live[n][maybe] = [next(answers) for _ in range(maybe.size)]
         out: list[Found | None] = []
-        extras = client if client is not None else [np.zeros(0, dtype=np.uint64)] * len(pending)
+        extras = client if client is not None else [NO_CLIENT] * len(pending)
         for (version, p), hits, extra in zip(pending, live, extras, strict=True):
             below = plans[version].size.expired_below
             expired = (p.ids >= 1) & (p.ids < below) & ~hits
-            chosen = np.isin(p.plist.payloads, extra) & ~hits & ~expired
+            chosen = np.isin(p.plist.payloads, extra.payloads) & ~hits & ~expired
+            weights = np.where(chosen, extra.weights_for(p.plist.payloads), 1.0)
             found = list_match(
-                p.cells, p.plist, p.ids, hits | chosen, expired, plans[version].candidates
+                p.cells, p.plist, p.ids, hits | chosen, expired, plans[version].candidates, weights
             )
             if found is None:
                 out.append(None)
@@ -206,21 +240,28 @@ class RegistryLookup:
 
     async def client_among(
         self, tenant_id: str, version: int, num_bits: int, listed: list[U64]
-    ) -> list[U64]:
-        """Per text, the recorded client-chosen payloads among its listed payloads (one
-        store read for the whole batch; how they are recorded:
-        :mod:`app.stores.client_payloads`)."""
+    ) -> list[ClientCandidates]:
+        """Per text, the recorded client-chosen payloads among its listed payloads and
+        their texts (one store read for the whole batch, and one for each payload found;
+        how they are recorded: :mod:`app.stores.client_payloads`)."""
         digests = [[payload_digest(num_bits, int(x)) for x in p] for p in listed]
         bands = sorted({d for ds in digests for d in ds})
         found = await self.store.probe_candidates(
             tenant_id, client_key(version), bands, limit=len(bands)
         )
         recorded = {c for c, _ in found}
-        return [
-            np.asarray(
-                [int(x) for x, d in zip(p, ds, strict=True) if d in recorded], dtype=np.uint64
-            )
+        among = [
+            [int(x) for x, d in zip(p, ds, strict=True) if d in recorded]
             for p, ds in zip(listed, digests, strict=True)
+        ]
+        uses = await client_payload_uses(
+            self.store, tenant_id, version, num_bits, {x for xs in among for x in xs}
+        )
+        return [
+            ClientCandidates(
+                np.asarray(xs, dtype=np.uint64), np.asarray([uses[x] for x in xs], dtype=np.int64)
+            )
+            for xs in among
         ]
 
 

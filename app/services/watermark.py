@@ -25,13 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-import numpy as np
-
 from app.engines.base import F64
 from app.schemas.watermark import EvidenceOut
 from app.services.cpu import TOKEN_CHARS, CpuPool, offload, offload_map
 from app.services.evidence import evidence_block
-from app.services.registry import Found, Pending, RegistryLookup
+from app.services.registry import NO_CLIENT, ClientCandidates, Found, Pending, RegistryLookup
 from app.services.tenants import TenantService
 from app.services.weights import ModelWeights, Statistic, statistic_of
 from app.stores.base import RegistryEntry, Store, TenantRecord
@@ -54,7 +52,6 @@ from worldcup_core.scoring import sidak_log_p
 from worldcup_core.verdict import VERDICT_CLEAN_FROM
 
 T = TypeVar("T")
-_NONE: U64 = np.zeros(0, dtype=np.uint64)
 
 
 def corrected(log10_p: float, tests: int, num_scored: int) -> tuple[float, float]:
@@ -275,7 +272,7 @@ class WatermarkService:
         # one job per chunk of texts: a big batch does not hold the workers for long
         decoded = await offload_map(self.cpu, work, items, lambda it: TOKEN_CHARS * len(it[0]))
         # client-chosen payloads recorded as candidates: those among each text's list
-        client: dict[int, U64] = {}
+        client: dict[int, ClientCandidates] = {}
         for version, plan in plans.items():
             if plan.client == 0:
                 continue
@@ -292,7 +289,9 @@ class WatermarkService:
             )
             client.update({n: found for (n, _), found in zip(asked, among, strict=True)})
         waiting = [(best.key_version, p) for best, _, p, _ in decoded if p is not None]
-        extras = [client.get(n, _NONE) for n, (_, _, p, _) in enumerate(decoded) if p is not None]
+        extras = [
+            client.get(n, NO_CLIENT) for n, (_, _, p, _) in enumerate(decoded) if p is not None
+        ]
         listed = iter(await self.registry.finish_lists(tenant_id, plans, waiting, extras))
 
         def small() -> list[Found | None]:

@@ -6,17 +6,21 @@ each such payload is recorded once per tenant key version (in the store's probe
 accounting tables, which SQLite, Redis and Redis Cluster all keep; kept for a
 century) with a counter per payload length, and the registry test matches a text
 against the recorded payloads among its likeliest as well (``client_payload`` in the
-answer; :mod:`app.services.registry`), Bonferroni-corrected for them too.
+answer; :mod:`app.services.registry`), Bonferroni-corrected for them too. Each payload
+also counts the texts issued under it: the test weighs a payload by them, so that a
+damaged copy of a much-used payload is not named as the entry nearest to it.
 
 The layout, under the probe key :func:`client_key` of the key version: one cluster per
 payload, its id :func:`payload_digest`, its sketch the payload's bits (ASCII ``0``/``1``)
 and its one band the id itself (so :meth:`~app.stores.base.Store.probe_candidates`
-answers "which of these payloads are recorded"); and one cluster ``count<num_bits>``
-per length (sketch ``-``) whose hits count the payloads of that length.
+answers "which of these payloads are recorded"); one cluster ``count<num_bits>``
+per length (sketch ``-``) whose hits count the payloads of that length; and one cluster
+``uses<digest>`` per payload (sketch ``-``) whose hits count its texts.
 
 The service records and asks (:func:`record_client_payload`, :func:`client_payload_count`,
-``probe_candidates``); offline readers list them (:func:`recorded_client_payloads`:
-``worldcup scan``, which may read ``app.stores`` but not the services).
+:func:`client_payload_uses`, ``probe_candidates``); offline readers list them
+(:func:`recorded_client_payloads`, with :func:`client_payload_uses`: ``worldcup scan``,
+which may read ``app.stores`` but not the services).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def _check_bits(bits: str) -> str:
 
 async def record_client_payload(store: Store, tenant_id: str, version: int, bits: str) -> None:
     """Record the payload ``bits`` as a candidate of the tenant's registry test under
-    key ``version`` (idempotent)."""
+    key ``version`` (once), and count one more text under it (:func:`client_payload_uses`)."""
     num_bits = len(_check_bits(bits))
     digest = payload_digest(num_bits, int(bits, 2))
     key = client_key(version)
@@ -110,6 +114,29 @@ async def record_client_payload(store: Store, tenant_id: str, version: int, bits
     first = await store.probe_hit(tenant_id, key, digest, sketch, [digest], FOREVER_S, 1)
     if first.allowed:  # a payload not recorded before: one more candidate
         await store.probe_hit(tenant_id, key, f"count{num_bits}", b"-", [], FOREVER_S, _NO_LIMIT)
+    # a sketch, so that the SQLite store's probe sweep keeps the count
+    await store.probe_hit(tenant_id, key, _uses_id(digest), b"-", [], FOREVER_S, _NO_LIMIT)
+
+
+def _uses_id(digest: str) -> str:
+    return f"uses{digest}"
+
+
+async def client_payload_uses(
+    store: Store, tenant_id: str, version: int, num_bits: int, payloads: Iterable[int]
+) -> dict[int, int]:
+    """How many texts were issued under each recorded client payload (``num_bits``
+    long; reads only): the registry test's prior weight of the payload
+    (:func:`worldcup_core.decoder.prior_logits`). A payload recorded by a release
+    before the count reads 0 (the test then weighs it 1, as before)."""
+    out = {}
+    for payload in sorted(set(payloads)):
+        digest = payload_digest(num_bits, payload)
+        decision = await store.probe_hit(
+            tenant_id, client_key(version), _uses_id(digest), None, [], FOREVER_S, 0
+        )
+        out[payload] = decision.count
+    return out
 
 
 async def client_payload_count(store: Store, tenant_id: str, version: int, num_bits: int) -> int:
