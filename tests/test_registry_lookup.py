@@ -206,7 +206,9 @@ def test_weighted_posterior_is_bayes_with_the_weights() -> None:
     payload's texts) enters the posterior as Bayes says, on both paths: exhaustively,
     ``posterior = w_best / sum_x w_x exp(beta (a_x - a_best))`` by brute force; by list,
     raising one listed competitor's weight from 1 to W adds exactly ``(W - 1) exp(-beta
-    (c_j - c_best))`` to ``1 / posterior``. Weights of 1 change nothing, the best stays
+    (c_j - c_best))`` to ``1 / posterior``, and weighing the best itself W divides the
+    rest of ``1 / posterior - 1`` (the unseen entries' tail included) by W. Weights of 1
+    change nothing, the best stays
     the likeliest candidate, and weights below 1 are refused."""
     from worldcup_core.decoder import llr_scale, prior_logits
 
@@ -259,6 +261,14 @@ def test_weighted_posterior_is_bayes_with_the_weights() -> None:
             beta = llr_scale(a_best / cells.total - 0.5)
             gap = float(plist.costs[rival] - plist.costs[plain.match.index])
             want = 1 / plain.match.posterior + (w - 1) * np.exp(-beta * gap)
+            assert 1 / got.match.posterior == pytest.approx(want, rel=1e-9)
+            # the best itself weighed w: every rival, the unseen entries' tail included,
+            # counts 1 / w as much
+            weights = np.ones(plist.payloads.size)
+            weights[plain.match.index] = w
+            got = list_match(cells, plist, ids, live, none, list_size, weights)
+            assert got is not None and got.message_id == plain.message_id
+            want = 1 + (1 / plain.match.posterior - 1) / w
             assert 1 / got.match.posterior == pytest.approx(want, rel=1e-9)
     with pytest.raises(ValueError, match=">= 1"):
         prior_logits(np.array([1.0, 0.5]), 0, 2)

@@ -250,3 +250,71 @@ def test_a_client_payload_weighs_its_texts_on_both_match_paths() -> None:
         assert got.match.p_value == plain.match.p_value
         want = 1 / plain.match.posterior + (uses - 1) * np.exp(-beta * gap)
         assert 1 / got.match.posterior == pytest.approx(want, rel=1e-6)
+
+
+def test_the_list_path_weighs_a_listed_client_payload_but_not_an_entry() -> None:
+    """``RegistryLookup.finish_lists`` (the list path, big registries): a recorded client
+    payload among a text's likeliest weighs its texts (``1 / posterior`` grows by exactly
+    ``(W - 1) exp(-beta (c_payload - c_best))``), and a client payload that is a live
+    entry's own payload stays that entry, weighing 1, whatever its count."""
+    import asyncio
+
+    import numpy as np
+    from test_registry_lookup import simulated_cells
+
+    from app.services.registry import NO_CLIENT, ClientCandidates, Plan, RegistryLookup
+    from app.stores.base import RegistrySize
+    from worldcup_core.decoder import llr_scale
+    from worldcup_core.message import MessageIdCodec
+    from worldcup_core.prf import WatermarkKey
+    from worldcup_core.registry_lookup import text_cells, use_list
+
+    num_bits, size = 24, 65_536
+    assert use_list(num_bits, size)
+
+    class _Issued:  # the one store call the list path makes
+        async def issued_among(
+            self, tenant_id: str, version: int, bits: int, ids: list[int]
+        ) -> list[bool]:
+            return [1 <= i <= size for i in ids]
+
+    rng = np.random.default_rng(4548)
+    codec = MessageIdCodec(WatermarkKey(rng.bytes(32)), num_bits)
+    plan = Plan(codec, RegistrySize(size, 0, 0, size))
+    lookup = RegistryLookup(store=_Issued())  # type: ignore[arg-type]
+    checked = 0
+    for _ in range(30):
+        true = int(rng.integers(1, size + 1))
+        ones, trials = simulated_cells(rng, int(codec.payload_ints([true])[0]), num_bits, 0.06, 60)
+        cells = text_cells(ones, trials, num_bits)
+        pending = lookup.prepare_list(plan, cells)
+
+        def finish(client: ClientCandidates, p: Any = pending) -> Any:
+            return asyncio.run(lookup.finish_lists("t", {1: plan}, [(1, p)], [client]))[0]
+
+        plain = finish(NO_CLIENT)
+        if plain is None or plain.match.posterior == 0:
+            continue
+        at = plain.match.index
+        c_best = float(pending.plist.costs[at])
+        issued = (pending.ids >= 1) & (pending.ids <= size)
+        dearer = np.flatnonzero(~issued & (pending.plist.costs > c_best))
+        if dearer.size == 0:
+            continue
+        rival = pending.plist.payloads[dearer[:1]]
+        gap = float(pending.plist.costs[dearer[0]]) - c_best
+        beta = llr_scale((cells.agreement_max - round(c_best)) / cells.total - 0.5)
+        one = finish(ClientCandidates(rival, np.array([1])))
+        assert one.message_id == plain.message_id and not one.client
+        for uses in (0, 16, 1000):
+            got = finish(ClientCandidates(rival, np.array([uses])))
+            assert got.message_id == plain.message_id and not got.client
+            assert got.match.p_value == plain.match.p_value
+            want = 1 / one.match.posterior + (max(uses, 1) - 1) * np.exp(-beta * gap)
+            assert 1 / got.match.posterior == pytest.approx(want, rel=1e-9)
+        own = pending.plist.payloads[at : at + 1]  # the named entry's own payload
+        same = finish(ClientCandidates(own, np.array([1000])))
+        assert same.message_id == plain.message_id and not same.client
+        assert same.match.posterior == plain.match.posterior
+        checked += 1
+    assert checked >= 10

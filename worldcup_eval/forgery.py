@@ -266,7 +266,9 @@ class Tenant:
     def client_uses(self, answers: Sequence[dict[str, Any]]) -> dict[int, int]:
         """The texts issued under each client-chosen payload that is recorded as a
         registry candidate (``fixed``, unsealed): what the service counts per payload
-        (:func:`app.stores.client_payloads.client_payload_uses`)."""
+        (:func:`app.stores.client_payloads.client_payload_uses`, up to its cap)."""
+        from app.stores.client_payloads import USES_CAP
+
         cfg = self.config
         if cfg.scenario != "fixed" or cfg.sealed:
             return {}
@@ -274,7 +276,7 @@ class Tenant:
         for answer in answers:
             payload = int(self.fixed_payload(int(answer["index"]) % cfg.accounts), 2)
             out[payload] = out.get(payload, 0) + 1
-        return out
+        return {p: min(n, USES_CAP) for p, n in out.items()}
 
     def victim_payload(self) -> str:
         return str(self.codec().payload(self.config.victim).bits)

@@ -68,6 +68,11 @@ def sealed_length(chosen_bits: int, default_bits: int) -> int:
 
 
 _NO_LIMIT = 1 << 62
+# A client payload's texts are counted up to this many: its weight in the registry
+# posterior is then far past what a damaged copy of it needs (issue #45: the entries two
+# stolen drafts named were 42 and 22 times likelier than the chosen payload), and a
+# payload keeps at most this many rows.
+USES_CAP = 1024
 
 
 def client_key(version: int) -> str:
@@ -114,8 +119,9 @@ async def record_client_payload(store: Store, tenant_id: str, version: int, bits
     first = await store.probe_hit(tenant_id, key, digest, sketch, [digest], FOREVER_S, 1)
     if first.allowed:  # a payload not recorded before: one more candidate
         await store.probe_hit(tenant_id, key, f"count{num_bits}", b"-", [], FOREVER_S, _NO_LIMIT)
-    # a sketch, so that the SQLite store's probe sweep keeps the count
-    await store.probe_hit(tenant_id, key, _uses_id(digest), b"-", [], FOREVER_S, _NO_LIMIT)
+    # a sketch, so that the SQLite store's probe sweep keeps the count; counted up to
+    # USES_CAP, so that the rows a payload keeps (and each count's cost) stay bounded
+    await store.probe_hit(tenant_id, key, _uses_id(digest), b"-", [], FOREVER_S, USES_CAP)
 
 
 def _uses_id(digest: str) -> str:
@@ -126,9 +132,10 @@ async def client_payload_uses(
     store: Store, tenant_id: str, version: int, num_bits: int, payloads: Iterable[int]
 ) -> dict[int, int]:
     """How many texts were issued under each recorded client payload (``num_bits``
-    long; reads only): the registry test's prior weight of the payload
-    (:func:`worldcup_core.decoder.prior_logits`). A payload recorded by a release
-    before the count reads 0 (the test then weighs it 1, as before)."""
+    long; reads only, one store call each), up to :data:`USES_CAP`: the registry
+    test's prior weight of the payload (:func:`worldcup_core.decoder.prior_logits`). A
+    payload recorded by a release before the count reads 0 (the test then weighs it 1,
+    as before)."""
     out = {}
     for payload in sorted(set(payloads)):
         digest = payload_digest(num_bits, payload)
