@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from worldcup_core.decoder import RegistryMatch, match_cells
+from worldcup_core.detector_model import WeightedCells
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.prf import WatermarkKey
 from worldcup_core.registry_lookup import (
@@ -245,31 +246,31 @@ def test_weighted_posterior_is_bayes_with_the_weights() -> None:
         if live.sum() < 2:
             continue
         none = np.zeros_like(live)
-        plain = list_match(cells, plist, ids, live, none, list_size)
-        assert plain is not None and plain.match.posterior > 0
+        first = list_match(cells, plist, ids, live, none, list_size)
+        assert first is not None and first.match.posterior > 0
         rival = int(
             np.flatnonzero(live)[1]
-            if plain.match.index == np.flatnonzero(live)[0]
+            if first.match.index == np.flatnonzero(live)[0]
             else np.flatnonzero(live)[0]
         )
         for w in (1.0, 16.0, 1000.0):
             weights = np.ones(plist.payloads.size)
             weights[rival] = w
-            got = list_match(cells, plist, ids, live, none, list_size, weights)
-            assert got is not None and got.message_id == plain.message_id
-            a_best = cells.agreement_max - round(float(plist.costs[plain.match.index]))
+            found = list_match(cells, plist, ids, live, none, list_size, weights)
+            assert found is not None and found.message_id == first.message_id
+            a_best = cells.agreement_max - round(float(plist.costs[first.match.index]))
             beta = llr_scale(a_best / cells.total - 0.5)
-            gap = float(plist.costs[rival] - plist.costs[plain.match.index])
-            want = 1 / plain.match.posterior + (w - 1) * np.exp(-beta * gap)
-            assert 1 / got.match.posterior == pytest.approx(want, rel=1e-9)
+            gap = float(plist.costs[rival] - plist.costs[first.match.index])
+            want = 1 / first.match.posterior + (w - 1) * np.exp(-beta * gap)
+            assert 1 / found.match.posterior == pytest.approx(want, rel=1e-9)
             # the best itself weighed w: every rival, the unseen entries' tail included,
             # counts 1 / w as much
             weights = np.ones(plist.payloads.size)
-            weights[plain.match.index] = w
-            got = list_match(cells, plist, ids, live, none, list_size, weights)
-            assert got is not None and got.message_id == plain.message_id
-            want = 1 + (1 / plain.match.posterior - 1) / w
-            assert 1 / got.match.posterior == pytest.approx(want, rel=1e-9)
+            weights[first.match.index] = w
+            found = list_match(cells, plist, ids, live, none, list_size, weights)
+            assert found is not None and found.message_id == first.message_id
+            want = 1 + (1 / first.match.posterior - 1) / w
+            assert 1 / found.match.posterior == pytest.approx(want, rel=1e-9)
     with pytest.raises(ValueError, match=">= 1"):
         prior_logits(np.array([1.0, 0.5]), 0, 2)
 
@@ -324,13 +325,13 @@ def test_a_much_used_client_payload_keeps_its_damaged_copies_off_bystanders() ->
 
 def _weighted_text(
     rng: np.random.Generator, payload: int, num_bits: int, tokens: int, bias: float
-) -> tuple[np.ndarray, np.ndarray, object]:
+) -> tuple[np.ndarray, np.ndarray, WeightedCells]:
     """A simulated model-weighted text (:class:`~worldcup_core.detector_model.WeightedCells`):
     ``tokens`` tokens, each at a level 1..LEVELS drawn uniformly, on a random position;
     each of its (group, layer) g-bits favours the payload's bit with probability
     ``1/2 + bias * level / LEVELS`` (the informative tokens carry more) and counts its
     layer weight at that level (:func:`~worldcup_core.detector_model.level_weights`)."""
-    from worldcup_core.detector_model import LEVELS, WeightedCells, level_weights
+    from worldcup_core.detector_model import LEVELS, level_weights
 
     layers, symbols = 3, num_bits // GROUPS
     bits = np.array([int(c) for c in format(payload, f"0{num_bits}b")]).reshape(symbols, GROUPS)
@@ -374,7 +375,7 @@ def test_weighted_posterior_is_calibrated() -> None:
             ("calibrated", weighted),
             ("as g-bits", replace(weighted, sumsq=weighted.mass)),
         ):
-            m = exhaustive_match(text_cells(ones, trials, num_bits, w), payloads, size)  # type: ignore[arg-type]
+            m = exhaustive_match(text_cells(ones, trials, num_bits, w), payloads, size)
             assert m is not None
             said[label].append((m.posterior, m.index == true))
     post, right = (np.array([s[i] for s in said["calibrated"]]) for i in (0, 1))
@@ -384,3 +385,26 @@ def test_weighted_posterior_is_calibrated() -> None:
     assert mid.sum() >= 300 and abs(right[mid].mean() - post[mid].mean()) <= 0.07
     post, right = (np.array([s[i] for s in said["as g-bits"]]) for i in (0, 1))
     assert right[post >= 0.95].mean() < 0.85
+
+
+def test_decoded_alternatives_weigh_a_weighted_unit_as_the_posterior_does() -> None:
+    """The decoder's list of alternatives (``decode_cells``) scales its log-likelihood
+    ratios as the registry posterior does: with the cells' variance given (``scale``,
+    weighted cells' ``sum W^2``) at k times their mass, every ratio is 1/k of the unit
+    g-bits' one, and with ``scale`` equal to the mass nothing changes."""
+    from worldcup_core.decoder import decode_cells
+    from worldcup_core.detector import DetectionResult
+
+    rng = np.random.default_rng(4549)
+    ones, trials = simulated_cells(rng, 0xBEEF, 16, 0.08, 40)
+    det = DetectionResult(0.5, -0.3, 0.0, 0.0, False, 0.01, 100, 100, 8)
+    counts = trials[:, 0][None] // 3
+
+    def llrs(scale: np.ndarray | None) -> np.ndarray:
+        result = decode_cells(ones[None], trials[None], counts, 16, [det], 32, scale=scale)[0]
+        return np.array([a.log_likelihood_ratio for a in result.alternatives])
+
+    plain = llrs(None)
+    assert plain.size == 32 and plain[1:].max() < 0
+    assert np.array_equal(llrs(trials[None]), plain)
+    assert llrs(5 * trials[None]) == pytest.approx(plain / 5, rel=1e-12)
