@@ -159,6 +159,16 @@ def _weights(num_bits: int) -> U64:
     return np.left_shift(np.uint64(1), np.arange(num_bits - 1, -1, -1, dtype=np.uint64))
 
 
+def count_weights(payloads: U64, counted: U64, counts: npt.ArrayLike) -> F64:
+    """The prior weight of each of ``payloads`` (:func:`worldcup_core.decoder.prior_logits`):
+    its count of texts where it is one of ``counted`` (at least 1: a payload counted as 0
+    was recorded before texts were counted), else 1 (an entry: one text)."""
+    out: F64 = np.ones(payloads.size, dtype=np.float64)
+    for payload, n in zip(np.asarray(counted).tolist(), np.asarray(counts).tolist(), strict=True):
+        out[payloads == np.uint64(payload)] = max(1, int(n))
+    return out
+
+
 def flip_costs(cells: TextCells, payloads: U64) -> F64:
     """How much agreement each payload gives up against the decoded one."""
     flips = (np.asarray(payloads, dtype=np.uint64) ^ np.uint64(cells.decoded)).astype(">u8")

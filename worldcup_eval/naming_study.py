@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(not 0 < x <= 1 for x in args.lines) or args.registry < 1:
         ap.error("--lines must be in (0, 1] and --registry >= 1")
     answers = read_jsonl(args.genuine / "answers.jsonl")
+    if not answers or any(a.get("message_id") is None for a in answers):
+        ap.error(f"--genuine {args.genuine}: no answers, or answers without a registry entry")
     issued = [int(a["message_id"]) for a in answers]
     if max(issued) > args.registry:
         ap.error(f"--registry {args.registry} must hold the answers' ids (up to {max(issued)})")

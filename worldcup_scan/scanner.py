@@ -42,6 +42,7 @@ from worldcup_core.detector_weighted import (
 from worldcup_core.message import MessageIdCodec
 from worldcup_core.provenance import KeyBank
 from worldcup_core.registry_lookup import (
+    count_weights,
     exhaustive_match,
     list_match,
     payload_list,
@@ -142,14 +143,11 @@ class _Registry:
     expired: int  # how many expired ids lead ``payloads``
     expired_below: int
     client: npt.NDArray[np.uint64]  # recorded client-chosen payloads (no entry's)
-    client_weights: npt.NDArray[np.float64]  # their prior weights: their texts (>= 1)
+    client_uses: npt.NDArray[np.int64]  # their texts, the registry test's prior weights
 
     def weights_for(self, payloads: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
         """Each payload's prior weight: a client payload's texts, else 1 (an entry)."""
-        out = np.ones(payloads.size, dtype=np.float64)
-        for payload, weight in zip(self.client.tolist(), self.client_weights.tolist(), strict=True):
-            out[payloads == np.uint64(payload)] = weight
-        return out
+        return count_weights(payloads, self.client, self.client_uses)
 
     @property
     def candidates(self) -> int:
@@ -338,8 +336,8 @@ class Scanner:
             chosen = self.spec.keys.client_payloads.get(at, {}).get(num_bits, [])
             client = np.setdiff1d(np.asarray(chosen, dtype=np.uint64), payloads)
             uses = self.spec.keys.client_uses.get(at, {}).get(num_bits, {})
-            weights = np.asarray([max(1, uses.get(int(x), 0)) for x in client], dtype=np.float64)
-            cached = _Registry(codec, ordered, payloads, int(expired.size), below, client, weights)
+            counts = np.asarray([uses.get(int(x), 0) for x in client], dtype=np.int64)
+            cached = _Registry(codec, ordered, payloads, int(expired.size), below, client, counts)
             self._candidates[(key_index, num_bits)] = cached
         return cached
 
@@ -362,8 +360,7 @@ class Scanner:
         cells = verdict_text_cells(scheme, ids, num_bits, weights)
         if not use_list(num_bits, size):
             payloads = np.concatenate([registry.payloads, registry.client])
-            prior = np.concatenate([np.ones(registry.payloads.size), registry.client_weights])
-            match = exhaustive_match(cells, payloads, size, prior)
+            match = exhaustive_match(cells, payloads, size, registry.weights_for(payloads))
             if match is None:
                 return None
             if match.index >= registry.payloads.size:  # a client payload: no entry

@@ -47,6 +47,7 @@ from worldcup_core.registry_lookup import (
     U64,
     PayloadList,
     TextCells,
+    count_weights,
     exhaustive_match,
     list_match,
     payload_list,
@@ -101,10 +102,7 @@ class ClientCandidates:
     def weights_for(self, payloads: U64) -> F64:
         """The prior weight of each of ``payloads``: its texts where it is one of these,
         else 1 (an entry)."""
-        out: F64 = np.ones(payloads.size, dtype=np.float64)
-        for payload, uses in zip(self.payloads.tolist(), self.uses.tolist(), strict=True):
-            out[payloads == np.uint64(payload)] = max(1, int(uses))
-        return out
+        return count_weights(payloads, self.payloads, self.uses)
 
 
 NO_CLIENT = ClientCandidates(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
