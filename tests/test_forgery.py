@@ -26,10 +26,12 @@ import worldcup_core.consistency as consistency
 from worldcup_core.baselines.cells import first_contexts
 from worldcup_core.baselines.kgw import KGW, KGWConfig, green_of, kgw_seed
 from worldcup_core.config import SERVICE_CONTEXT_WIDTH
+from worldcup_core.message import Payload
 from worldcup_core.models import LoadedModel, load_tokenizer, tiny_random_model
 from worldcup_core.prf import SENTINEL, WatermarkKey, context_at
 from worldcup_eval.forgery import (
     ANSWERS,
+    CLIMB,
     ForgeryConfig,
     Judge,
     Tenant,
@@ -46,7 +48,7 @@ from worldcup_eval.forgery import (
     variants,
     within_budget,
 )
-from worldcup_eval.stealing import LearnerConfig, SpoofPlan, SpoofSequence, learn
+from worldcup_eval.stealing import LearnerConfig, Spoofer, SpoofPlan, SpoofSequence, learn
 
 WORDS = (
     "the a cat dog sat on mat and ran to big red blue house tree sun moon day night green "
@@ -170,6 +172,23 @@ def test_the_adaptive_spoofer_steers_into_common_contexts() -> None:
     plain = SpoofSequence(SpoofPlan(learned, 0.0), None)
     plain.generated = [4, 7]
     assert plain.steering() is None
+
+
+def test_a_redrawn_span_boosts_as_if_the_text_before_it_were_its_own() -> None:
+    """The climber redraws a span of a text: its spoofer starts from the text so far,
+    so the context at the cut is the text's own, and a context the text already scored
+    is not boosted again (the scheme scores a repeated context once)."""
+    probs = {5: 0.5, 6: 0.3, 7: 0.2}
+    answers = [(t, [_base(probs, x) for x in t], None) for t in ([5, 6, 5, 7], [6, 5, 6])]
+    learned = learn(answers, LearnerConfig(width=1, min_count=1))
+    plan = SpoofPlan(learned, 2.0)
+    fresh = Spoofer(plan, [6]).sequence(Payload.from_bits("0"))
+    assert fresh.generated == [6] and fresh.boost() is not None  # (6,): not yet scored
+    again = Spoofer(plan, [6, 5, 6]).sequence(Payload.from_bits("0"))
+    assert again.boost() is None  # (6,) scored at the text's second token
+    assert again.boosted == 0 and Spoofer(plan).sequence(Payload.from_bits("0")).generated == []
+    with pytest.raises(ValueError, match="climb"):
+        ForgeryConfig(scenario="fixed", budget_tokens=10, climb=-1)
 
 
 def test_the_steered_variant_has_keys_and_a_set_of_its_own() -> None:
@@ -384,6 +403,41 @@ def test_kgw_anchor_is_spoofed_and_worldcup_names_no_victim(
     assert sum(s["named"] == a["message_id"] for s, a in zip(said, answers, strict=True)) >= 8
     humans = human_chunks(load_prompts(data_dir, 4), word_lm.tokenizer, 30, 120)
     assert not any(s["watermarked"] for s in model_judge.judge(humans))
+
+
+def test_the_p_value_climber_spoofs_the_anchor_and_not_the_service_default(
+    word_lm: LoadedModel, data_dir: Path, tmp_path: Path
+) -> None:
+    """The patient oracle attacker (``--climb``): on one text per prompt it redraws a
+    span with the spoofer and keeps the edit when the oracle's p falls. Its anchor: KGW
+    at a boost too weak for single drafts, where ten queries a text get spoofs accepted.
+    The service's default width (c = 4), the same budget and queries: none crosses the
+    verdict or names an entry. Every text's p only falls, a text stops once accepted,
+    and a larger budget of queries resumes from the rounds already run."""
+    kgw = _small("kgw", budget_tokens=3000, deltas=(0.5,), climb=10)
+    got = run_forgery(kgw, tmp_path / "kgw", word_lm, data_dir, False)
+    rounds = got["climb"]["by_round"]
+    assert [r["round"] for r in rounds] == list(range(11))
+    assert rounds[-1]["accepted"] > rounds[0]["accepted"], rounds
+    assert got["spoofs"][-1]["label"] == "stolen d=0.5, then 10 p-value queries"
+    path = tmp_path / "kgw" / CLIMB.format(budget=kgw.budget_tokens)
+    saved = read_jsonl(path)
+    for i in range(kgw.spoof_prompts):
+        ps = [rd["texts"][i]["p"] for rd in saved]
+        assert all(b <= a for a, b in zip(ps, ps[1:], strict=False)), ps
+        queries = [rd["texts"][i]["queries"] for rd in saved]
+        accepted = [rd["texts"][i]["accepted"] for rd in saved]
+        first = accepted.index(True) if True in accepted else len(saved) - 1
+        assert queries[-1] == first <= kgw.climb  # one query a round until accepted
+    lines = path.read_text().splitlines()
+    more = run_forgery(replace(kgw, climb=12), tmp_path / "kgw", word_lm, data_dir, False)
+    assert path.read_text().splitlines()[: len(lines)] == lines
+    assert len(read_jsonl(path)) == 13 and len(more["climb"]["by_round"]) == 13
+
+    wide = _small("per-request", context_width=SERVICE_CONTEXT_WIDTH, climb=10)
+    wc = run_forgery(wide, tmp_path / "wide", word_lm, data_dir, False)
+    row = wc["climb"]["row"]
+    assert row["watermarked"]["k"] == 0 and row["named_any"]["k"] == 0, wc["climb"]
 
 
 def test_a_bad_device_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

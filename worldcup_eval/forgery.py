@@ -48,6 +48,11 @@ the same logits): it is read off the generation's ``logprobs_mode="model"`` outp
 **The spoofer** is the same model with its logits boosted by ``delta`` times the
 learned scores, on held-out prompts of its choosing (ELI5 questions no answer was
 collected on); optionally best-of-n against a yes/no oracle (a ``verdict`` key).
+``--climb Q`` adds the patient oracle attacker: from its best draft of each prompt it
+sends ``Q`` queries about that one text to the ``p`` a ``full`` key's ``/detect``
+answers, each query the text with a span of :data:`CLIMB_SPAN` tokens redrawn by the
+spoofer, and keeps an edit when ``p`` falls (the probe budgets link every edit to the
+text's account: 30 queries a day).
 **Piggybacking** edits genuine answers (an inserted paragraph, negations, 10-50 % of
 the tokens rewritten by the plain model) and asks whether the verdict and the named
 entry survive, and how much of the text the watermark's island covers.
@@ -89,6 +94,8 @@ EXPOSURES: Final = ("analysts", "all")
 ANSWERS: Final = "answers.jsonl"
 SPOOFS: Final = "spoofs-{budget}.jsonl"  # per budget: the spoofer learned from that many
 EDITS: Final = "piggyback-{budget}.jsonl"
+CLIMB: Final = "climb-{budget}.jsonl"  # per budget: the p-value climber's rounds
+CLIMB_SPAN: Final = 16  # the tokens one climbing query redraws
 TOP_LOGPROBS: Final = 20  # the base model's alternatives kept per position
 WATERMARKED_BELOW: Final = 1e-6  # the production verdict (worldcup_core.verdict)
 ANCHOR_FPR: Final = 1e-3  # KGW's own operating point in the literature
@@ -118,6 +125,10 @@ class ForgeryConfig:
     # token that leads into a context seen in >= 5 of the attacker's answers favoured by
     # this many logits, to keep clear of the spoof-artifact check's rare contexts
     steer: float = 0.0
+    # the p-value climber (0: none): queries on one text per prompt, each redrawing a
+    # span of it with the spoofer and keeping the edit when the oracle's p falls (30: a
+    # ``full`` key's probe budget for one text and its edits, a day)
+    climb: int = 0
     piggyback: int = 40  # genuine answers edited
     rewrite_shares: tuple[float, ...] = (0.1, 0.3, 0.5)
     human_texts: int = 1000
@@ -153,6 +164,8 @@ class ForgeryConfig:
             raise ValueError("spoof_from must be >= 0 and spoof_prompts >= 1")
         if not 0.0 <= self.steer <= 20.0:
             raise ValueError(f"steer must be in [0, 20], got {self.steer:g}")
+        if not 0 <= self.climb <= 10_000:
+            raise ValueError(f"climb must be in 0..10000, got {self.climb}")
 
     @property
     def width(self) -> int:
@@ -544,9 +557,9 @@ def _seed(seed: int, label: str, index: int) -> int:
 
 
 class _Bar:
-    """A rich progress bar on stderr (generated tokens, rate, ETA)."""
+    """A rich progress bar on stderr (generated tokens, or another ``unit``; ETA)."""
 
-    def __init__(self, total: int, desc: str, initial: int) -> None:
+    def __init__(self, total: int, desc: str, initial: int, unit: str = "tokens") -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -561,7 +574,7 @@ class _Bar:
             TextColumn(desc),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("tokens"),
+            TextColumn(unit),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -577,8 +590,10 @@ class _Bar:
         self._progress.stop()
 
 
-def _bar(total: int, desc: str, show: bool, initial: int = 0) -> Callable[[int], None] | None:
-    return _Bar(total, desc, initial) if show else None
+def _bar(
+    total: int, desc: str, show: bool, initial: int = 0, unit: str = "tokens"
+) -> Callable[[int], None] | None:
+    return _Bar(total, desc, initial, unit) if show else None
 
 
 def _close(bar: Callable[[int], None] | None) -> None:
@@ -707,6 +722,138 @@ def generate_spoofs(
 
 def _spoof_key(v: Variant, prompt: int, draw: int) -> str:
     return f"{v.aim}/{v.delta:g}/{prompt}/{draw}"
+
+
+# ----------------------------------------------------------------------------- climbing
+
+
+def climb_variant(config: ForgeryConfig, tenant: Tenant) -> Variant | None:
+    """The drafts the climber starts from: the strongest boosted variant (the best-of-n
+    one when there is one; never the adaptive spoofer's)."""
+    boosted = [v for v in variants(config, tenant) if v.delta > 0 and not v.steer]
+    return boosted[-1] if boosted else None
+
+
+def _state(tokens: list[int], said: dict[str, Any], queries: int) -> dict[str, Any]:
+    p = said["p"]  # None: too short to test, as good as not watermarked
+    return {
+        "tokens": tokens,
+        "queries": queries,
+        "p": 1.0 if p is None else float(p),
+        **{k: said[k] for k in ("accepted", "watermarked", "named")},
+    }
+
+
+def climb_spoofs(
+    lm: Any,
+    config: ForgeryConfig,
+    tenant: Tenant,
+    prompts: Prompts,
+    learned: Any,
+    spoofs: Sequence[dict[str, Any]],
+    judge: Judge,
+    out: Path,
+    show_progress: bool = True,
+) -> dict[str, Any] | None:
+    """The p-value climber (``config.climb`` queries a prompt; the module docstring),
+    resuming from ``climb-BUDGET.jsonl`` (one line a round: every prompt's text, its
+    ``p`` and the queries spent). A prompt's climb stops once its text is accepted. Its
+    row, as :func:`measure_spoofs` counts, and per round how many texts are accepted
+    and named; None without a boosted variant or climb."""
+    from worldcup_eval.data import chat_prompt_ids
+    from worldcup_eval.stealing import Spoofer, SpoofPlan
+
+    v = climb_variant(config, tenant)
+    if v is None or config.climb < 1:
+        return None
+    path = out / CLIMB.format(budget=config.budget_tokens)
+    rounds = read_jsonl(path)
+    decode = lm.tokenizer.decode
+    if rounds:
+        state: list[dict[str, Any]] = rounds[-1]["texts"]
+    else:  # the attacker's pick of its drafts: one query each, every draft a text of its own
+        by_key = {r["key"]: r for r in spoofs}
+        state = []
+        for p in range(config.spoof_prompts):
+            drafts = [by_key.get(_spoof_key(v, p, d)) for d in range(v.draws)]
+            have = [d for d in drafts if d]
+            if not have:
+                raise ValueError(f"spoof prompt {p} has no draft to climb from")
+            said = judge.judge([decode(d["tokens"], skip_special_tokens=True) for d in have])
+            best = min(range(len(have)), key=lambda i: said[i]["p"])
+            state.append(_state(list(have[best]["tokens"]), said[best], 0))
+        rounds = [{"round": 0, "texts": state}]
+        append_jsonl(path, rounds)
+    plan = SpoofPlan(learned, v.delta, v.conditioned)
+    eos = set(lm.eos_token_ids)
+    bar = _bar(
+        config.climb, f"climb ({config.scenario})", show_progress, len(rounds) - 1, "queries"
+    )
+    drawn: dict[int, list[int]] = {}  # per prompt, the span a round's query redrew
+
+    def on_done(job: Job, tokens: list[int], _: list[list[Any]]) -> None:
+        drawn[job.meta["i"]] = [t for t in tokens if t not in eos]
+
+    for r in range(len(rounds), config.climb + 1):
+        drawn.clear()
+        cuts: dict[int, int] = {}
+        jobs = []
+        for i, s in enumerate(state):
+            if s["accepted"] or not s["tokens"]:
+                continue
+            old = s["tokens"]
+            seed = _seed(config.seed, f"climb/{i}", r)
+            cuts[i] = cut = random.Random(seed).randrange(len(old))
+            question = prompts.spoof[i]
+            jobs.append(
+                Job(
+                    f"climb/{i}/{r}",
+                    chat_prompt_ids(lm.tokenizer, question, question) + old[:cut],
+                    seed=seed,
+                    scheme=Spoofer(plan, old[:cut]),
+                    payload=v.target or "0",
+                    max_new_tokens=CLIMB_SPAN,
+                    meta={"i": i},
+                )
+            )
+        if jobs:
+            run_jobs(lm, jobs, config, on_done)
+        proposals = {
+            i: state[i]["tokens"][:cut] + drawn[i] + state[i]["tokens"][cut + CLIMB_SPAN :]
+            for i, cut in cuts.items()
+        }
+        order = sorted(proposals)
+        texts = [decode(proposals[i], skip_special_tokens=True) for i in order]
+        said = judge.judge(texts) if texts else []
+        state = [dict(s) for s in state]
+        for i, s in zip(order, said, strict=True):
+            spent = state[i]["queries"] + 1
+            if s["p"] is not None and s["p"] < state[i]["p"]:
+                state[i] = _state(proposals[i], s, spent)
+            else:
+                state[i]["queries"] = spent
+        rounds.append({"round": r, "texts": state})
+        append_jsonl(path, rounds[-1:])
+        if bar is not None:
+            bar(1)
+    _close(bar)
+    final = rounds[min(config.climb, len(rounds) - 1)]["texts"]
+    row = _spoof_row(f"{v.label}, then {config.climb} p-value queries", final, config)
+    return {
+        "queries": config.climb,
+        "span": CLIMB_SPAN,
+        "start": v.label,
+        "row": row,
+        "by_round": [
+            {
+                "round": rd["round"],
+                "accepted": sum(bool(t["accepted"]) for t in rd["texts"]),
+                "named": sum(t["named"] is not None for t in rd["texts"]),
+                "queries": max(t["queries"] for t in rd["texts"]),
+            }
+            for rd in rounds[: config.climb + 1]
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------- piggyback
@@ -1111,6 +1258,11 @@ def run_forgery(
         "spoofs": measure_spoofs(config, tenant, judge, spoofs, lm.tokenizer),
     }
     cpu.lap("judging")
+    climbed = climb_spoofs(lm, config, tenant, prompts, learned, spoofs, judge, out, show_progress)
+    if climbed is not None:
+        summary["climb"] = climbed
+        summary["spoofs"].append(climbed["row"])
+        cpu.lap("climb")
     if config.scenario != "kgw" and config.piggyback:
         edits = piggyback_edits(lm, config, prompts, answers, out, show_progress)
         cpu.lap("piggyback")
@@ -1188,6 +1340,19 @@ def report(summary: dict[str, Any]) -> str:
                 f"| {r['label']} | {_fmt(r['watermarked'])} | {_fmt(r['named_any'])} | "
                 f"{_fmt(r['named_victim'])} | {other} |"
             )
+    climb = summary.get("climb")
+    if climb:
+        reached = ", ".join(
+            f"{r['accepted']} after {r['round']}"
+            for r in climb["by_round"]
+            if r["round"] in {0, 1, 3, 10, 30, 100, 300, climb["queries"]}
+        )
+        lines += [
+            "",
+            f"The p-value climber ({climb['queries']} queries a prompt on its text, each "
+            f"redrawing {climb['span']} tokens; from {climb['start']}): texts accepted "
+            f"{reached} queries.",
+        ]
     if summary.get("piggyback"):
         lines += [
             "",
@@ -1242,6 +1407,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the adaptive spoofer (default 0: none): --best-of drafts a prompt more at the "
         "largest delta, each token leading into a context seen in >= 5 of the attacker's "
         "answers favoured by this many logits (keeps to common contexts)",
+    )
+    ap.add_argument(
+        "--climb",
+        type=int,
+        default=0,
+        help="the patient oracle attacker (default 0: none): this many queries a prompt "
+        "on its best draft, each redrawing a span with the spoofer, kept when the p-value "
+        "a full key's /detect answers falls (30: one day's probe budget for one text)",
     )
     ap.add_argument("--piggyback", type=int, default=40)
     ap.add_argument("--human-texts", type=int, default=1000)
@@ -1304,6 +1477,7 @@ def main(argv: list[str] | None = None) -> int:
             spoof_prompts=args.spoof_prompts,
             spoof_from=args.spoof_from,
             steer=args.steer,
+            climb=args.climb,
             piggyback=args.piggyback,
             human_texts=args.human_texts,
             batch_size=args.batch_size,

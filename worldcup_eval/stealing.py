@@ -259,12 +259,14 @@ class SpoofSequence:
 
     modifies_logits = True
 
-    def __init__(self, plan: SpoofPlan, target: str | None) -> None:
+    def __init__(self, plan: SpoofPlan, target: str | None, prefix: Sequence[int] = ()) -> None:
         self.plan = plan
         self.target = target
         self.generated: list[int] = []
         self._seen: set[Context] = set()
         self.boosted = 0
+        for token in prefix:  # a text being edited: its contexts so far, as if generated
+            self.observe(token)
 
     def boost(self) -> tuple[IntArray, FloatArray] | None:
         """(ids, added logits) at this step, or None."""
@@ -326,8 +328,9 @@ class Spoofer:
     name = "spoof"
     version = "stealing"
 
-    def __init__(self, plan: SpoofPlan) -> None:
+    def __init__(self, plan: SpoofPlan, prefix: Sequence[int] = ()) -> None:
         self.plan = plan
+        self.prefix = tuple(prefix)  # the answer so far, when a span of a text is redrawn
 
     def sequence(self, payload: Payload) -> SpoofSequence:
-        return SpoofSequence(self.plan, payload.bits)
+        return SpoofSequence(self.plan, payload.bits, self.prefix)

@@ -240,8 +240,8 @@ class RegistryLookup:
         self, tenant_id: str, version: int, num_bits: int, listed: list[U64]
     ) -> list[ClientCandidates]:
         """Per text, the recorded client-chosen payloads among its listed payloads and
-        their texts (one store read for the whole batch, and one for each payload found;
-        how they are recorded: :mod:`app.stores.client_payloads`)."""
+        their texts (one store read for the whole batch, then one for each payload found,
+        sent together; how they are recorded: :mod:`app.stores.client_payloads`)."""
         digests = [[payload_digest(num_bits, int(x)) for x in p] for p in listed]
         bands = sorted({d for ds in digests for d in ds})
         found = await self.store.probe_candidates(

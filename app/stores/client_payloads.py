@@ -25,6 +25,7 @@ which may read ``app.stores`` but not the services).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -132,18 +133,26 @@ async def client_payload_uses(
     store: Store, tenant_id: str, version: int, num_bits: int, payloads: Iterable[int]
 ) -> dict[int, int]:
     """How many texts were issued under each recorded client payload (``num_bits``
-    long; reads only, one store call each), up to :data:`USES_CAP`: the registry
-    test's prior weight of the payload (:func:`worldcup_core.decoder.prior_logits`). A
-    payload recorded by a release before the count reads 0 (the test then weighs it 1,
-    as before)."""
-    out = {}
-    for payload in sorted(set(payloads)):
-        digest = payload_digest(num_bits, payload)
-        decision = await store.probe_hit(
-            tenant_id, client_key(version), _uses_id(digest), None, [], FOREVER_S, 0
+    long; reads only, one store call each, sent together), up to :data:`USES_CAP`: the
+    registry test's prior weight of the payload
+    (:func:`worldcup_core.decoder.prior_logits`). A payload recorded by a release before
+    the count reads 0 (the test then weighs it 1, as before)."""
+    wanted = sorted(set(payloads))
+    decisions = await asyncio.gather(
+        *(
+            store.probe_hit(
+                tenant_id,
+                client_key(version),
+                _uses_id(payload_digest(num_bits, payload)),
+                None,
+                [],
+                FOREVER_S,
+                0,
+            )
+            for payload in wanted
         )
-        out[payload] = decision.count
-    return out
+    )
+    return {payload: d.count for payload, d in zip(wanted, decisions, strict=True)}
 
 
 async def client_payload_count(store: Store, tenant_id: str, version: int, num_bits: int) -> int:
