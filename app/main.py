@@ -124,6 +124,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.probe_budget_full,
                 settings.probe_budget_verdict,
                 tokenizer,
+                settings.probe_full_answers,
             ),
         )
         try:  # else /ready writes it later

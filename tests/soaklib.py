@@ -218,6 +218,7 @@ def soak_settings(
         # past the default budget of 30 (a flaky 429 probe_budget_exceeded, whichever run).
         "probe_budget_verdict": 1_000_000,
         "probe_budget_full": 1_000_000,
+        "probe_full_answers": 0,  # ... and every answer with its p-value
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

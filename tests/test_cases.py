@@ -311,6 +311,21 @@ def test_verdict_keys_cases_hold_no_p_value_and_decode_agrees_with_detect(
     assert case["verdict"] == "watermarked" and "p =" not in case["sentence"]
 
 
+def test_a_case_of_a_spent_text_says_why_it_holds_no_p_value() -> None:
+    """A full key past its text's full answers gets the verdict only; the case saved
+    from it says so, instead of calling the key a verdict key."""
+    from app.schemas.exposure import FULL_ANSWERS_SPENT, DecodeVerdict, DetectVerdict
+    from app.services.cases import summarise
+    from worldcup_core.verdict import STATISTICS
+
+    spent = DetectVerdict(verdict="watermarked", detail_reason="full_answers_spent")
+    verdict, _ = summarise("detect", spent)
+    assert verdict["p_value"] is None and verdict["why"] == FULL_ANSWERS_SPENT
+    key = DecodeVerdict(verdict="inconclusive", registry_match=None)
+    assert key.detail_reason == "verdict_key"
+    assert summarise("decode", key)[0]["why"] == STATISTICS["withheld"]
+
+
 def _csv(rows: list[dict[str, str]]) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=list(rows[0]))

@@ -28,6 +28,7 @@ def client(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         tmp_path_factory.mktemp("db"),
         max_batch_texts=12,
         probe_budget_full=6,
+        probe_full_answers=3,  # the default
         max_batch_body_bytes=256 * 1024,
     )
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
@@ -159,11 +160,13 @@ def test_bad_input_gets_a_clear_error(client: TestClient, world: dict[str, Any])
 
 
 def test_each_text_counts_against_the_probe_budget(
-    client: TestClient, world: dict[str, Any]
+    client: TestClient, world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A full key's budget is 6 queries per text (this fixture): eight copies of one
     text in a collection spend it, the last two are refused and left out; the next
-    collection of that text is refused whole (429)."""
+    collection of that text is refused whole (429). (Full answers unlimited here: the
+    next test limits them.)"""
+    monkeypatch.setattr(client.app.state.runtime.probes, "full_answers", 0)  # type: ignore[attr-defined]
     r = client.post("/admin/tenants", json={"name": "coll-tns", "scopes": ["provenance"]},
                     headers=ADMIN)  # fmt: skip
     assert r.status_code == 201, r.text
@@ -178,6 +181,37 @@ def test_each_text_counts_against_the_probe_budget(
     assert _read(client, [world["human"][1]], headers=auth)["num_texts"] == 1
     audit = client.get("/admin/audit?limit=20", headers=ADMIN).json()["entries"]
     assert any(e["outcome"].get("collection") for e in audit)
+
+
+def test_a_set_holding_a_text_past_its_full_answers_gets_the_verdict_only(
+    client: TestClient, world: dict[str, Any]
+) -> None:
+    """A full key gets a text's p-value 3 times a window (the default
+    ``probe_full_answers``); a collection is one more road to it, so a set is answered
+    in full only while every text in it is, and otherwise as the joint verdict, whose
+    key and why (``full_answers_spent``)."""
+    r = client.post("/admin/tenants", json={"name": "coll-full", "scopes": ["provenance"]},
+                    headers=ADMIN)  # fmt: skip
+    auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
+    spent, fresh = world["texts"][TARGET][0], world["texts"][TARGET][1]
+    assert "p_value" in _read(client, [spent] * 3, headers=auth)  # its three full answers
+    answer = _read(client, [fresh, spent], headers=auth)
+    assert answer == {
+        "detail": "verdict",
+        "detail_reason": "full_answers_spent",
+        "verdict": answer["verdict"],
+        "tenant_id": answer["tenant_id"],
+        "group_value": None,
+    }
+    # the fresh text spent one of its own on that set, and still has full answers
+    assert "p_value" in _read(client, [fresh], headers=auth)
+    audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
+    tenant = f"tenant:{r.json()['tenant_id']}"
+    mine = [e for e in audit if e["actor"] == tenant]
+    assert any(e["action"] == "probe_full_answers_spent" for e in mine)
+    assert any(
+        e["action"] == "provenance" and e["outcome"].get("detail") == "verdict" for e in mine
+    )
     # a verdict key of that tenant: the joint verdict, whose key and the value, nothing else
     body = {"name": "v", "scopes": ["provenance"], "detail": "verdict"}
     tenant_id = r.json()["tenant_id"]
@@ -187,6 +221,7 @@ def test_each_text_counts_against_the_probe_budget(
     answer = _read(client, world["texts"][TARGET], group_by="user_id", headers=verdict_key)
     assert answer == {
         "detail": "verdict",
+        "detail_reason": "verdict_key",
         "verdict": "watermarked",
         "tenant_id": world["owner_id"],
         "group_value": TARGET,

@@ -65,6 +65,7 @@ def app(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
             cpu_max_pending=1,
             probe_budget_verdict=3,
             probe_budget_full=6,
+            probe_full_answers=3,  # the default
             max_body_bytes=256 * 1024,
         )
     )
@@ -173,15 +174,18 @@ async def test_accounting_off_allows_every_item_of_a_batch() -> None:
     answered an empty list here, which its callers had to patch."""
     from types import SimpleNamespace
 
-    principal: Any = SimpleNamespace()
-    for probes in (None, SimpleNamespace()):
-        runtime: Any = SimpleNamespace(probes=probes)
-        decisions = await intake_module.account_sketches(runtime, principal, "x", None, 3)
-        assert [d.allowed for d in decisions] == [True, True, True]
-    runtime = SimpleNamespace(probes=None)
-    sketches: list[Sketch | None] = [None, None]
-    decisions = await intake_module.account_sketches(runtime, principal, "x", sketches, 2)
-    assert len(decisions) == 2 and all(d.allowed for d in decisions)
+    for detail in ("full", "verdict"):
+        principal: Any = SimpleNamespace(key=SimpleNamespace(detail=detail))
+        for probes in (None, SimpleNamespace()):
+            runtime: Any = SimpleNamespace(probes=probes)
+            got = await intake_module.account_sketches(runtime, principal, "x", None, 3)
+            assert [a.decision.allowed for a in got] == [True, True, True]
+            # unaccounted, a full key's answers are in full, a verdict key's never
+            assert [a.full for a in got] == [detail == "full"] * 3
+        runtime = SimpleNamespace(probes=None)
+        sketches: list[Sketch | None] = [None, None]
+        got = await intake_module.account_sketches(runtime, principal, "x", sketches, 2)
+        assert len(got) == 2 and all(a.decision.allowed for a in got)
 
 
 # --------------------------------------------------------------------------- API keys
@@ -286,10 +290,18 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     # (the tenant's keys share one probe budget per text, so the full key's check
     # of this text comes last, below)
     r = client.post("/detect", json={"text": text}, headers=verdict)
-    assert r.status_code == 200 and r.json() == {"detail": "verdict", "verdict": "watermarked"}
+    assert r.status_code == 200 and r.json() == {
+        "detail": "verdict",
+        "detail_reason": "verdict_key",
+        "verdict": "watermarked",
+    }
     r = client.post("/detect", json={"text": TEXT}, headers=verdict)
     full = client.post("/detect", json={"text": TEXT}, headers=primary).json()
-    assert r.json() == {"detail": "verdict", "verdict": full["verdict"]}
+    assert r.json() == {
+        "detail": "verdict",
+        "detail_reason": "verdict_key",
+        "verdict": full["verdict"],
+    }
     # the full answer's verdict is its p's, with the scored tokens' line
     assert full["verdict"] == verdict_of(full["p_value"], full["num_scored_tokens"])
     assert r.json()["verdict"] != "watermarked"
@@ -297,7 +309,8 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     r = client.post("/decode", json={"text": text, "num_bits": 32}, headers=verdict)
     assert r.status_code == 200, r.text
     dec = r.json()
-    assert set(dec) == {"detail", "verdict", "registry_match"} and dec["verdict"] == "watermarked"
+    assert set(dec) == {"detail", "detail_reason", "verdict", "registry_match"}
+    assert dec["verdict"] == "watermarked" and dec["detail_reason"] == "verdict_key"
     assert dec["registry_match"]["message_id"] == message_id
     assert dec["registry_match"]["metadata"] == {"who": "v"}
     assert set(dec["registry_match"]) == {"message_id", "metadata", "issued_at", "client_payload"}
@@ -306,8 +319,8 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     r = client.post("/detect/batch", json={"texts": [text, TEXT, too_long]}, headers=verdict)
     batch = r.json()
     assert [i["result"] for i in batch["results"][:2]] == [
-        {"detail": "verdict", "verdict": "watermarked"},
-        {"detail": "verdict", "verdict": full["verdict"]},
+        {"detail": "verdict", "detail_reason": "verdict_key", "verdict": "watermarked"},
+        {"detail": "verdict", "detail_reason": "verdict_key", "verdict": full["verdict"]},
     ]
     assert batch["results"][2]["error"]["code"] == "text_too_long"
     assert batch["num_watermarked"] == 1 and batch["num_errors"] == 1
@@ -323,6 +336,79 @@ def test_verdict_keys_see_three_words_only(client: TestClient) -> None:
     assert full["p_value"] < 1e-6  # the verdicts above had to be "watermarked"
     for answer in (batch, r.json(), dec):
         assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
+
+
+def test_a_full_key_gets_a_texts_p_value_three_times_then_the_verdict(
+    client: TestClient,
+) -> None:
+    """The patient oracle attacker (SECURITY.md) climbs a full key's p-value one small
+    edit at a time. A full key is answered in full about a text only 3 times a window
+    (``probe_full_answers``), counted apart from the probe budget: later answers about
+    that text, and about its near-copies (the same probe account), are the verdict
+    only, on every scoring route. Verdict keys' queries never spend them; other texts
+    keep their own; each downgraded answer is audited (the key id, never its secret)
+    and counted by route."""
+    with fixed_watermark_keys(1357):
+        tenant_id, primary = new_tenant(client, scopes=("provenance", "fixed_payload"))
+    body = gen_body(max_new_tokens=96, min_new_tokens=96, seed=11)
+    r = client.post("/generate", json=body, headers=primary)
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    r = client.post("/generate", json={**body, "seed": 12}, headers=primary)
+    second = r.json()["text"]
+    before = metric_value(
+        client.get("/metrics").text, "worldcup_probe_full_answers_spent_total", route="detect"
+    )
+    for _ in range(3):
+        answer = client.post("/detect", json={"text": text}, headers=primary).json()
+        assert answer["p_value"] < 1e-6 and "detail" not in answer
+    spent = {"detail": "verdict", "detail_reason": "full_answers_spent", "verdict": "watermarked"}
+    # a near-copy is the same text's account: an edit does not buy a new p-value
+    edited = _without_word(text, 5)
+    assert client.post("/detect", json={"text": edited}, headers=primary).json() == spent
+    r = client.post("/decode", json={"text": text, "evidence": True}, headers=primary)
+    assert r.status_code == 200, r.text
+    assert set(r.json()) == {"detail", "detail_reason", "verdict", "registry_match"}
+    assert r.json()["detail_reason"] == "full_answers_spent"
+    r = client.post("/provenance", json={"text": text}, headers=primary)
+    assert r.json() == {**spent, "tenant_id": tenant_id}
+    # (full budget 6 in this fixture: that was the sixth query, and the next is refused)
+    assert_error(client.post("/detect", json={"text": text}, headers=primary), 429)
+    # the bulk routes: each item as its text's allowance says, near-copies in order
+    r = client.post("/detect/batch", json={"texts": [second] * 4 + [TEXT]}, headers=primary)
+    results = [i["result"] for i in r.json()["results"]]
+    assert all("p_value" in a for a in results[:3]) and results[3] == spent
+    assert "p_value" in results[4]  # another text: its own allowance
+    assert r.json()["num_watermarked"] == 4
+    r = client.post("/decode/batch", json={"texts": [second]}, headers=primary)
+    assert r.json()["results"][0]["result"]["detail_reason"] == "full_answers_spent"
+
+    # a verdict key's queries do not spend the full answers of another text
+    other = (
+        "Bees dance to tell the hive where flowers are: the angle of the dance points "
+        "the way and its length says how far to fly."
+    )
+    _, verdict = new_key(client, tenant_id, ["detect"], "verdict")
+    for _ in range(3):
+        r = client.post("/detect", json={"text": other}, headers=verdict)
+        assert r.json()["detail_reason"] == "verdict_key"
+    assert "p_value" in client.post("/detect", json={"text": other}, headers=primary).json()
+
+    metrics = client.get("/metrics").text
+    after = metric_value(metrics, "worldcup_probe_full_answers_spent_total", route="detect")
+    assert after - before == 1
+    for route in ("decode", "provenance", "detect/batch", "decode/batch"):
+        assert metric_value(metrics, "worldcup_probe_full_answers_spent_total", route=route) >= 1
+    audit = client.get("/admin/audit?limit=100", headers=ADMIN).json()["entries"]
+    mine = [e for e in audit if e["actor"] == f"tenant:{tenant_id}"]
+    downgraded = [e for e in mine if e["action"] == "probe_full_answers_spent"]
+    assert len(downgraded) == 5
+    assert {e["outcome"]["route"] for e in downgraded} == {
+        "detect", "decode", "provenance", "detect/batch", "decode/batch"
+    }  # fmt: skip
+    assert all(e["outcome"]["full_answers"] == 3 for e in downgraded)
+    secret = primary["Authorization"].split()[1]
+    assert secret not in json.dumps(audit) and secret not in metrics
 
 
 def test_provenance_honours_verdict_and_is_accounted(client: TestClient) -> None:
@@ -344,12 +430,22 @@ def test_provenance_honours_verdict_and_is_accounted(client: TestClient) -> None
 
     r = client.post("/provenance", json={"text": text}, headers=verdict)
     assert r.status_code == 200, r.text
-    assert r.json() == {"detail": "verdict", "verdict": "watermarked", "tenant_id": tenant_id}
+    assert r.json() == {
+        "detail": "verdict",
+        "detail_reason": "verdict_key",
+        "verdict": "watermarked",
+        "tenant_id": tenant_id,
+    }
     admin = client.post("/provenance", json={"text": text}, headers=ADMIN).json()
     assert admin["p_value"] < 1e-6 and admin["match"]["tenant_id"] == tenant_id
     human = client.post("/provenance", json={"text": TEXT}, headers=verdict).json()
     full = client.post("/provenance", json={"text": TEXT}, headers=ADMIN).json()
-    assert human == {"detail": "verdict", "verdict": full["verdict"], "tenant_id": None}
+    assert human == {
+        "detail": "verdict",
+        "detail_reason": "verdict_key",
+        "verdict": full["verdict"],
+        "tenant_id": None,
+    }
     assert full["verdict"] == verdict_of(full["p_value"], full["num_scored_tokens"])
     for answer in (r.json(), human):
         assert not any(f'"{name}"' in str(answer).replace("'", '"') for name in GRADED)
@@ -747,7 +843,8 @@ def test_attack_bench_budgets_stop_the_attack(model_dir: Path) -> None:
     assert result["context_width"] == SERVICE_CONTEXT_WIDTH
     assert result["statistic"] == "model"
     budgets = result["budgets"]
-    assert budgets == {"full": 30, "verdict": 20, "window_s": 86400.0}  # the defaults
+    # the defaults
+    assert budgets == {"full": 30, "verdict": 20, "full_answers": 3, "window_s": 86400.0}
     for name in STRATEGIES:
         on, off = runs[(name, True)], runs[(name, False)]
         assert off["refused"] == 0, off

@@ -32,9 +32,11 @@ from worldcup_core.prf import SENTINEL, WatermarkKey, context_at
 from worldcup_eval.forgery import (
     ANSWERS,
     CLIMB,
+    CLIMB_LIMITED,
     ForgeryConfig,
     Judge,
     Tenant,
+    answers_p,
     clopper_pearson,
     collect_answers,
     human_chunks,
@@ -189,6 +191,12 @@ def test_a_redrawn_span_boosts_as_if_the_text_before_it_were_its_own() -> None:
     assert again.boosted == 0 and Spoofer(plan).sequence(Payload.from_bits("0")).generated == []
     with pytest.raises(ValueError, match="climb"):
         ForgeryConfig(scenario="fixed", budget_tokens=10, climb=-1)
+    with pytest.raises(ValueError, match="full_answers"):
+        ForgeryConfig(scenario="fixed", budget_tokens=10, full_answers=31)
+    # a p-value for the first 3 of each day's 30 queries (the draft's pick is query 0)
+    day = ForgeryConfig(scenario="fixed", budget_tokens=10, climb=60, full_answers=3)
+    assert [q for q in range(64) if answers_p(day, q)] == [0, 1, 2, 30, 31, 32, 60, 61, 62]
+    assert all(answers_p(replace(day, full_answers=0), q) for q in range(64))
 
 
 def test_the_steered_variant_has_keys_and_a_set_of_its_own() -> None:
@@ -433,6 +441,28 @@ def test_the_p_value_climber_spoofs_the_anchor_and_not_the_service_default(
     more = run_forgery(replace(kgw, climb=12), tmp_path / "kgw", word_lm, data_dir, False)
     assert path.read_text().splitlines()[: len(lines)] == lines
     assert len(read_jsonl(path)) == 13 and len(more["climb"]["by_round"]) == 13
+
+    # against the service's defence: a p-value for the first 3 queries a day, the
+    # verdict word after; the same answers and drafts (resumed), a file of its own
+    limited = replace(kgw, full_answers=3)
+    held = run_forgery(limited, tmp_path / "kgw", word_lm, data_dir, False)
+    assert held["climb"]["full_answers"] == 3
+    assert held["spoofs"][-1]["label"].startswith("stolen d=0.5, then 10 queries, a p-value")
+    assert held["climb"]["by_round"][-1]["accepted"] <= rounds[-1]["accepted"]
+    kept = read_jsonl(tmp_path / "kgw" / CLIMB_LIMITED.format(budget=3000, full=3))
+    edits = {"p": 0, "word": 0}
+    for i in range(kgw.spoof_prompts):
+        for before, after in zip(kept, kept[1:], strict=False):
+            a, b = before["texts"][i], after["texts"][i]
+            if a["tokens"] == b["tokens"]:
+                continue
+            if b["queries"] < 3:  # a p-value answered: the edit is kept when p falls
+                assert b["p"] < a["p"]
+                edits["p"] += 1
+            else:  # the word only: kept when the word is better, its p then unknown
+                assert b["word"] > a["word"] and b["known"] is False
+                edits["word"] += 1
+    assert edits["p"] > 0 and edits["word"] > 0, edits  # both answers were climbed on
 
     wide = _small("per-request", context_width=SERVICE_CONTEXT_WIDTH, climb=10)
     wc = run_forgery(wide, tmp_path / "wide", word_lm, data_dir, False)

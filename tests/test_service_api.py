@@ -76,6 +76,9 @@ def make_settings(model_dir: Path, db_dir: Path, **overrides: Any) -> Settings:
         "drain_timeout_s": 2.0,
         # tests not about the cap reuse one payload freely (tests/test_fixed_payload.py)
         "fixed_payload_repeats": 100_000,
+        # ... and ask about one text on every route, each with its p-value (the limit's
+        # tests, tests/test_exposure.py and test_collection_service.py, set the default)
+        "probe_full_answers": 0,
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

@@ -10,7 +10,9 @@ that text with that tenant's keys, first with budgets off, then (a second
 server on the same store) with the default budgets. The probe accounts are
 cleared before each strategy, so each one starts with a full day's budget.
 
-Strategies (the attacker's keys are ``full`` unless said otherwise):
+Strategies (the attacker's keys are ``full`` unless said otherwise; with budgets on,
+only a ``full`` key's first ``probe_full_answers`` answers about the text carry a
+p-value, the later ones the verdict word, read as a verdict key's are):
 
 * ``greedy``: each round, every one-word deletion of the current text in one
   ``/detect/batch``; keep the one with the highest p; stop once an answer says
@@ -66,7 +68,7 @@ def _settings(
 
     from app.core.config import Environment, Settings
 
-    off = {"probe_budget_full": 0, "probe_budget_verdict": 0}
+    off = {"probe_budget_full": 0, "probe_budget_verdict": 0, "probe_full_answers": 0}
     return Settings(
         _env_file=None,  # type: ignore[call-arg]
         env=Environment.PROD,
@@ -103,7 +105,7 @@ def _oracle(client: Any, auths: list[dict[str, str]], route: str) -> Oracle:
                     out.append(None)
                     continue
                 r.raise_for_status()
-                out.append(float(r.json()["p_value"]))
+                out.append(_p_or_word(r.json()))
             return out
         size = -(-len(texts) // len(auths))
         for k, start in enumerate(range(0, len(texts), size)):
@@ -112,15 +114,19 @@ def _oracle(client: Any, auths: list[dict[str, str]], route: str) -> Oracle:
             r.raise_for_status()
             for item in r.json()["results"]:
                 res = item["result"]
-                if res is None:
-                    out.append(None)
-                elif "p_value" in res:
-                    out.append(float(res["p_value"]))
-                else:  # a verdict key: only "watermarked" tells the attacker anything
-                    out.append(0.0 if res["verdict"] == "watermarked" else 1.0)
+                out.append(None if res is None else _p_or_word(res))
         return out
 
     return ask
+
+
+def _p_or_word(answer: dict[str, Any]) -> float:
+    """What an answer tells the attacker: its p-value, or, answered as the verdict only
+    (a verdict key, or a full key past its text's full answers), whether it still
+    reads "watermarked" (0) or not (1)."""
+    if "p_value" in answer:
+        return float(answer["p_value"])
+    return 0.0 if answer["verdict"] == "watermarked" else 1.0
 
 
 class _Run:
@@ -428,6 +434,7 @@ def run_attack_bench(
             budgets_used = {
                 "full": settings.probe_budget_full,
                 "verdict": settings.probe_budget_verdict,
+                "full_answers": settings.probe_full_answers,
                 "window_s": settings.probe_window_s,
             }
     return {
@@ -449,7 +456,8 @@ def format_attack_bench(result: dict[str, Any]) -> str:
         f"p = {result['initial_p_value']:.2g} before the attack; "
         f"key context width {result.get('context_width', 2)}, "
         f"statistic {result.get('statistic') or 'model_free'}; "
-        f"budgets {b['full']} (full) / {b['verdict']} (verdict) per {b['window_s']:g} s; "
+        f"budgets {b['full']} (full) / {b['verdict']} (verdict) per {b['window_s']:g} s, "
+        f"of which {b.get('full_answers', 0) or 'all'} answered with a p-value; "
         f"at most {result['max_queries']} queries per run",
         "",
         "| strategy | probe budgets | queries sent | answered | words deleted | stopped because "

@@ -52,7 +52,11 @@ collected on); optionally best-of-n against a yes/no oracle (a ``verdict`` key).
 sends ``Q`` queries about that one text to the ``p`` a ``full`` key's ``/detect``
 answers, each query the text with a span of :data:`CLIMB_SPAN` tokens redrawn by the
 spoofer, and keeps an edit when ``p`` falls (the probe budgets link every edit to the
-text's account: 30 queries a day).
+text's account: 30 queries a day). ``--full-answers N`` puts it against the service's
+defence (``probe_full_answers``): only the first ``N`` queries a day about the text
+answer ``p``, the others the verdict word, and an edit is then kept only when the
+word is better; a text kept on its word alone has a ``p`` the attacker does not know,
+so on the next day its first ``p`` is spent on that text itself.
 **Piggybacking** edits genuine answers (an inserted paragraph, negations, 10-50 % of
 the tokens rewritten by the plain model) and asks whether the verdict and the named
 entry survive, and how much of the text the watermark's island covers.
@@ -95,7 +99,9 @@ ANSWERS: Final = "answers.jsonl"
 SPOOFS: Final = "spoofs-{budget}.jsonl"  # per budget: the spoofer learned from that many
 EDITS: Final = "piggyback-{budget}.jsonl"
 CLIMB: Final = "climb-{budget}.jsonl"  # per budget: the p-value climber's rounds
+CLIMB_LIMITED: Final = "climb-{budget}-full{full}.jsonl"  # ... against --full-answers N
 CLIMB_SPAN: Final = 16  # the tokens one climbing query redraws
+DAY_QUERIES: Final = 30  # a full key's probe budget for one text a day (the default)
 TOP_LOGPROBS: Final = 20  # the base model's alternatives kept per position
 WATERMARKED_BELOW: Final = 1e-6  # the production verdict (worldcup_core.verdict)
 ANCHOR_FPR: Final = 1e-3  # KGW's own operating point in the literature
@@ -129,6 +135,10 @@ class ForgeryConfig:
     # span of it with the spoofer and keeping the edit when the oracle's p falls (30: a
     # ``full`` key's probe budget for one text and its edits, a day)
     climb: int = 0
+    # the service's probe_full_answers the climber meets: of each day's queries about
+    # its text, only the first this many answer a p-value, the rest the verdict word
+    # (0: every query a p-value, the service before 2026-12-01)
+    full_answers: int = 0
     piggyback: int = 40  # genuine answers edited
     rewrite_shares: tuple[float, ...] = (0.1, 0.3, 0.5)
     human_texts: int = 1000
@@ -166,6 +176,8 @@ class ForgeryConfig:
             raise ValueError(f"steer must be in [0, 20], got {self.steer:g}")
         if not 0 <= self.climb <= 10_000:
             raise ValueError(f"climb must be in 0..10000, got {self.climb}")
+        if not 0 <= self.full_answers <= DAY_QUERIES:
+            raise ValueError(f"full_answers must be in 0..{DAY_QUERIES}, got {self.full_answers}")
 
     @property
     def width(self) -> int:
@@ -740,8 +752,26 @@ def _state(tokens: list[int], said: dict[str, Any], queries: int) -> dict[str, A
         "tokens": tokens,
         "queries": queries,
         "p": 1.0 if p is None else float(p),
+        "word": _word(said),
         **{k: said[k] for k in ("accepted", "watermarked", "named")},
     }
+
+
+def _word(said: dict[str, Any]) -> int:
+    """What a verdict-only answer tells: 2 accepted ("watermarked"), 1 some evidence
+    ("inconclusive": p below 0.05), 0 neither."""
+    from worldcup_core.verdict import VERDICT_CLEAN_FROM
+
+    if said["accepted"]:
+        return 2
+    return int(said["p"] is not None and said["p"] < VERDICT_CLEAN_FROM)
+
+
+def answers_p(config: ForgeryConfig, query: int) -> bool:
+    """Whether the text's ``query``-th query (0: the attacker's pick of its draft) is
+    answered with a p-value: the first ``full_answers`` of each day's
+    :data:`DAY_QUERIES` (the probe window slides: a day later they are back)."""
+    return config.full_answers <= 0 or query % DAY_QUERIES < config.full_answers
 
 
 def climb_spoofs(
@@ -766,7 +796,10 @@ def climb_spoofs(
     v = climb_variant(config, tenant)
     if v is None or config.climb < 1:
         return None
-    path = out / CLIMB.format(budget=config.budget_tokens)
+    if config.full_answers > 0:
+        path = out / CLIMB_LIMITED.format(budget=config.budget_tokens, full=config.full_answers)
+    else:
+        path = out / CLIMB.format(budget=config.budget_tokens)
     rounds = read_jsonl(path)
     decode = lm.tokenizer.decode
     if rounds:
@@ -797,9 +830,13 @@ def climb_spoofs(
     for r in range(len(rounds), config.climb + 1):
         drawn.clear()
         cuts: dict[int, int] = {}
+        measured: list[int] = []  # a p back after a day of words: first the kept text's
         jobs = []
         for i, s in enumerate(state):
             if s["accepted"] or not s["tokens"]:
+                continue
+            if not s.get("known", True) and answers_p(config, s["queries"] + 1):
+                measured.append(i)
                 continue
             old = s["tokens"]
             seed = _seed(config.seed, f"climb/{i}", r)
@@ -822,14 +859,22 @@ def climb_spoofs(
             i: state[i]["tokens"][:cut] + drawn[i] + state[i]["tokens"][cut + CLIMB_SPAN :]
             for i, cut in cuts.items()
         }
+        proposals.update({i: state[i]["tokens"] for i in measured})
         order = sorted(proposals)
         texts = [decode(proposals[i], skip_special_tokens=True) for i in order]
         said = judge.judge(texts) if texts else []
         state = [dict(s) for s in state]
         for i, s in zip(order, said, strict=True):
             spent = state[i]["queries"] + 1
-            if s["p"] is not None and s["p"] < state[i]["p"]:
-                state[i] = _state(proposals[i], s, spent)
+            if i in measured:  # the attacker learns its kept text's p (it is the same text)
+                state[i] = {**state[i], "queries": spent, "known": True}
+                continue
+            if answers_p(config, spent):  # the p-value: keep the edit when it falls
+                better = s["p"] is not None and s["p"] < state[i]["p"]
+            else:  # the verdict word only: keep the edit when the word is better
+                better = _word(s) > state[i].get("word", _word(state[i]))
+            if better:  # a text kept on its word alone: its p is not known to the attacker
+                state[i] = {**_state(proposals[i], s, spent), "known": answers_p(config, spent)}
             else:
                 state[i]["queries"] = spent
         rounds.append({"round": r, "texts": state})
@@ -838,9 +883,11 @@ def climb_spoofs(
             bar(1)
     _close(bar)
     final = rounds[min(config.climb, len(rounds) - 1)]["texts"]
-    row = _spoof_row(f"{v.label}, then {config.climb} p-value queries", final, config)
+    row = _spoof_row(f"{v.label}, then {climb_label(config)}", final, config)
     return {
         "queries": config.climb,
+        "full_answers": config.full_answers,
+        "day_queries": DAY_QUERIES,
         "span": CLIMB_SPAN,
         "start": v.label,
         "row": row,
@@ -854,6 +901,16 @@ def climb_spoofs(
             for rd in rounds[: config.climb + 1]
         ],
     }
+
+
+def climb_label(config: ForgeryConfig) -> str:
+    """The climber's queries, as its row names them."""
+    if config.full_answers <= 0:
+        return f"{config.climb} p-value queries"
+    return (
+        f"{config.climb} queries, a p-value for the first {config.full_answers} "
+        f"of each {DAY_QUERIES} (probe_full_answers)"
+    )
 
 
 # ----------------------------------------------------------------------------- piggyback
@@ -1285,6 +1342,7 @@ def run_forgery(
         + ("-exposed" if config.exposure == "all" else "")
         + ("-sealed" if config.scenario == "fixed" and config.sealed else "")
         + (f"-c{config.width}" if config.scenario != "kgw" and config.width != 2 else "")
+        + (f"-full{config.full_answers}" if config.climb and config.full_answers else "")
     )
     (out / f"summary-{name}.json").write_text(json.dumps(summary, indent=1))
     (out / f"report-{name}.md").write_text(report(summary))
@@ -1347,10 +1405,17 @@ def report(summary: dict[str, Any]) -> str:
             for r in climb["by_round"]
             if r["round"] in {0, 1, 3, 10, 30, 100, 300, climb["queries"]}
         )
+        full = climb.get("full_answers", 0)
+        answered = (
+            f", a p-value for the first {full} of each {climb['day_queries']} and the "
+            "verdict word after (probe_full_answers)"
+            if full
+            else ", each answered with a p-value"
+        )
         lines += [
             "",
-            f"The p-value climber ({climb['queries']} queries a prompt on its text, each "
-            f"redrawing {climb['span']} tokens; from {climb['start']}): texts accepted "
+            f"The p-value climber ({climb['queries']} queries a prompt on its text{answered}; "
+            f"each redrawing {climb['span']} tokens; from {climb['start']}): texts accepted "
             f"{reached} queries.",
         ]
     if summary.get("piggyback"):
@@ -1416,6 +1481,15 @@ def main(argv: list[str] | None = None) -> int:
         "on its best draft, each redrawing a span with the spoofer, kept when the p-value "
         "a full key's /detect answers falls (30: one day's probe budget for one text)",
     )
+    ap.add_argument(
+        "--full-answers",
+        type=int,
+        default=0,
+        help="the climber meets the service's probe_full_answers (default 0: every query "
+        "answers a p-value, the service before 2026-12-01; the service's default is 3): "
+        "of each 30 queries about a text, only the first N answer a p-value, the rest "
+        "the verdict word, and an edit is then kept only when the word is better",
+    )
     ap.add_argument("--piggyback", type=int, default=40)
     ap.add_argument("--human-texts", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=48)
@@ -1478,6 +1552,7 @@ def main(argv: list[str] | None = None) -> int:
             spoof_from=args.spoof_from,
             steer=args.steer,
             climb=args.climb,
+            full_answers=args.full_answers,
             piggyback=args.piggyback,
             human_texts=args.human_texts,
             batch_size=args.batch_size,

@@ -184,6 +184,11 @@ class Settings(BaseSettings):
     probe_window_s: Annotated[float, Field(gt=0)] = 86400.0
     probe_budget_verdict: Annotated[int, Field(ge=0)] = 20
     probe_budget_full: Annotated[int, Field(ge=0)] = 30
+    # a `full` key's first probe_full_answers queries about one text within the window
+    # are answered in full; later ones, as a verdict key's (`detail_reason`:
+    # full_answers_spent), so a p-value is not an oracle to climb (SECURITY.md, the
+    # patient oracle attacker). 0 = off: every answer in full
+    probe_full_answers: Annotated[int, Field(ge=0)] = 3
 
     # client-chosen payloads (`payload` on /generate, `watermark.payload` on /v1): only
     # for keys holding the `fixed_payload` scope, granted to the tenant by an admin, and

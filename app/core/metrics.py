@@ -65,6 +65,13 @@ class Metrics:
             ["detail"],
             registry=r,
         )
+        self.probe_full_answers_spent = Counter(
+            "worldcup_probe_full_answers_spent",
+            "Answers to a full key given as the verdict only: their text's full answers "
+            "within the probe window were spent, by route.",
+            ["route"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "worldcup_queue_depth", "Generate requests waiting for a batch slot.", registry=r
         )

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from app.schemas.common import StrictModel, StrictRequest
+from app.schemas.exposure import DetailReason, reason_field
 from app.schemas.watermark import BatchItemError, BatchText, _VerdictAnswer
 from worldcup_core.verdict import Reason, Verdict
 
@@ -109,6 +110,7 @@ class CollectionVerdict(StrictModel):
     ``watermarked``, whose key and the named group value; no p-values or counts."""
 
     detail: Literal["verdict"] = "verdict"
+    detail_reason: DetailReason = reason_field()
     verdict: Verdict
     tenant_id: str | None = None
     group_value: str | None = None

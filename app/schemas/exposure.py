@@ -27,9 +27,35 @@ __all__ = [
     "VERDICT_CLEAN_FROM",
     "VERDICT_LEVELS",
     "VERDICT_WATERMARKED_BELOW",
+    "FULL_ANSWERS_SPENT",
+    "DetailReason",
     "Verdict",
     "verdict_of",
 ]
+
+
+DetailReason = Literal["verdict_key", "full_answers_spent"]
+
+DETAIL_REASON = (
+    "Why this answer is the verdict only. verdict_key: the API key's detail level. "
+    "full_answers_spent: a `full` key's answer about a text it (or another key of its "
+    "tenant) already asked about `probe_full_answers` times within the probe window "
+    "(default 3 a day): later answers about that text are the verdict only, so its "
+    "p-value cannot be climbed query by query (SECURITY.md, the patient oracle "
+    "attacker); full answers about it return as those queries leave the window."
+)
+
+
+FULL_ANSWERS_SPENT = (
+    "this text was asked about more often within the probe window than a full key is "
+    "answered in full (probe_full_answers): the verdict only, so its p-value cannot be "
+    "climbed edit by edit"
+)
+
+
+def reason_field() -> Any:
+    """The ``detail_reason`` field of every verdict-only answer."""
+    return Field("verdict_key", description=DETAIL_REASON)
 
 
 BITS_WITHHELD = (
@@ -43,6 +69,7 @@ class DetectVerdict(StrictModel):
     """/detect under a ``verdict`` key."""
 
     detail: Literal["verdict"] = "verdict"
+    detail_reason: DetailReason = reason_field()
     verdict: Verdict = Field(
         description="watermarked: p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."
     )
@@ -54,6 +81,7 @@ class ProvenanceVerdict(StrictModel):
     no p-values, bits, token counts or runner-ups."""
 
     detail: Literal["verdict"] = "verdict"
+    detail_reason: DetailReason = reason_field()
     verdict: Verdict = Field(
         description="watermarked: p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."
     )
@@ -76,6 +104,7 @@ class DecodeVerdict(StrictModel):
     so one key's /decode and /detect of one text always agree."""
 
     detail: Literal["verdict"] = "verdict"
+    detail_reason: DetailReason = reason_field()
     verdict: Verdict = Field(
         description="Of the message-free detection statistic, as /detect: watermarked: "
         "p < 1e-6; not_watermarked: p >= 0.05; inconclusive between."

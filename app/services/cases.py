@@ -37,7 +37,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.core.errors import APIError
-from app.schemas.exposure import DecodeVerdict, DetectVerdict, ProvenanceVerdict
+from app.schemas.exposure import (
+    FULL_ANSWERS_SPENT,
+    DecodeVerdict,
+    DetectVerdict,
+    ProvenanceVerdict,
+)
 from app.schemas.watermark import (
     BatchItemError,
     DecodeBatchRequest,
@@ -220,12 +225,13 @@ def summarise(mode: Mode, answer: Answer) -> tuple[dict[str, Any], dict[str, Any
                 client_payload=hit.client_payload,
                 metadata=hit.metadata,
             )
+        spent = answer.detail_reason == "full_answers_spent"
         verdict: dict[str, Any] = {
             "verdict": answer.verdict,
             "statistic": statistic,
             "p_value": None,
             "sentence": verdict_sentence(answer.verdict, statistic, None),
-            "why": STATISTICS[statistic],
+            "why": FULL_ANSWERS_SPENT if spent else STATISTICS[statistic],
         }
         return verdict, summary
     statistic = answer.verdict_statistic

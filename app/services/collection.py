@@ -165,7 +165,11 @@ async def read_together(
         )
     for text in texts:  # one text over the limit refuses the set, before any budget is spent
         check_text(runtime, text)
-    good, ids, _, errors = await take_batch(runtime, who.principal, ROUTE, texts)
+    batch = await take_batch(runtime, who.principal, ROUTE, texts)
+    good, ids, errors = batch.good, batch.ids, batch.errors
+    # in full only if every text is: a set holding one text past its full answers
+    # would give that text's p-value by another road
+    full = all(batch.full)
     if not good:
         first = next(iter(errors.values()))
         raise APIError(429, first.message, first.code)
@@ -234,12 +238,14 @@ async def read_together(
             "group_by": body.group_by,
             "group_value": group.value if group is not None else None,
         },
+        full,
     )
-    if who.is_verdict:
+    if not full:
         return CollectionVerdict(
             verdict=joint.verdict,
             tenant_id=tenant_id if found else None,
             group_value=group.value if group is not None else None,
+            detail_reason="verdict_key" if who.is_verdict else "full_answers_spent",
         )
     per_text = _per_text(texts, good, ids, errors, result, bank, chosen, tried, keys)
     message = (

@@ -14,7 +14,12 @@ from dataclasses import replace
 from typing import TypeVar
 
 from app.core.errors import APIError
-from app.schemas.exposure import DecodeVerdict, DetectVerdict, VerdictRegistryMatch
+from app.schemas.exposure import (
+    DecodeVerdict,
+    DetailReason,
+    DetectVerdict,
+    VerdictRegistryMatch,
+)
 from app.schemas.watermark import (
     BatchItemError,
     BitConfidence,
@@ -127,12 +132,13 @@ def _assemble(
     return [(i, by_index.get(i), errors.get(i)) for i in range(count)]
 
 
-def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
-    """A verdict key's /decode: the text's one verdict (as /detect's) with the registry
+def _decode_verdict(answer: DecodeResponse, reason: DetailReason) -> DecodeVerdict:
+    """A verdict-only /decode: the text's one verdict (as /detect's) with the registry
     entry where one may be named."""
     match = answer.registry_match
     return DecodeVerdict(
         verdict=answer.verdict,
+        detail_reason=reason,
         registry_match=None
         if match is None
         else VerdictRegistryMatch(
@@ -144,8 +150,8 @@ def _decode_verdict(answer: DecodeResponse) -> DecodeVerdict:
     )
 
 
-def _detect_verdict(answer: DetectResponse) -> DetectVerdict:
-    return DetectVerdict(verdict=answer.verdict)
+def _detect_verdict(answer: DetectResponse, reason: DetailReason) -> DetectVerdict:
+    return DetectVerdict(verdict=answer.verdict, detail_reason=reason)
 
 
 async def assess_ids(
@@ -203,8 +209,10 @@ async def _decode_outcomes(
     ]
 
 
-def _is_verdict(principal: Principal) -> bool:
-    return principal.key.detail == "verdict"
+def _reason(principal: Principal) -> DetailReason:
+    """Why a verdict-only answer is one: the key's level, or (a ``full`` key) its text's
+    full answers are spent (:func:`app.services.intake.admit_one`)."""
+    return "verdict_key" if principal.key.detail == "verdict" else "full_answers_spent"
 
 
 def _check_evidence_allowed(principal: Principal) -> None:
@@ -234,22 +242,21 @@ async def decode(
     if body.evidence:
         _check_evidence_allowed(principal)
     ids, pieces, sketches = await intake.tokenise(runtime, principal, body.text, body.evidence)
-    await intake.admit_one(runtime, principal, "decode", sketches)
+    full = await intake.admit_one(runtime, principal, "decode", sketches)
     outcome, assessment, statistic, withhold = (
         await _decode_outcomes(runtime, principal, [ids], body.num_bits, body.key_version)
     )[0]
     answer = _decode_response(runtime, principal, outcome, assessment, statistic, withhold)
-    if not _is_verdict(principal):
-        await _add_coverage(
-            runtime, principal, [answer], [ids], [outcome.result.num_bits],
-            [(outcome.entry, body.text)],
-        )  # fmt: skip
+    if not full:  # a verdict key, or a full key's text asked about too often: no evidence
+        return _decode_verdict(answer, _reason(principal))
+    await _add_coverage(
+        runtime, principal, [answer], [ids], [outcome.result.num_bits],
+        [(outcome.entry, body.text)],
+    )  # fmt: skip
     if body.evidence:
         answer.evidence = await runtime.watermark.token_evidence(
             principal.tenant.tenant_id, outcome, ids, pieces
         )
-    if _is_verdict(principal):
-        return _decode_verdict(answer)
     return answer
 
 
@@ -257,12 +264,13 @@ async def detect(
     runtime: Runtime, principal: Principal, body: DetectRequest
 ) -> DetectResponse | DetectVerdict:
     """Is this text watermarked with any of my keys? A calibrated, message-free test.
-    A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores."""
+    A ``verdict`` key gets one word (see VERDICT_LEVELS) instead of the scores, as does a
+    ``full`` key past its text's full answers (:func:`app.services.intake.admit_one`)."""
     ids, _, sketches = await intake.tokenise(runtime, principal, body.text, False)
-    await intake.admit_one(runtime, principal, "detect", sketches)
+    full = await intake.admit_one(runtime, principal, "detect", sketches)
     answer = _detect_response(runtime, (await assess_ids(runtime, principal, [ids]))[0])
-    if _is_verdict(principal):
-        return _detect_verdict(answer)
+    if not full:
+        return _detect_verdict(answer, _reason(principal))
     await _add_coverage(runtime, principal, [answer], [ids], [runtime.settings.default_num_bits])
     return answer
 
@@ -273,30 +281,40 @@ async def decode_batch(
     """Bulk /decode. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
     await _admit_batch(runtime, principal, body.texts)
-    good, ids, _, errors = await intake.take_batch(runtime, principal, "decode/batch", body.texts)
-    outcomes = await _decode_outcomes(runtime, principal, ids, body.num_bits, body.key_version)
+    batch = await intake.take_batch(runtime, principal, "decode/batch", body.texts)
+    errors = batch.errors
+    outcomes = await _decode_outcomes(
+        runtime, principal, batch.ids, body.num_bits, body.key_version
+    )
     answers: list[DecodeResponse] = []
     answered: list[int] = []
-    answered_ids: list[list[int]] = []
-    lengths: list[int] = []
-    issued: list[tuple[RegistryEntry | None, str]] = []
-    for index, text_ids, (outcome, assessment, statistic, withhold) in zip(
-        good, ids, outcomes, strict=True
+    full: list[bool] = []
+    covered: list[tuple[DecodeResponse, list[int], int, tuple[RegistryEntry | None, str]]] = []
+    for index, text_ids, in_full, (outcome, assessment, statistic, withhold) in zip(
+        batch.good, batch.ids, batch.full, outcomes, strict=True
     ):
         try:
-            answers.append(
-                _decode_response(runtime, principal, outcome, assessment, statistic, withhold)
-            )
-            answered.append(index)
-            answered_ids.append(text_ids)
-            lengths.append(outcome.result.num_bits)
-            issued.append((outcome.entry, body.texts[index]))
+            answer = _decode_response(runtime, principal, outcome, assessment, statistic, withhold)
         except APIError as exc:  # an unreadable registry entry fails only its item
             errors[index] = BatchItemError(code=exc.code, message=exc.message)
-    if not _is_verdict(principal):
-        await _add_coverage(runtime, principal, answers, answered_ids, lengths, issued)
+            continue
+        answers.append(answer)
+        answered.append(index)
+        full.append(in_full)
+        if in_full:
+            issued = (outcome.entry, body.texts[index])
+            covered.append((answer, text_ids, outcome.result.num_bits, issued))
+    if covered:
+        await _add_coverage(
+            runtime,
+            principal,
+            [c[0] for c in covered],
+            [c[1] for c in covered],
+            [c[2] for c in covered],
+            [c[3] for c in covered],
+        )
     items, watermarked = _batch_results(
-        principal, len(body.texts), answered, answers, errors, _decode_verdict
+        principal, len(body.texts), answered, answers, full, errors, _decode_verdict
     )
     return DecodeBatchResponse(
         results=[DecodeBatchItem(index=i, result=r, error=e) for i, r, e in items],
@@ -312,20 +330,22 @@ async def detect_batch(
     only its own item."""
     await _admit_batch(runtime, principal, body.texts)
     # only the items the budget allows are scored: a refused item costs no scoring
-    good, allowed, _, errors = await intake.take_batch(
-        runtime, principal, "detect/batch", body.texts
-    )
-    answers = [_detect_response(runtime, a) for a in await assess_ids(runtime, principal, allowed)]
-    if not _is_verdict(principal):
-        bits = [runtime.settings.default_num_bits] * len(answers)
-        await _add_coverage(runtime, principal, answers, allowed, bits)
+    batch = await intake.take_batch(runtime, principal, "detect/batch", body.texts)
+    assessed = await assess_ids(runtime, principal, batch.ids)
+    answers = [_detect_response(runtime, a) for a in assessed]
+    shown = [(a, ids) for a, ids, f in zip(answers, batch.ids, batch.full, strict=True) if f]
+    if shown:
+        bits = [runtime.settings.default_num_bits] * len(shown)
+        await _add_coverage(
+            runtime, principal, [a for a, _ in shown], [ids for _, ids in shown], bits
+        )
     items, watermarked = _batch_results(
-        principal, len(body.texts), good, answers, errors, _detect_verdict
+        principal, len(body.texts), batch.good, answers, batch.full, batch.errors, _detect_verdict
     )
     return DetectBatchResponse(
         results=[DetectBatchItem(index=i, result=r, error=e) for i, r, e in items],
         num_watermarked=watermarked,
-        num_errors=len(errors),
+        num_errors=len(batch.errors),
     )
 
 
@@ -389,15 +409,16 @@ def _batch_results(
     count: int,
     good: list[int],
     answers: list[_Full],
+    full: list[bool],
     errors: dict[int, BatchItemError],
-    verdict: Callable[[_Full], _Word],
+    verdict: Callable[[_Full, DetailReason], _Word],
 ) -> tuple[list[tuple[int, _Full | _Word | None, BatchItemError | None]], int]:
-    """The shared tail of both bulk routes: every text's (index, answer, error), in
-    full or as verdicts for a ``verdict`` key, and how many are watermarked."""
-    shown: list[_Full | _Word]
-    if _is_verdict(principal):
-        verdicts = [verdict(a) for a in answers]
-        shown, watermarked = list(verdicts), sum(v.verdict == "watermarked" for v in verdicts)
-    else:
-        shown, watermarked = list(answers), sum(a.verdict == "watermarked" for a in answers)
+    """The shared tail of both bulk routes: every text's (index, answer, error), each in
+    full or as its verdict (``full``: :func:`app.services.intake.admit_one`), and how many
+    are watermarked."""
+    reason = _reason(principal)
+    shown: list[_Full | _Word] = [
+        a if f else verdict(a, reason) for a, f in zip(answers, full, strict=True)
+    ]
+    watermarked = sum(a.verdict == "watermarked" for a in answers)
     return _assemble(count, good, shown, errors), watermarked

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
 from app.schemas.generation import check_metadata
 from app.schemas.watermark import BatchItemError, RegistryMatchOut
-from app.services.probes import Sketch
+from app.services.probes import Admission, Sketch
 from app.services.runtime import Runtime
 from app.services.tenants import Principal
 from app.services.watermark import DecodeOutcome
@@ -162,13 +163,14 @@ async def account_sketches(
     route: str,
     sketches: list[Sketch | None] | None,
     count: int,
-) -> list[ProbeDecision]:
-    """One decision for each of ``count`` fingerprinted queries, counted against its
+) -> list[Admission]:
+    """One admission for each of ``count`` fingerprinted queries, counted against its
     text's budget; with accounting off (no sketches, no probe store) every query is
-    allowed. Refusals are audited and counted once per request."""
+    allowed, and a ``full`` key's answered in full. Refusals are audited and counted
+    once per request."""
     probes = runtime.probes
     if sketches is None or probes is None:
-        return [ProbeDecision(True, 0, 0.0)] * count
+        return [Admission(ProbeDecision(True, 0, 0.0), principal.key.detail == "full")] * count
     key = principal.key
     return await probes.account(
         principal.tenant.tenant_id, key.key_id, key.detail, route, sketches, request_id_var.get()
@@ -177,15 +179,20 @@ async def account_sketches(
 
 async def admit_one(
     runtime: Runtime, principal: Principal, route: str, sketches: list[Sketch | None] | None
-) -> None:
-    """Count a single query against its text's budget, or raise its 429."""
+) -> bool:
+    """Count a single query against its text's budget, or raise its 429; whether it is
+    answered in full: only a ``full`` key's, and only within the first
+    ``probe_full_answers`` full answers about its text in the probe window (the tenant's
+    keys together). Past them a ``full`` key gets the verdict only (``detail_reason:
+    full_answers_spent``), so a p-value cannot be climbed edit by edit."""
     probes = runtime.probes
     if sketches is None or probes is None:
-        return
+        return principal.key.detail == "full"
     key = principal.key
-    await probes.admit_one(
+    admission = await probes.admit_one(
         principal.tenant.tenant_id, key.key_id, key.detail, route, sketches[0], request_id_var.get()
     )
+    return admission.full
 
 
 async def tokenise(
@@ -206,25 +213,43 @@ async def tokenise(
     return await runtime.offload(work)
 
 
+@dataclass(frozen=True)
+class Intake:
+    """A batch's admitted texts: their indices in the request, token ids, token pieces
+    (for evidence) and whether each is answered in full (:func:`admit_one`), with the
+    errors of the others by index."""
+
+    good: list[int]
+    ids: list[list[int]]
+    pieces: list[list[str]]
+    errors: dict[int, BatchItemError]
+    full: list[bool]
+
+
 async def take_batch(
     runtime: Runtime,
     principal: Principal | None,
     route: str,
     texts: list[str],
     pieces: bool = False,
-) -> tuple[list[int], list[list[int]], list[list[str]], dict[int, BatchItemError]]:
+) -> Intake:
     """A batch's intake: every text checked, the good ones tokenised (with each token's
     characters, for evidence, when ``pieces``) and fingerprinted in bulk worker jobs,
     and a tenant key's queries counted against its probe budget in one call (None:
-    the admin, unmetered). (indices of the admitted texts, their token ids, their
-    token pieces, errors by index): a bad or refused text fails alone."""
+    the admin, unmetered, always answered in full): a bad or refused text fails
+    alone."""
     good, errors = check_all(runtime, texts)
     sketch = sketcher(runtime, principal) if principal is not None else None
     tokens, sketches = await _tokenise_chunks(runtime, sketch, [texts[i] for i in good], pieces)
+    full = [True] * len(tokens)
     if principal is not None:
-        decisions = await account_sketches(runtime, principal, route, sketches, len(tokens))
-        good, tokens = _keep_allowed(runtime, principal, good, tokens, decisions, errors)
-    return good, [ids for ids, _ in tokens], [parts for _, parts in tokens], errors
+        admissions = await account_sketches(runtime, principal, route, sketches, len(tokens))
+        good, kept = _keep_allowed(
+            runtime, principal, good, list(zip(tokens, admissions, strict=True)), errors
+        )
+        tokens = [t for t, _ in kept]
+        full = [a.full for _, a in kept]
+    return Intake(good, [ids for ids, _ in tokens], [parts for _, parts in tokens], errors, full)
 
 
 async def _tokenise_chunks(
@@ -253,14 +278,13 @@ def _keep_allowed(
     runtime: Runtime,
     principal: Principal,
     good: list[int],
-    items: list[_Item],
-    decisions: list[ProbeDecision],
+    items: list[tuple[_Item, Admission]],
     errors: dict[int, BatchItemError],
-) -> tuple[list[int], list[_Item]]:
+) -> tuple[list[int], list[tuple[_Item, Admission]]]:
     """Batch items count one by one; a refused item becomes that item's error."""
     kept_good, kept = [], []
-    for index, item, decision in zip(good, items, decisions, strict=True):
-        if decision.allowed:
+    for index, item in zip(good, items, strict=True):
+        if item[1].decision.allowed:
             kept_good.append(index)
             kept.append(item)
         else:

@@ -44,6 +44,15 @@ token, one vectorised hash pass, one MGET of 32 anchors, one of at most 4
 sketches of 2 KB, and one script call (which writes 32 anchors when the
 query opens an account or moves one).
 
+Full answers, counted apart: within the budget, a ``full`` key's answer about a
+text carries its p-value only ``full_answers`` times a window
+(``WORLDCUP_PROBE_FULL_ANSWERS``, default 3), counted under the account's id in a
+namespace of their own (:data:`FULL_ACCOUNT`), so a public verdict key's queries
+never spend them; the later answers are the verdict only
+(``detail_reason: full_answers_spent``). A p-value answered edit after edit is a
+gradient a spoofer climbs (SECURITY.md, the patient oracle attacker); the verdict
+word is not.
+
 Accounted per tenant, audited per key: a tenant with N keys has one budget per
 text, not N. The limit applied to a query is its own key's detail-level budget
 (``verdict`` or ``full``) against the tenant's shared count, so a ``verdict``
@@ -86,6 +95,7 @@ from app.stores.base import AuditRecord, ProbeDecision, Store
 
 __all__ = [
     "LINK",
+    "Admission",
     "Canonical",
     "ProbeAccountant",
     "Sketch",
@@ -108,6 +118,17 @@ _ID_MASK = np.uint64((1 << _ID_BITS) - 1)
 _ALL = np.uint64(np.iinfo(np.uint64).max)
 _SPACE = re.compile(r"\s+")
 TENANT_ACCOUNT = "tenant"  # the store's account id: one set of accounts per tenant
+FULL_ACCOUNT = "tenant-full"  # ... and of its accounts' full answers (same cluster ids)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One query counted against its text's budget (``decision``: refused or not), and
+    whether it is answered in full: only a ``full`` key's, and only among the first
+    ``full_answers`` full answers about its text in the window."""
+
+    decision: ProbeDecision
+    full: bool
 
 
 def probe_secret(master_key: bytes) -> bytes:
@@ -242,16 +263,55 @@ class ProbeAccountant:
         budget_full: int,
         budget_verdict: int,
         tokenizer: Any = None,
+        full_answers: int = 0,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.window_s = window_s
         self.budgets = {"full": budget_full, "verdict": budget_verdict}
+        self.full_answers = full_answers
         self.canonical = Canonical(tokenizer)
         self._keys = _hash_keys(secret)
 
     def __repr__(self) -> str:
-        return f"ProbeAccountant(window_s={self.window_s}, budgets={self.budgets})"
+        return (
+            f"ProbeAccountant(window_s={self.window_s}, budgets={self.budgets}, "
+            f"full_answers={self.full_answers})"
+        )
+
+    async def _full_answer(self, tenant_id: str, cluster_id: str) -> bool:
+        """Whether one more full answer about the text of this account is allowed: at most
+        ``full_answers`` in the window, counted apart from the account's queries (so a
+        public verdict key's queries never spend an analyst's full answers)."""
+        if self.full_answers <= 0:
+            return True
+        decision = await self.store.probe_hit(
+            tenant_id, FULL_ACCOUNT, cluster_id, None, [], self.window_s, self.full_answers
+        )
+        return decision.allowed
+
+    async def spent_full(
+        self, tenant_id: str, key_id: str, route: str, request_id: str, count: int
+    ) -> None:
+        """Audit and count the answers of one request that a ``full`` key got as the
+        verdict only: a text asked about more than ``full_answers`` times in the window
+        is what a p-value climber (or a curious analyst) does."""
+        self.metrics.probe_full_answers_spent.labels(route).inc(count)
+        await self.store.append_audit(
+            AuditRecord(
+                at=time.time(),
+                actor=f"tenant:{tenant_id}",
+                action="probe_full_answers_spent",
+                request_id=request_id,
+                outcome={
+                    "key_id": key_id,
+                    "route": route,
+                    "answered_as_verdict": count,
+                    "full_answers": self.full_answers,
+                    "window_s": self.window_s,
+                },
+            )
+        )
 
     def budget(self, detail: str) -> int:
         return self.budgets.get(detail, self.budgets["verdict"])
@@ -274,16 +334,17 @@ class ProbeAccountant:
 
     async def admit(
         self, tenant_id: str, key_id: str, detail: str, sketches: Sequence[Sketch | None]
-    ) -> list[ProbeDecision]:
-        """One decision per query, in order (a batch's near-copies of each other count
+    ) -> list[Admission]:
+        """One admission per query, in order (a batch's near-copies of each other count
         against one budget). The accounts are the tenant's, shared by all its keys;
         ``key_id`` only names the caller. A budget of 0 turns accounting off for that
-        detail level."""
+        detail level (and a ``full`` key's answers are then always in full)."""
         budget = self.budget(detail)
-        decisions = []
+        full_key = detail == "full"
+        admissions = []
         for sketch in sketches:
             if budget <= 0 or sketch is None:
-                decisions.append(ProbeDecision(True, 0, 0.0))
+                admissions.append(Admission(ProbeDecision(True, 0, 0.0), full_key))
                 continue
             anchors = sketch.anchors
             candidates = await self.store.probe_candidates(
@@ -303,18 +364,18 @@ class ProbeAccountant:
                     root = unpack(best_raw)[0]
                     stored = pack(root, sketch.values)
                     anchors = sorted(set(anchors) | set(Sketch(root).anchors))  # kept alive
-            decisions.append(
-                await self.store.probe_hit(
-                    tenant_id,
-                    TENANT_ACCOUNT,
-                    cluster_id,
-                    stored,
-                    anchors if stored is not None else [],
-                    self.window_s,
-                    budget,
-                )
+            decision = await self.store.probe_hit(
+                tenant_id,
+                TENANT_ACCOUNT,
+                cluster_id,
+                stored,
+                anchors if stored is not None else [],
+                self.window_s,
+                budget,
             )
-        return decisions
+            full = full_key and decision.allowed and await self._full_answer(tenant_id, cluster_id)
+            admissions.append(Admission(decision, full))
+        return admissions
 
     async def account(
         self,
@@ -324,14 +385,19 @@ class ProbeAccountant:
         route: str,
         sketches: Sequence[Sketch | None],
         request_id: str,
-    ) -> list[ProbeDecision]:
+    ) -> list[Admission]:
         """Count each fingerprinted query of one request against its text's budget;
-        the refusals are audited and counted once per request."""
-        decisions = await self.admit(tenant_id, key_id, detail, sketches)
-        refused = sum(not d.allowed for d in decisions)
+        the refusals, and a ``full`` key's answers given as the verdict only, are
+        audited and counted once per request."""
+        admissions = await self.admit(tenant_id, key_id, detail, sketches)
+        refused = sum(not a.decision.allowed for a in admissions)
         if refused:
             await self.refused(tenant_id, key_id, detail, route, request_id, refused)
-        return decisions
+        if detail == "full":
+            spent = sum(a.decision.allowed and not a.full for a in admissions)
+            if spent:
+                await self.spent_full(tenant_id, key_id, route, request_id, spent)
+        return admissions
 
     async def admit_one(
         self,
@@ -341,11 +407,12 @@ class ProbeAccountant:
         route: str,
         sketch: Sketch | None,
         request_id: str,
-    ) -> None:
+    ) -> Admission:
         """Count one query, or raise its 429 (``probe_budget_exceeded``) if refused."""
-        decisions = await self.account(tenant_id, key_id, detail, route, [sketch], request_id)
-        if not decisions[0].allowed:
-            raise self.refusal(detail, decisions)
+        admissions = await self.account(tenant_id, key_id, detail, route, [sketch], request_id)
+        if not admissions[0].decision.allowed:
+            raise self.refusal(detail, [a.decision for a in admissions])
+        return admissions[0]
 
     def budget_message(self, detail: str) -> str:
         return (

@@ -111,9 +111,10 @@ def _outcome_summary(outcome: ProvenanceOutcome) -> dict[str, object]:
     }
 
 
-async def _tenant_ids(runtime: Runtime, who: Investigator, text: str) -> list[int]:
+async def _tenant_ids(runtime: Runtime, who: Investigator, text: str) -> tuple[list[int], bool]:
     """Tokenise (and, for a tenant key, fingerprint) in one worker job; a tenant key's
-    query is then counted against the tenant's probe budget, or refused with a 429."""
+    query is then counted against the tenant's probe budget, or refused with a 429.
+    (token ids, whether the answer is the full one: :func:`app.services.intake.admit_one`)."""
     check_text(runtime, text)
     principal = who.principal
     sketch = sketcher(runtime, principal) if principal is not None else None
@@ -123,14 +124,17 @@ async def _tenant_ids(runtime: Runtime, who: Investigator, text: str) -> list[in
         return ids[0], (sketch(ids) if sketch else None)
 
     ids, sketches = await runtime.offload(work)
-    if principal is not None:
-        await admit_one(runtime, principal, "provenance", sketches)
-    return ids
+    if principal is None:
+        return ids, True
+    return ids, await admit_one(runtime, principal, "provenance", sketches)
 
 
-async def audit_query(runtime: Runtime, who: Investigator, outcome: dict[str, Any]) -> None:
+async def audit_query(
+    runtime: Runtime, who: Investigator, outcome: dict[str, Any], full: bool = True
+) -> None:
     """One provenance query in the audit log (what was asked is never stored): the
-    outcome, with the asking key's id and whether it was a verdict key."""
+    outcome, with the asking key's id and whether it was answered as the verdict only
+    (a verdict key, or a full key past its text's full answers)."""
     await runtime.store.append_audit(
         AuditRecord(
             at=time.time(),
@@ -140,7 +144,7 @@ async def audit_query(runtime: Runtime, who: Investigator, outcome: dict[str, An
             outcome={
                 **outcome,
                 **({"key_id": who.key_id} if who.key_id is not None else {}),
-                **({"detail": "verdict"} if who.is_verdict else {}),
+                **({"detail": "verdict"} if who.is_verdict or not full else {}),
             },
         )
     )
@@ -156,13 +160,14 @@ async def provenance(
     if body.evidence and not who.is_admin:
         raise _evidence_not_allowed()
     pieces: list[str] = []
-    if body.evidence:
+    full = True
+    if body.evidence:  # the admin's: unmetered
         check_text(runtime, body.text)
         ids, pieces = await runtime.offload(lambda: token_pieces(runtime.tokenizer, body.text))
     else:
-        ids = await _tenant_ids(runtime, who, body.text)
+        ids, full = await _tenant_ids(runtime, who, body.text)
     return await _search(
-        runtime, who, ids, pieces, body.evidence, body.include_token_scores, body.text
+        runtime, who, ids, pieces, body.evidence, body.include_token_scores, body.text, full
     )
 
 
@@ -176,11 +181,15 @@ async def provenance_batch(
     if evidence and not who.is_admin:
         raise _evidence_not_allowed()
     route = "provenance/batch"
-    good, ids, parts, errors = await take_batch(runtime, who.principal, route, texts, evidence)
+    batch = await take_batch(runtime, who.principal, route, texts, evidence)
     found: dict[int, ProvenanceResponse | ProvenanceVerdict] = {}
-    for index, text_ids, pieces in zip(good, ids, parts, strict=True):
-        found[index] = await _search(runtime, who, text_ids, pieces, evidence, False, texts[index])
-    return [found[i] if i in found else errors[i] for i in range(len(texts))]
+    for index, text_ids, pieces, full in zip(
+        batch.good, batch.ids, batch.pieces, batch.full, strict=True
+    ):
+        found[index] = await _search(
+            runtime, who, text_ids, pieces, evidence, False, texts[index], full
+        )
+    return [found[i] if i in found else batch.errors[i] for i in range(len(texts))]
 
 
 async def _search(
@@ -191,8 +200,11 @@ async def _search(
     evidence: bool,
     token_scores: bool,
     text: str,
+    full: bool,
 ) -> ProvenanceResponse | ProvenanceVerdict:
-    """Search every tenant for one tokenised text, audit the query, answer it."""
+    """Search every tenant for one tokenised text, audit the query, answer it: in full,
+    or (``full`` false: a verdict key, or a full key past its text's full answers) as
+    the verdict and whose key."""
     settings = runtime.settings
     outcome = await runtime.watermark.provenance(
         ids, settings.significance, settings.default_num_bits
@@ -238,12 +250,14 @@ async def _search(
             tenant_name=outcome.suspect.name,
             key_version=outcome.key_version,
         )
-    await audit_query(runtime, who, {**_outcome_summary(outcome), "evidence": evidence})
-    if who.is_verdict:
+    await audit_query(runtime, who, {**_outcome_summary(outcome), "evidence": evidence}, full)
+    if not full:
         verdict = outcome.assessment.verdict
         owner = outcome.tenant.tenant_id if outcome.tenant is not None else None
         return ProvenanceVerdict(
-            verdict=verdict, tenant_id=owner if verdict == "watermarked" else None
+            verdict=verdict,
+            tenant_id=owner if verdict == "watermarked" else None,
+            detail_reason="verdict_key" if who.is_verdict else "full_answers_spent",
         )
     scores = None
     if token_scores and outcome.scheme is not None:

@@ -222,7 +222,10 @@ export async function readTogether() {
     const body = field ? { texts, group_by: field } : { texts };
     const a = await api("POST", "/provenance/collection", body);
     clear(facts);
-    $("together-verdict").textContent = `Read together: ${HEADLINES[a.verdict]} (p ${fmtP(a.p_value)})`;
+    const shown = a.detail === "verdict"
+      ? (a.detail_reason === "full_answers_spent" ? "verdict only: these texts' full answers are spent for today" : "verdict key")
+      : `p ${fmtP(a.p_value)}`;
+    $("together-verdict").textContent = `Read together: ${HEADLINES[a.verdict]} (${shown})`;
     if (a.detail !== "verdict") {
       addRow(facts, "Texts read together", `${a.num_texts} (${a.num_units} scored tokens after removing repeats)`);
       addRow(facts, "Statistic", a.statistic === "model" ? "model-weighted" : "model-free");

@@ -63,7 +63,10 @@ function verdictText(mode, data, verdict) {
       text += ` — ${tenant}`;
       if (entry) text += `, ${entryName(entry)}` + (entry.issued_at ? `, issued ${fmtTime(entry.issued_at)}` : "");
     }
-    return [text + " (verdict key: no p-value)", data.verdict === "watermarked"];
+    const why = data.detail_reason === "full_answers_spent"
+      ? "this text's full answers are spent for today: no p-value"
+      : "verdict key: no p-value";
+    return [text + ` (${why})`, data.verdict === "watermarked"];
   }
   if (verdict === "not_watermarked") return [`${head} (p = ${fmtP(data.p_value)})`, false];
   if (data.reason === "no_agreement") {
