@@ -297,21 +297,13 @@ class ProbeAccountant:
         verdict only: a text asked about more than ``full_answers`` times in the window
         is what a p-value climber (or a curious analyst) does."""
         self.metrics.probe_full_answers_spent.labels(route).inc(count)
-        await self.store.append_audit(
-            AuditRecord(
-                at=time.time(),
-                actor=f"tenant:{tenant_id}",
-                action="probe_full_answers_spent",
-                request_id=request_id,
-                outcome={
-                    "key_id": key_id,
-                    "route": route,
-                    "answered_as_verdict": count,
-                    "full_answers": self.full_answers,
-                    "window_s": self.window_s,
-                },
-            )
-        )
+        outcome = {
+            "key_id": key_id,
+            "route": route,
+            "answered_as_verdict": count,
+            "full_answers": self.full_answers,
+        }
+        await self._audit(tenant_id, "probe_full_answers_spent", request_id, outcome)
 
     def budget(self, detail: str) -> int:
         return self.budgets.get(detail, self.budgets["verdict"])
@@ -434,20 +426,26 @@ class ProbeAccountant:
     ) -> None:
         """Audit and count the queries refused in one request."""
         self.metrics.probe_budget_exceeded.labels(detail).inc(count)
+        outcome = {
+            "key_id": key_id,
+            "detail": detail,
+            "route": route,
+            "refused": count,
+            "budget": self.budget(detail),
+        }
+        await self._audit(tenant_id, "probe_budget_exceeded", request_id, outcome)
+
+    async def _audit(
+        self, tenant_id: str, action: str, request_id: str, outcome: dict[str, Any]
+    ) -> None:
+        """One accounting event in the audit log, with the window; never the text."""
         await self.store.append_audit(
             AuditRecord(
                 at=time.time(),
                 actor=f"tenant:{tenant_id}",
-                action="probe_budget_exceeded",
+                action=action,
                 request_id=request_id,
-                outcome={
-                    "key_id": key_id,
-                    "detail": detail,
-                    "route": route,
-                    "refused": count,
-                    "budget": self.budget(detail),
-                    "window_s": self.window_s,
-                },
+                outcome={**outcome, "window_s": self.window_s},
             )
         )
 
