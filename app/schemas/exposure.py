@@ -53,6 +53,12 @@ FULL_ANSWERS_SPENT = (
 )
 
 
+def reason_of_detail(detail: str) -> DetailReason:
+    """Why a verdict-only answer is one, from the asking key's detail level: a verdict
+    key's level, or a full key's text past its full answers."""
+    return "verdict_key" if detail == "verdict" else "full_answers_spent"
+
+
 def reason_field() -> Any:
     """The ``detail_reason`` field of every verdict-only answer."""
     return Field("verdict_key", description=DETAIL_REASON)

@@ -245,7 +245,7 @@ async def read_together(
             verdict=joint.verdict,
             tenant_id=tenant_id if found else None,
             group_value=group.value if group is not None else None,
-            detail_reason="verdict_key" if who.is_verdict else "full_answers_spent",
+            detail_reason=who.detail_reason,
         )
     per_text = _per_text(texts, good, ids, errors, result, bank, chosen, tried, keys)
     message = (

@@ -19,6 +19,7 @@ from app.schemas.exposure import (
     DetailReason,
     DetectVerdict,
     VerdictRegistryMatch,
+    reason_of_detail,
 )
 from app.schemas.watermark import (
     BatchItemError,
@@ -212,7 +213,7 @@ async def _decode_outcomes(
 def _reason(principal: Principal) -> DetailReason:
     """Why a verdict-only answer is one: the key's level, or (a ``full`` key) its text's
     full answers are spent (:func:`app.services.intake.admit_one`)."""
-    return "verdict_key" if principal.key.detail == "verdict" else "full_answers_spent"
+    return reason_of_detail(principal.key.detail)
 
 
 def _check_evidence_allowed(principal: Principal) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from app.core.errors import APIError
 from app.core.logging import request_id_var
-from app.schemas.exposure import ProvenanceVerdict
+from app.schemas.exposure import DetailReason, ProvenanceVerdict, reason_of_detail
 from app.schemas.watermark import (
     BatchItemError,
     ProvenanceCandidate,
@@ -74,6 +74,11 @@ class Investigator:
     @property
     def is_verdict(self) -> bool:
         return self.principal is not None and self.principal.key.detail == "verdict"
+
+    @property
+    def detail_reason(self) -> DetailReason:
+        """Why an answer to this asker is the verdict only (when it is one)."""
+        return reason_of_detail(self.principal.key.detail if self.principal else "full")
 
 
 def _token_scores(scheme: WorldCup, ids: list[int]) -> list[TokenScore]:
@@ -257,7 +262,7 @@ async def _search(
         return ProvenanceVerdict(
             verdict=verdict,
             tenant_id=owner if verdict == "watermarked" else None,
-            detail_reason="verdict_key" if who.is_verdict else "full_answers_spent",
+            detail_reason=who.detail_reason,
         )
     scores = None
     if token_scores and outcome.scheme is not None:
