@@ -164,10 +164,23 @@ def _entry(stack: Stack) -> tuple[str, dict[str, Any], dict[str, str]]:
     return api_key, gen, meta
 
 
-def _still_there(stack: Stack, api_key: str, gen: dict[str, Any], meta: Any) -> None:
-    """The tenant (its API key authenticates, its watermark key decodes) and the entry."""
+def _still_there(
+    stack: Stack, api_key: str, gen: dict[str, Any], meta: Any, *, spent: bool = False
+) -> None:
+    """The tenant (its API key authenticates, its watermark key decodes) and the entry.
+    ``spent``: the text's full answers (WORLDCUP_PROBE_FULL_ANSWERS, default 3) are used
+    up, so the answer is the verdict and the entry without a p-value."""
     with httpx.Client(base_url=stack.url, timeout=300) as http:
-        assert_registry_entry(decode(http, api_key, gen["text"]), gen, meta)
+        dec = decode(http, api_key, gen["text"])
+    if not spent:
+        assert_registry_entry(dec, gen, meta)
+        return
+    assert "p_value" not in dec and dec["detail"] == "verdict", dec
+    assert dec["detail_reason"] == "full_answers_spent", dec
+    assert dec["verdict"] == "watermarked", dec
+    match = dec["registry_match"]
+    assert match is not None and match["message_id"] == gen["message_id"], dec
+    assert match["metadata"] == meta
 
 
 def test_healthchecks_report_healthy(stack: Stack) -> None:
@@ -188,7 +201,8 @@ def test_tenant_and_registry_survive_restarts(stack: Stack) -> None:
     podman("kill", "-s", "KILL", stack.container("redis"))
     podman("start", stack.container("redis"))
     stack.healthy()
-    _still_there(stack, api_key, gen, meta)
+    # the fourth answer on this text: the count of its full answers survived the crash too
+    _still_there(stack, api_key, gen, meta, spent=True)
     aof = podman("exec", stack.container("redis"), "ls", "/data/appendonlydir").stdout
     assert ".aof" in aof, aof
 
