@@ -359,6 +359,11 @@ def test_a_full_key_gets_a_texts_p_value_three_times_then_the_verdict(
     before = metric_value(
         client.get("/metrics").text, "worldcup_probe_full_answers_spent_total", route="detect"
     )
+    # a key version the tenant lacks is refused before the accounting: it spends neither
+    # a full answer nor the budget (both counts below would be one off)
+    for route, field in (("/decode", {"text": text}), ("/decode/batch", {"texts": [text]})):
+        r = client.post(route, json={**field, "key_version": 99}, headers=primary)
+        assert_error(r, 404, "unknown_key_version")
     for _ in range(3):
         answer = client.post("/detect", json={"text": text}, headers=primary).json()
         assert answer["p_value"] < 1e-6 and "detail" not in answer

@@ -1130,11 +1130,15 @@ async def test_probe_budget_counts_per_cluster_and_key(store: Store, clock: Fake
     moved = os.urandom(512)
     assert (await store.probe_hit(tid, "k2", "c1", moved, ["5:ee"], 60.0, 3)).allowed
     assert await store.probe_candidates(tid, "k2", ["5:ee"]) == [("c1", moved)]
-    # a count without a sketch (a full key's full answers, app.services.probes): counted
-    # under that cluster id, nothing to list or find
-    spent = [await store.probe_hit(tid, "k1-full", "c1", None, [], 60.0, 2) for _ in range(3)]
+    # a count with a placeholder sketch and no bands (a full key's full answers,
+    # app.services.probes): counted under that cluster id, found by no band, and kept
+    # through more probe calls than the SQLite store's sweep interval (256)
+    spent = [await store.probe_hit(tid, "k1-full", "c1", b"-", [], 60.0, 2) for _ in range(3)]
     assert [(d.allowed, d.count) for d in spent] == [(True, 1), (True, 2), (False, 2)]
-    assert await store.probe_clusters(tid, "k1-full") == []
+    for i in range(300):
+        assert (await store.probe_hit(tid, "k3", f"x{i}", b"-", [], 60.0, 1)).allowed
+    assert not (await store.probe_hit(tid, "k1-full", "c1", b"-", [], 60.0, 2)).allowed
+    assert await store.probe_candidates(tid, "k1-full", ["0:aa"]) == []
     assert [c for c, _ in await store.probe_clusters(tid, "k1")] == ["c1", "c2"]
 
 

@@ -234,6 +234,17 @@ def _unknown_version(version: int | None) -> APIError:
     return APIError(404, f"no key version {version}", "unknown_key_version")
 
 
+async def _check_version(runtime: Runtime, principal: Principal, version: int | None) -> None:
+    """A named key version the tenant lacks is refused before the probe accounting, so
+    that a mistyped version spends none of the text's budget or full answers."""
+    if version is None:
+        return
+    try:
+        await runtime.tenants.version(principal.tenant.tenant_id, version)
+    except UnknownKeyVersion:
+        raise _unknown_version(version) from None
+
+
 async def decode(
     runtime: Runtime, principal: Principal, body: DecodeRequest
 ) -> DecodeResponse | DecodeVerdict:
@@ -242,6 +253,7 @@ async def decode(
     for a ``full`` key that also holds the ``provenance`` scope (an analyst's key)."""
     if body.evidence:
         _check_evidence_allowed(principal)
+    await _check_version(runtime, principal, body.key_version)
     ids, pieces, sketches = await intake.tokenise(runtime, principal, body.text, body.evidence)
     full = await intake.admit_one(runtime, principal, "decode", sketches)
     outcome, assessment, statistic, withhold = (
@@ -281,6 +293,7 @@ async def decode_batch(
 ) -> DecodeBatchResponse:
     """Bulk /decode. Rate-limited and probe-counted per text; an invalid text fails
     only its own item."""
+    await _check_version(runtime, principal, body.key_version)
     await _admit_batch(runtime, principal, body.texts)
     batch = await intake.take_batch(runtime, principal, "decode/batch", body.texts)
     errors = batch.errors

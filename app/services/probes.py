@@ -41,8 +41,9 @@ common units with both lists), and only the :data:`CANDIDATES` (4) accounts
 most pointed to, by at least :data:`ANCHOR_HITS` (2) anchors, are fetched and
 compared (one shared stock phrase fetches nothing). Per query: one table lookup per
 token, one vectorised hash pass, one MGET of 32 anchors, one of at most 4
-sketches of 2 KB, and one script call (which writes 32 anchors when the
-query opens an account or moves one).
+sketches of 2 KB, and one script call, which re-arms the account's anchors
+(32 to 64: its root's and latest variant's; a new account's 32), so that an
+account lives a window after its last query, not its first.
 
 Full answers, counted apart: within the budget, a ``full`` key's answer about a
 text carries its p-value only ``full_answers`` times a window
@@ -285,8 +286,10 @@ class ProbeAccountant:
         public verdict key's queries never spend an analyst's full answers)."""
         if self.full_answers <= 0:
             return True
+        # a placeholder sketch: the SQLite store's periodic sweep drops the hits of
+        # clusters without one, which would hand the full answers back every 256 calls
         decision = await self.store.probe_hit(
-            tenant_id, FULL_ACCOUNT, cluster_id, None, [], self.window_s, self.full_answers
+            tenant_id, FULL_ACCOUNT, cluster_id, b"-", [], self.window_s, self.full_answers
         )
         return decision.allowed
 
@@ -347,23 +350,24 @@ class ProbeAccountant:
                 strength, moves = self._link(sketch, raw)
                 if strength > best:
                     best_id, best, best_raw, move = cluster_id, strength, raw, moves
-            stored: bytes | None = None
             if best_id is None or best < LINK:  # a text of its own: a new account
                 cluster_id, stored = secrets.token_hex(8), pack(sketch.values, sketch.values)
             else:
+                # Every query re-arms the account's anchors, so that it expires a window
+                # after its last query, not its first: a text asked about again and again
+                # without moving (a climber's one-word edits) would otherwise open a new
+                # account, and new full answers, while its earlier queries still count.
                 cluster_id = best_id
+                root, latest = unpack(best_raw)
                 if move:  # the account's latest variant becomes this query
-                    root = unpack(best_raw)[0]
-                    stored = pack(root, sketch.values)
-                    anchors = sorted(set(anchors) | set(Sketch(root).anchors))  # kept alive
+                    stored, latest = pack(root, sketch.values), sketch.values
+                else:
+                    stored, anchors = best_raw, []
+                anchors = sorted(
+                    set(anchors) | set(Sketch(root).anchors) | set(Sketch(latest).anchors)
+                )
             decision = await self.store.probe_hit(
-                tenant_id,
-                TENANT_ACCOUNT,
-                cluster_id,
-                stored,
-                anchors if stored is not None else [],
-                self.window_s,
-                budget,
+                tenant_id, TENANT_ACCOUNT, cluster_id, stored, anchors, self.window_s, budget
             )
             full = full_key and decision.allowed and await self._full_answer(tenant_id, cluster_id)
             admissions.append(Admission(decision, full))

@@ -446,7 +446,9 @@ class Store(Protocol):
         """Count one query of the cluster in a sliding window of ``window_s``, unless
         ``budget`` queries are counted already (then nothing is recorded). When
         ``sketch`` is given, the cluster's sketch becomes it and ``bands`` point to
-        the cluster. Everything expires ``window_s`` after its last use."""
+        the cluster. Everything expires ``window_s`` after its last use. A count with
+        nothing to find it by still passes a sketch (a placeholder, ``b"-"``): the
+        SQLite store's periodic sweep drops the hits of clusters that have none."""
 
     async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
         """(cluster id, sketch) of every live cluster of this key that has a sketch, by

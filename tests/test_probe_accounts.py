@@ -1,0 +1,85 @@
+"""The probe accounts' lifetime and the full-answer count (app.services.probes) on the
+default store, SQLite, under a fake clock: an account lives a window after its *last*
+query, and a text's spent full answers stay spent however many other queries the store
+sees in between (its periodic sweep once handed them back every 256 calls)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from app.core.metrics import Metrics
+from app.services.probes import ProbeAccountant, probe_secret
+from app.stores.sqlite import SQLiteStore
+
+WINDOW = 100.0
+TENANT = "acme"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def accountant(tmp_path: Path, clock: Clock) -> AsyncIterator[ProbeAccountant]:
+    store = SQLiteStore(tmp_path / "probes.sqlite3", clock=clock)
+    try:
+        yield ProbeAccountant(
+            store, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
+        )
+    finally:
+        await store.close()
+
+
+def text(seed: int, length: int = 200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 49_000) for _ in range(length)]
+
+
+async def full(accountant: ProbeAccountant, tokens: list[int]) -> bool:
+    (admission,) = await accountant.admit(TENANT, "k1", "full", accountant.sketches([tokens]))
+    assert admission.decision.allowed
+    return admission.full
+
+
+@pytest.mark.anyio
+async def test_spent_full_answers_survive_the_stores_sweep(accountant: ProbeAccountant) -> None:
+    target = text(0)
+    assert [await full(accountant, target) for _ in range(4)] == [True, True, True, False]
+    # 300 queries about other texts: more than the SQLite store's sweep interval (256
+    # probe calls), each one a new account with its own full answer
+    for seed in range(1, 301):
+        assert await full(accountant, text(seed))
+    assert not await full(accountant, target)
+
+
+@pytest.mark.anyio
+async def test_an_account_lives_a_window_after_its_last_query(
+    accountant: ProbeAccountant, clock: Clock
+) -> None:
+    target = text(7)
+    edited = list(target)
+    edited[100] = 12_345  # a one-token edit: the same account, which does not move
+    assert await full(accountant, target)  # t = 0
+    clock.now += 0.9 * WINDOW
+    assert [await full(accountant, edited) for _ in range(3)] == [True, True, False]
+    # t = 1.05 W: the first query left the window, the three at 0.9 W did not. Anchors
+    # written at t = 0 only would have expired, opening a new account with 3 full answers.
+    clock.now += 0.15 * WINDOW
+    assert [await full(accountant, target) for _ in range(2)] == [True, False]
+    # a window after the last query, everything is forgotten: full answers again
+    clock.now += WINDOW + 1
+    assert [await full(accountant, edited) for _ in range(4)] == [True, True, True, False]
