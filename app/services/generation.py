@@ -27,7 +27,7 @@ from app.services.disclosure import FIXED_PAYLOAD_SCOPE
 from app.services.intake import encode_texts
 from app.services.runtime import Runtime
 from app.services.tenants import KeyVersion, RegistryExhausted
-from app.stores.base import IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
+from app.stores.base import COUNT_ONLY, IDEMPOTENCY_PENDING, IdempotencyRecord, StoreUnavailable
 from app.stores.client_payloads import (
     SEALED_METADATA_KEY,
     record_client_payload,
@@ -101,10 +101,8 @@ async def fixed_payload(
     cap, window = settings.fixed_payload_repeats, settings.fixed_payload_window_s
     digest = hashlib.sha256(f"{payload.num_bits}:{payload.bits}".encode()).hexdigest()[:32]
     for _ in range(uses):
-        # a sketch, so that the SQLite store's probe sweep keeps the count (it drops
-        # hits of clusters without one)
         decision = await runtime.store.probe_hit(
-            tenant_id, repeats_key(key.version), digest, b"-", [], window, cap
+            tenant_id, repeats_key(key.version), digest, COUNT_ONLY, [], window, cap
         )
         if not decision.allowed:
             runtime.metrics.rejections.labels("payload_repeats_exceeded").inc()

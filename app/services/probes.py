@@ -92,7 +92,7 @@ from numpy.typing import NDArray
 
 from app.core.errors import APIError
 from app.core.metrics import Metrics
-from app.stores.base import AuditRecord, ProbeDecision, Store
+from app.stores.base import COUNT_ONLY, AuditRecord, ProbeDecision, Store
 
 __all__ = [
     "LINK",
@@ -286,10 +286,8 @@ class ProbeAccountant:
         public verdict key's queries never spend an analyst's full answers)."""
         if self.full_answers <= 0:
             return True
-        # a placeholder sketch: the SQLite store's periodic sweep drops the hits of
-        # clusters without one, which would hand the full answers back every 256 calls
         decision = await self.store.probe_hit(
-            tenant_id, FULL_ACCOUNT, cluster_id, b"-", [], self.window_s, self.full_answers
+            tenant_id, FULL_ACCOUNT, cluster_id, COUNT_ONLY, [], self.window_s, self.full_answers
         )
         return decision.allowed
 

@@ -269,6 +269,11 @@ class IdempotencyRecord:
 
 IDEMPOTENCY_PENDING = 0
 
+# The sketch of a probe count that nothing finds by its bands (a full key's full answers,
+# a payload's repeats): the SQLite store's periodic sweep drops the hits of clusters
+# without a sketch, so a count meant to last its window passes this one.
+COUNT_ONLY = b"-"
+
 
 class Store(Protocol):
     async def ping(self) -> None: ...
@@ -447,8 +452,8 @@ class Store(Protocol):
         ``budget`` queries are counted already (then nothing is recorded). When
         ``sketch`` is given, the cluster's sketch becomes it and ``bands`` point to
         the cluster. Everything expires ``window_s`` after its last use. A count with
-        nothing to find it by still passes a sketch (a placeholder, ``b"-"``): the
-        SQLite store's periodic sweep drops the hits of clusters that have none."""
+        nothing to find it by passes :data:`COUNT_ONLY` (the SQLite store's periodic
+        sweep drops the hits of clusters without a sketch)."""
 
     async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
         """(cluster id, sketch) of every live cluster of this key that has a sketch, by

@@ -30,7 +30,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from app.stores.base import Store
+from app.stores.base import COUNT_ONLY, Store
 
 FOREVER_S = 100 * 365 * 86_400.0  # how long a recorded payload stays a candidate
 
@@ -119,10 +119,11 @@ async def record_client_payload(store: Store, tenant_id: str, version: int, bits
     sketch = bits.encode("ascii")
     first = await store.probe_hit(tenant_id, key, digest, sketch, [digest], FOREVER_S, 1)
     if first.allowed:  # a payload not recorded before: one more candidate
-        await store.probe_hit(tenant_id, key, f"count{num_bits}", b"-", [], FOREVER_S, _NO_LIMIT)
-    # a sketch, so that the SQLite store's probe sweep keeps the count; counted up to
+        count_id = f"count{num_bits}"
+        await store.probe_hit(tenant_id, key, count_id, COUNT_ONLY, [], FOREVER_S, _NO_LIMIT)
+    # COUNT_ONLY, so that the SQLite store's probe sweep keeps the count; counted up to
     # USES_CAP, so that the rows a payload keeps (and each count's cost) stay bounded
-    await store.probe_hit(tenant_id, key, _uses_id(digest), b"-", [], FOREVER_S, USES_CAP)
+    await store.probe_hit(tenant_id, key, _uses_id(digest), COUNT_ONLY, [], FOREVER_S, USES_CAP)
 
 
 def _uses_id(digest: str) -> str:
