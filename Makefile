@@ -53,7 +53,7 @@ test-serve: setup
 ## moves them); the store contract, a service round trip, a failover soak and the
 ## migration. A missing redis-server fails, never skips.
 test-cluster: setup
-	bash scripts/pytest.sh tests/test_store_contract.py tests/test_registry_store.py tests/test_redis_buckets.py tests/test_redis_cluster.py -m cluster -p no:cacheprovider
+	bash scripts/pytest.sh tests/test_store_contract.py tests/test_registry_store.py tests/test_redis_buckets.py tests/test_redis_cluster.py tests/test_probe_accounts.py -m cluster -p no:cacheprovider
 
 bench: setup
 	$(VENV)/worldcup bench speed

@@ -189,7 +189,8 @@ def test_a_set_holding_a_text_past_its_full_answers_gets_the_verdict_only(
     """A full key gets a text's p-value 3 times a window (the default
     ``probe_full_answers``); a collection is one more road to it, so a set is answered
     in full only while every text in it is, and otherwise as the joint verdict, whose
-    key and why (``full_answers_spent``)."""
+    key and why (``full_answers_spent``), spending none of the other texts' full
+    answers."""
     r = client.post("/admin/tenants", json={"name": "coll-full", "scopes": ["provenance"]},
                     headers=ADMIN)  # fmt: skip
     auth = {"Authorization": f"Bearer {r.json()['api_key']}"}
@@ -203,8 +204,13 @@ def test_a_set_holding_a_text_past_its_full_answers_gets_the_verdict_only(
         "tenant_id": answer["tenant_id"],
         "group_value": None,
     }
-    # the fresh text spent one of its own on that set, and still has full answers
-    assert "p_value" in _read(client, [fresh], headers=auth)
+    # that set spent none of the fresh text's full answers: it has its three
+    assert ["p_value" in _read(client, [fresh], headers=auth) for _ in range(4)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
     audit = client.get("/admin/audit?limit=50", headers=ADMIN).json()["entries"]
     tenant = f"tenant:{r.json()['tenant_id']}"
     mine = [e for e in audit if e["actor"] == tenant]

@@ -1,19 +1,26 @@
 """The probe accounts' lifetime and the full-answer count (app.services.probes) on the
 default store, SQLite, under a fake clock: an account lives a window after its *last*
 query, and a text's spent full answers stay spent however many other queries the store
-sees in between (its periodic sweep once handed them back every 256 calls)."""
+sees in between (its periodic sweep once handed them back every 256 calls). Finding
+or opening an account is one step on SQLite, Redis and a Redis Cluster: variants of a
+never-asked text sent all at once share one account, and its full answers."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from test_store_contract import REDIS_URL, redis_namespace
 
 from app.core.metrics import Metrics
 from app.services.probes import ProbeAccountant, probe_secret
+from app.stores.base import Store
+from app.stores.redis import RedisStore
 from app.stores.sqlite import SQLiteStore
 
 WINDOW = 100.0
@@ -83,3 +90,61 @@ async def test_an_account_lives_a_window_after_its_last_query(
     # a window after the last query, everything is forgotten: full answers again
     clock.now += WINDOW + 1
     assert [await full(accountant, edited) for _ in range(4)] == [True, True, True, False]
+
+
+@pytest.fixture(params=["sqlite", "redis", pytest.param("cluster", marks=pytest.mark.cluster)])
+async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    """A store on the real clock (concurrency, not expiry, is under test)."""
+    if request.param == "sqlite":
+        store: Store = SQLiteStore(tmp_path / "probes.sqlite3")
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    if request.param == "cluster":  # a real Redis Cluster (make test-cluster)
+        cluster = request.getfixturevalue("redis_cluster")
+        store = RedisStore(cluster.url, prefix=f"wctest-{uuid.uuid4().hex}", cluster=True)
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    async with redis_namespace() as prefix:
+        store = RedisStore(REDIS_URL, prefix=prefix)
+        try:
+            yield store
+        finally:
+            await store.close()
+
+
+@pytest.mark.anyio
+async def test_concurrent_first_queries_share_one_account(shared: Store) -> None:
+    """Eight one-word variants of a text nobody asked about, sent at once (by replicas
+    sharing the store, or one client's parallel requests): finding an account and
+    opening one used to be two store calls, so each variant found none and opened its
+    own, with 3 full answers each (7 of 8 were answered in full). Now exactly the
+    text's 3 are, whatever the interleaving, and the eight count in one account."""
+    replicas = [
+        ProbeAccountant(
+            shared, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
+        )
+        for _ in range(4)
+    ]
+    for round_ in range(3):  # three never-asked texts, each hit by eight variants at once
+        target = text(1_000 + round_)
+        variants = []
+        for i in range(8):
+            edited = list(target)
+            edited[20 + 20 * i] = 40_000 + i  # one token replaced: the same account
+            variants.append(edited)
+        admissions = await asyncio.gather(
+            *(
+                replicas[i % 4].admit(TENANT, f"k{i}", "full", replicas[0].sketches([v]))
+                for i, v in enumerate(variants)
+            )
+        )
+        decisions = [a.decision for (a,) in admissions]
+        assert all(d.allowed for d in decisions)
+        assert sorted(d.count for d in decisions) == list(range(1, 9))  # one account
+        assert sum(a.full for (a,) in admissions) == 3

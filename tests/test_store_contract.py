@@ -1142,6 +1142,44 @@ async def test_probe_budget_counts_per_cluster_and_key(store: Store, clock: Fake
     assert [c for c, _ in await store.probe_clusters(tid, "k1")] == ["c1", "c2"]
 
 
+async def test_probe_open_is_one_step_with_the_last_look(store: Store, clock: FakeClock) -> None:
+    """Opening a cluster re-checks its bands in the same atomic call: a cluster opened
+    since the caller looked (at least min_hits of the bands point to it, and the caller
+    did not see it) makes the open write nothing; clusters the caller saw, fewer hits,
+    or its own id do not. A budget of 0 peeks at a count and records nothing."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+    first, second = os.urandom(64), os.urandom(64)
+    opened = await store.probe_open(tid, "t", "ca", first, ["a1", "a2", "a3"], 60.0, 5, [], 2)
+    assert opened is not None and (opened.allowed, opened.count) == (True, 1)
+    assert await store.probe_candidates(tid, "t", ["a1"]) == [("ca", first)]
+    # a second open whose bands point twice to ca, unseen: nothing written
+    bands = ["a1", "a2", "b1"]
+    assert await store.probe_open(tid, "t", "cb", second, bands, 60.0, 5, [], 2) is None
+    assert await store.probe_candidates(tid, "t", ["b1"]) == []
+    peek = await store.probe_hit(tid, "t", "cb", None, [], 60.0, 0)
+    assert (peek.allowed, peek.count) == (False, 0)
+    # once seen (weighed and not linked), or pointed to fewer than min_hits times, it opens
+    assert await store.probe_open(tid, "t", "cb", second, bands, 60.0, 5, ["ca"], 2) is not None
+    assert await store.probe_candidates(tid, "t", ["b1"]) == [("cb", second)]
+    third = await store.probe_open(tid, "t", "cc", first, ["a3", "c1"], 60.0, 5, [], 2)
+    assert third is not None and third.allowed
+    # its own bands (a retried open, or a re-open of its id) never block it
+    again = await store.probe_open(tid, "t", "cc", first, ["a3", "c1"], 60.0, 5, [], 2)
+    assert again is not None and (again.allowed, again.count) == (True, 2)
+    # a peek: the count now, nothing recorded
+    for _ in range(2):
+        peek = await store.probe_hit(tid, "t", "cc", None, [], 60.0, 0)
+        assert (peek.allowed, peek.count) == (False, 2)
+    # an expired cluster's bands block nothing
+    await advance(store, clock, 1.2)
+    short = await store.probe_open(tid, "u", "da", first, ["d1", "d2"], 1.0, 5, [], 2)
+    assert short is not None
+    await advance(store, clock, 1.2)
+    assert await store.probe_open(tid, "u", "db", first, ["d1", "d2"], 60.0, 5, [], 2) is not None
+
+
 async def test_probe_candidates_most_pointed_to_first(store: Store, clock: FakeClock) -> None:
     """Containment accounting looks up a query's anchor hashes: the clusters most of
     them point to come first, and at most ``limit`` come back."""

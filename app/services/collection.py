@@ -165,10 +165,11 @@ async def read_together(
         )
     for text in texts:  # one text over the limit refuses the set, before any budget is spent
         check_text(runtime, text)
-    batch = await take_batch(runtime, who.principal, ROUTE, texts)
+    # in full only if every text may be, and only then does each spend a full answer: a
+    # set holding one text past its full answers would give that text's p-value by
+    # another road, and the set's verdict spends none of the others'
+    batch = await take_batch(runtime, who.principal, ROUTE, texts, together=True)
     good, ids, errors = batch.good, batch.ids, batch.errors
-    # in full only if every text is: a set holding one text past its full answers
-    # would give that text's p-value by another road
     full = all(batch.full)
     if not good:
         first = next(iter(errors.values()))

@@ -163,17 +163,25 @@ async def account_sketches(
     route: str,
     sketches: list[Sketch | None] | None,
     count: int,
+    together: bool = False,
 ) -> list[Admission]:
     """One admission for each of ``count`` fingerprinted queries, counted against its
-    text's budget; with accounting off (no sketches, no probe store) every query is
-    allowed, and a ``full`` key's answered in full. Refusals are audited and counted
-    once per request."""
+    text's budget (``together``: answered as one, in full only if all may be:
+    :meth:`~app.services.probes.ProbeAccountant.admit`); with accounting off (no
+    sketches, no probe store) every query is allowed, and a ``full`` key's answered in
+    full. Refusals are audited and counted once per request."""
     probes = runtime.probes
     if sketches is None or probes is None:
         return [Admission(ProbeDecision(True, 0, 0.0), principal.key.detail == "full")] * count
     key = principal.key
     return await probes.account(
-        principal.tenant.tenant_id, key.key_id, key.detail, route, sketches, request_id_var.get()
+        principal.tenant.tenant_id,
+        key.key_id,
+        key.detail,
+        route,
+        sketches,
+        request_id_var.get(),
+        together,
     )
 
 
@@ -232,18 +240,22 @@ async def take_batch(
     route: str,
     texts: list[str],
     pieces: bool = False,
+    together: bool = False,
 ) -> Intake:
     """A batch's intake: every text checked, the good ones tokenised (with each token's
     characters, for evidence, when ``pieces``) and fingerprinted in bulk worker jobs,
     and a tenant key's queries counted against its probe budget in one call (None:
     the admin, unmetered, always answered in full): a bad or refused text fails
-    alone."""
+    alone. ``together``: the texts are answered as one (a collection), in full only if
+    every admitted one may be, spending their full answers only then."""
     good, errors = check_all(runtime, texts)
     sketch = sketcher(runtime, principal) if principal is not None else None
     tokens, sketches = await _tokenise_chunks(runtime, sketch, [texts[i] for i in good], pieces)
     full = [True] * len(tokens)
     if principal is not None:
-        admissions = await account_sketches(runtime, principal, route, sketches, len(tokens))
+        admissions = await account_sketches(
+            runtime, principal, route, sketches, len(tokens), together
+        )
         good, kept = _keep_allowed(
             runtime, principal, good, list(zip(tokens, admissions, strict=True)), errors
         )

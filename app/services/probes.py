@@ -43,16 +43,20 @@ compared (one shared stock phrase fetches nothing). Per query: one table lookup 
 token, one vectorised hash pass, one MGET of 32 anchors, one of at most 4
 sketches of 2 KB, and one script call, which re-arms the account's anchors
 (32 to 64: its root's and latest variant's; a new account's 32), so that an
-account lives a window after its last query, not its first.
+account lives a window after its last query, not its first. A new account is opened
+by a call that looks at its anchors once more in the same atomic step
+(:meth:`~app.stores.base.Store.probe_open`): variants of a never-asked text sent at
+once, to one replica or several, share one account, and its full answers.
 
 Full answers, counted apart: within the budget, a ``full`` key's answer about a
 text carries its p-value only ``full_answers`` times a window
 (``WORLDCUP_PROBE_FULL_ANSWERS``, default 3), counted under the account's id in a
 namespace of their own (:data:`FULL_ACCOUNT`), so a public verdict key's queries
 never spend them; the later answers are the verdict only
-(``detail_reason: full_answers_spent``). A p-value answered edit after edit is a
-gradient a spoofer climbs (SECURITY.md, the patient oracle attacker); the verdict
-word is not.
+(``detail_reason: full_answers_spent``). Queries answered as one (a collection's
+texts) are in full only if each may be, and spend their full answers only then. A
+p-value answered edit after edit is a gradient a spoofer climbs (SECURITY.md, the
+patient oracle attacker); the verdict word is not.
 
 Accounted per tenant, audited per key: a tenant with N keys has one budget per
 text, not N. The limit applied to a query is its own key's detail-level budget
@@ -83,6 +87,7 @@ import re
 import secrets
 import time
 import unicodedata
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +117,7 @@ CANDIDATES = 4  # accounts fetched and compared per query, the most pointed to f
 ANCHOR_HITS = 2  # ... and only those at least this many of the query's anchors point to
 LINK = 0.3  # either containment at least this links a query to an account
 MIN_SHARED = 3  # ... with at least this many sampled units in common
+OPEN_TRIES = 3  # looks for an account before a query opens one regardless
 MOVE_BELOW = 0.9  # a linked query less contained (either way) in the latest sketch replaces it
 CONTEXT_WIDTH = 2  # the default c: a scored pair is (2 previous tokens, token)
 _ID_BITS = 21  # token ids below 2**21 pack three to a uint64
@@ -326,22 +332,54 @@ class ProbeAccountant:
         return strength, min(in_latest, latest_in) < MOVE_BELOW
 
     async def admit(
-        self, tenant_id: str, key_id: str, detail: str, sketches: Sequence[Sketch | None]
+        self,
+        tenant_id: str,
+        key_id: str,
+        detail: str,
+        sketches: Sequence[Sketch | None],
+        together: bool = False,
     ) -> list[Admission]:
         """One admission per query, in order (a batch's near-copies of each other count
         against one budget). The accounts are the tenant's, shared by all its keys;
         ``key_id`` only names the caller. A budget of 0 turns accounting off for that
-        detail level (and a ``full`` key's answers are then always in full)."""
+        detail level (and a ``full`` key's answers are then always in full).
+        ``together``: the queries are answered as one (a collection), in full only if
+        every one of them may be, and then each spends a full answer; otherwise none
+        does."""
         budget = self.budget(detail)
         full_key = detail == "full"
-        admissions = []
+        decisions: list[tuple[ProbeDecision, str | None]] = []
         for sketch in sketches:
             if budget <= 0 or sketch is None:
-                admissions.append(Admission(ProbeDecision(True, 0, 0.0), full_key))
-                continue
+                decisions.append((ProbeDecision(True, 0, 0.0), None))
+            else:
+                decisions.append(await self._count(tenant_id, sketch, budget))
+        if not full_key:
+            full = [False] * len(decisions)
+        elif together:
+            full = await self._full_together(tenant_id, decisions)
+        else:
+            full = [
+                d.allowed and (cluster_id is None or await self._full_answer(tenant_id, cluster_id))
+                for d, cluster_id in decisions
+            ]
+        return [Admission(d, f) for (d, _), f in zip(decisions, full, strict=True)]
+
+    async def _count(
+        self, tenant_id: str, sketch: Sketch, budget: int
+    ) -> tuple[ProbeDecision, str]:
+        """Count one query in the account it belongs to, or in a new one: (the decision,
+        the account's id). Finding and opening are one step: a new account is opened
+        only if no account unseen by this query's look is found by its anchors in the
+        same atomic store call (:meth:`Store.probe_open`); otherwise a concurrent first
+        query about the same text opened it since, and this query looks again and joins
+        it. The second look fetches every account its anchors point to, not only the
+        :data:`CANDIDATES` most pointed to, so that only accounts opened since count."""
+        limit = CANDIDATES
+        for _ in range(OPEN_TRIES):
             anchors = sketch.anchors
             candidates = await self.store.probe_candidates(
-                tenant_id, TENANT_ACCOUNT, anchors, CANDIDATES, ANCHOR_HITS
+                tenant_id, TENANT_ACCOUNT, anchors, limit, ANCHOR_HITS
             )
             best_id, best, best_raw, move = None, 0.0, b"", True
             for cluster_id, raw in candidates:
@@ -350,26 +388,69 @@ class ProbeAccountant:
                     best_id, best, best_raw, move = cluster_id, strength, raw, moves
             if best_id is None or best < LINK:  # a text of its own: a new account
                 cluster_id, stored = secrets.token_hex(8), pack(sketch.values, sketch.values)
-            else:
-                # Every query re-arms the account's anchors, so that it expires a window
-                # after its last query, not its first: a text asked about again and again
-                # without moving (a climber's one-word edits) would otherwise open a new
-                # account, and new full answers, while its earlier queries still count.
-                cluster_id = best_id
-                root, latest = unpack(best_raw)
-                if move:  # the account's latest variant becomes this query
-                    stored, latest = pack(root, sketch.values), sketch.values
-                else:
-                    stored, anchors = best_raw, []
-                anchors = sorted(
-                    set(anchors) | set(Sketch(root).anchors) | set(Sketch(latest).anchors)
+                seen = [c for c, _ in candidates]
+                opened = await self.store.probe_open(
+                    tenant_id,
+                    TENANT_ACCOUNT,
+                    cluster_id,
+                    stored,
+                    anchors,
+                    self.window_s,
+                    budget,
+                    seen,
+                    ANCHOR_HITS,
                 )
+                if opened is not None:
+                    return opened, cluster_id
+                limit = ANCHORS  # opened since the look: look again, at every account
+                continue
+            # Every query re-arms the account's anchors, so that it expires a window
+            # after its last query, not its first: a text asked about again and again
+            # without moving (a climber's one-word edits) would otherwise open a new
+            # account, and new full answers, while its earlier queries still count.
+            root, latest = unpack(best_raw)
+            if move:  # the account's latest variant becomes this query
+                stored, latest = pack(root, sketch.values), sketch.values
+            else:
+                stored, anchors = best_raw, []
+            anchors = sorted(set(anchors) | set(Sketch(root).anchors) | set(Sketch(latest).anchors))
             decision = await self.store.probe_hit(
-                tenant_id, TENANT_ACCOUNT, cluster_id, stored, anchors, self.window_s, budget
+                tenant_id, TENANT_ACCOUNT, best_id, stored, anchors, self.window_s, budget
             )
-            full = full_key and decision.allowed and await self._full_answer(tenant_id, cluster_id)
-            admissions.append(Admission(decision, full))
-        return admissions
+            return decision, best_id
+        # accounts opened under this query at every look (a storm of new texts sharing
+        # its anchors): count it in an account of its own rather than not at all
+        cluster_id, stored = secrets.token_hex(8), pack(sketch.values, sketch.values)
+        decision = await self.store.probe_hit(
+            tenant_id, TENANT_ACCOUNT, cluster_id, stored, sketch.anchors, self.window_s, budget
+        )
+        return decision, cluster_id
+
+    async def _full_together(
+        self, tenant_id: str, decisions: Sequence[tuple[ProbeDecision, str | None]]
+    ) -> list[bool]:
+        """Full answers for queries answered as one (the refused ones left out): all of
+        them, each spending one, if every account has enough left for its queries among
+        them, else none, spending nothing. A query not counted (no fingerprint) needs
+        none. The counts are read, then spent: a concurrent query may spend one in
+        between, and then the set is answered as the verdict, having spent what it got
+        (never more than the limit)."""
+        allowed = [d.allowed for d, _ in decisions]
+        none = [False] * len(decisions)
+        if self.full_answers <= 0:
+            return allowed
+        needed = Counter(c for d, c in decisions if d.allowed and c is not None)
+        for cluster_id, n in needed.items():
+            peek = await self.store.probe_hit(
+                tenant_id, FULL_ACCOUNT, cluster_id, COUNT_ONLY, [], self.window_s, 0
+            )
+            if peek.count + n > self.full_answers:
+                return none
+        for cluster_id, n in needed.items():
+            for _ in range(n):
+                if not await self._full_answer(tenant_id, cluster_id):
+                    return none
+        return allowed
 
     async def account(
         self,
@@ -379,11 +460,13 @@ class ProbeAccountant:
         route: str,
         sketches: Sequence[Sketch | None],
         request_id: str,
+        together: bool = False,
     ) -> list[Admission]:
-        """Count each fingerprinted query of one request against its text's budget;
-        the refusals, and a ``full`` key's answers given as the verdict only, are
-        audited and counted once per request."""
-        admissions = await self.admit(tenant_id, key_id, detail, sketches)
+        """Count each fingerprinted query of one request against its text's budget
+        (``together``: answered as one, :meth:`admit`); the refusals, and a ``full``
+        key's answers given as the verdict only, are audited and counted once per
+        request."""
+        admissions = await self.admit(tenant_id, key_id, detail, sketches, together)
         refused = sum(not a.decision.allowed for a in admissions)
         if refused:
             await self.refused(tenant_id, key_id, detail, route, request_id, refused)

@@ -453,7 +453,27 @@ class Store(Protocol):
         ``sketch`` is given, the cluster's sketch becomes it and ``bands`` point to
         the cluster. Everything expires ``window_s`` after its last use. A count with
         nothing to find it by passes :data:`COUNT_ONLY` (the SQLite store's periodic
-        sweep drops the hits of clusters without a sketch)."""
+        sweep drops the hits of clusters without a sketch). A ``budget`` of 0 records
+        nothing: the refusal's ``count`` is the cluster's count now (a peek)."""
+
+    async def probe_open(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: list[str],
+        min_hits: int,
+    ) -> ProbeDecision | None:
+        """Open a cluster as :meth:`probe_hit` would, in the same atomic step as a last
+        look: None, with nothing written, when at least ``min_hits`` of ``bands``
+        point to one live cluster other than ``cluster_id`` and those in ``seen`` (the
+        ones the caller's :meth:`probe_candidates` found and weighed). That is a
+        cluster opened since the caller looked, by a concurrent first query about the
+        same text; the caller looks again and joins it."""
 
     async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
         """(cluster id, sketch) of every live cluster of this key that has a sketch, by

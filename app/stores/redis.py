@@ -484,6 +484,44 @@ class RedisStore(RedisRegistry, RedisCases):
         window_s: float,
         budget: int,
     ) -> ProbeDecision:
+        allowed, count, retry_s = await self._probe_count(
+            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, [], 0
+        )
+        return ProbeDecision(allowed > 0, count, retry_s)
+
+    async def probe_open(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: list[str],
+        min_hits: int,
+    ) -> ProbeDecision | None:
+        allowed, count, retry_s = await self._probe_count(
+            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, seen, max(1, min_hits)
+        )
+        if allowed < 0:
+            return None  # its bands point to a cluster opened since the caller looked
+        return ProbeDecision(allowed > 0, count, retry_s)
+
+    async def _probe_count(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: list[str],
+        min_hits: int,
+    ) -> tuple[int, int, float]:
+        """One PROBE_HIT call (the band keys and the cluster's share the tenant's slot):
+        (1 allowed, 0 refused or -1 another cluster found; count; seconds to wait)."""
         keys = [
             self._probe(tenant_id, key_id, "hits", cluster_id),
             self._probe(tenant_id, key_id, "sk", cluster_id),
@@ -497,9 +535,11 @@ class RedisStore(RedisRegistry, RedisCases):
             cluster_id,
             base64.b64encode(sketch).decode("ascii") if sketch is not None else "",
             secrets.token_hex(8),  # this hit's id: a retried call counts it once
+            int(min_hits),
+            *seen,
         ]
         allowed, count, retry_ms = await self._retry(lambda: self._probe_hit(keys=keys, args=args))
-        return ProbeDecision(bool(int(allowed)), int(count), max(0.0, float(retry_ms) / 1000))
+        return int(allowed), int(count), max(0.0, float(retry_ms) / 1000)
 
     # -- rate limits ----------------------------------------------------------
 

@@ -196,10 +196,12 @@ return 1
 """
 
 # Sliding-window probe counter. KEYS: hits zset, sketch key, band keys...
-# ARGV: window ms, budget, cluster id, sketch ('' keeps the old one), this hit's id.
-# Redis's clock, so every replica shares one time base. Idempotent: the hit's id is
-# its member, so a retried call whose hit is already counted is not counted again.
-# Returns {allowed, count, retry_after_ms}.
+# ARGV: window ms, budget, cluster id, sketch ('' keeps the old one), this hit's id,
+# then for an open (Store.probe_open) min_hits and the cluster ids already seen (0 and
+# none for a plain hit). Redis's clock, so every replica shares one time base.
+# Idempotent: the hit's id is its member, so a retried call whose hit is already
+# counted is not counted again. Returns {allowed, count, retry_after_ms}, or {-1, 0, 0}
+# for an open that found min_hits of its bands pointing to one cluster not seen.
 PROBE_HIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -207,6 +209,18 @@ local window, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 local count = redis.call('ZCARD', KEYS[1])
 if redis.call('ZSCORE', KEYS[1], ARGV[5]) then return {1, count, 0} end
+local need = tonumber(ARGV[6])
+if need > 0 then
+  local seen, hits = {[ARGV[3]] = true}, {}
+  for i = 7, #ARGV do seen[ARGV[i]] = true end
+  for i = 3, #KEYS do
+    local ref = redis.call('GET', KEYS[i])
+    if ref and not seen[ref] then
+      hits[ref] = (hits[ref] or 0) + 1
+      if hits[ref] >= need then return {-1, 0, 0} end
+    end
+  end
+end
 if count >= budget then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   local retry = window

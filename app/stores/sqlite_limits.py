@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Sequence
 
 from app.stores.base import ProbeDecision, RateDecision, check_tenant_id
 from app.stores.sqlite_base import SQLiteBase, sweep_expired, transaction
@@ -59,17 +60,66 @@ class SQLiteLimits(SQLiteBase):
         window_s: float,
         budget: int,
     ) -> ProbeDecision:
+        decision = await self._probe_count(
+            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, (), 0
+        )
+        return decision or ProbeDecision(False, 0, window_s)  # None only for an open
+
+    async def probe_open(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: list[str],
+        min_hits: int,
+    ) -> ProbeDecision | None:
+        return await self._probe_count(
+            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, seen, max(1, min_hits)
+        )
+
+    async def _probe_count(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: Sequence[str],
+        min_hits: int,
+    ) -> ProbeDecision | None:
+        """Count one hit in one write transaction; for an open (``min_hits`` > 0), None
+        when ``min_hits`` of ``bands`` point to one live cluster not seen."""
         check_tenant_id(tenant_id)
         now = self._clock()
         expires = now + window_s
         ident = (tenant_id, key_id, cluster_id)
+        known = {cluster_id, *seen}
 
-        def op(c: sqlite3.Connection) -> ProbeDecision:
+        def op(c: sqlite3.Connection) -> ProbeDecision | None:
             # Losing the last few probe records to a power cut is harmless, so these
             # commits skip the fsync (WAL, synchronous=NORMAL).
             c.execute("PRAGMA synchronous=NORMAL")
             try:
                 with transaction(c):
+                    if min_hits > 0 and bands:
+                        marks = ",".join("?" * len(bands))
+                        pointed = c.execute(
+                            "SELECT b.cluster_id FROM probe_bands b JOIN probe_clusters k"
+                            " ON k.tenant_id = b.tenant_id AND k.key_id = b.key_id"
+                            " AND k.cluster_id = b.cluster_id"
+                            f" WHERE b.tenant_id = ? AND b.key_id = ? AND b.band IN ({marks})"
+                            " AND b.expires_at > ? AND k.expires_at > ?"
+                            " GROUP BY b.cluster_id HAVING COUNT(*) >= ?",
+                            (tenant_id, key_id, *bands, now, now, min_hits),
+                        )
+                        if any(r[0] not in known for r in pointed):
+                            return None
                     self._sweep_probes(c, now)
                     c.execute(
                         "DELETE FROM probe_hits WHERE tenant_id = ? AND key_id = ?"
