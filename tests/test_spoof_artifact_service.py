@@ -31,6 +31,7 @@ from test_service_api import (
 from app.services.artifact import outcome_of
 from app.services.intake import encode_texts
 from worldcup_core.context_sketch import (
+    WIDTH_LOG2,
     ContextSketch,
     context_cells,
     leave_one_out,
@@ -77,7 +78,7 @@ def _ids(c: TestClient, text: str) -> list[int]:
 def _counts(c: TestClient, tenant_id: str, cells: Any) -> list[int]:
     app: Any = c.app
     store = app.state.runtime.store
-    return list(c.portal.call(store.context_counts, tenant_id, 1, cells.tolist()))  # type: ignore[union-attr]
+    return list(c.portal.call(store.context_counts, tenant_id, 1, cells.tolist(), WIDTH_LOG2))  # type: ignore[union-attr]
 
 
 def _tenant_with_texts(
@@ -121,7 +122,9 @@ def test_issued_texts_are_counted_as_the_sketch_counts_them(client: TestClient) 
     assert sum(_counts(c, tenant_id, human)) <= sum(sketch.counts(human).tolist()) == 0
 
 
-def _with_spoof(c: TestClient, name: str) -> tuple[str, dict[str, str], list[str], str]:
+def _with_spoof(
+    c: TestClient, name: str, width_log2: int = WIDTH_LOG2
+) -> tuple[str, dict[str, str], list[str], str]:
     """A tenant, two registered answers and a spoof made by hand: the second answer's
     opening (its contexts counted as if seen in many answers: a spoofer's lessons)
     followed by human text (rare contexts, no watermark)."""
@@ -132,9 +135,51 @@ def _with_spoof(c: TestClient, name: str) -> tuple[str, dict[str, str], list[str
     opening = issued[1][: len(issued[1]) // 2]
     for _ in range(8):
         c.portal.call(
-            store.count_contexts, tenant_id, 1, text_cells(scheme, _ids(c, opening)).tolist()
+            store.count_contexts,
+            tenant_id,
+            1,
+            text_cells(scheme, _ids(c, opening), width_log2).tolist(),
+            width_log2,
         )  # type: ignore[union-attr]
     return tenant_id, auth, issued, opening + HUMAN
+
+
+def test_a_key_version_keeps_its_sketch_width(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key version records its context sketch's width when it is created
+    (``KeyRecord.sketch_width_log2``), and every write and read of its counters uses
+    that width: a release that changes the default leaves older versions readable.
+    Here a version created under a default of 2**12 counters a row, its spoof's opening
+    counted as common there, is still flagged after the default is back at 2**20 and the
+    tenant rotated to a version of that width (read at 2**20, its counters would be
+    zeros: "one_group", not "flagged")."""
+    import app.services.tenants as tenants_module
+
+    c = client
+    with monkeypatch.context() as m:
+        m.setattr(tenants_module, "WIDTH_LOG2", 12)
+        tenant_id, auth, issued, spoof = _with_spoof(c, "narrow", 12)
+    scheme = _scheme(c, tenant_id)
+    ids = _ids(c, issued[0])
+    app: Any = c.app
+    store = app.state.runtime.store
+    narrow = text_cells(scheme, ids, 12)
+    # the service counted the issued texts at the version's width: every context of the
+    # first answer once (and a read at 2**20 would be refused: cells of another geometry)
+    got = c.portal.call(store.context_counts, tenant_id, 1, narrow.tolist(), 12)  # type: ignore[union-attr]
+    assert min(got) >= 1
+    r = c.post(f"/admin/tenants/{tenant_id}/rotate-key", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    records = c.portal.call(store.key_versions, tenant_id)  # type: ignore[union-attr]
+    assert [k.sketch_width_log2 for k in records] == [12, WIDTH_LOG2]
+    before = _checks(c)
+    r = c.post("/decode", json={"text": spoof, "num_bits": 16}, headers=auth)
+    assert r.status_code == 200 and r.json()["verdict"] == "watermarked", r.text
+    assert r.json()["key_version"] == 1
+    after = _checks(c)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert {k: v for k, v in delta.items() if v} == {"flagged": 1.0}, delta
 
 
 def test_the_check_reads_watermarked_answers_and_changes_no_verdict(client: TestClient) -> None:

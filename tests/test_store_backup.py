@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from app.main import create_app
 from app.services.intake import encode_texts
 from worldcup_cli.main import app as cli
-from worldcup_core.context_sketch import text_cells
+from worldcup_core.context_sketch import WIDTH_LOG2, text_cells
 
 runner = CliRunner()
 
@@ -62,7 +62,7 @@ def _state(c: TestClient, auth: dict[str, str], texts: list[dict[str, Any]], cas
     scheme = c.portal.call(runtime.tenants.version, tenant_id, None).scheme  # type: ignore[union-attr]
     cells = [text_cells(scheme, encode_texts(runtime.tokenizer, [g["text"]])[0]) for g in texts]
     contexts = c.portal.call(  # type: ignore[union-attr]
-        runtime.store.context_counts, tenant_id, 1, np.concatenate(cells).tolist()
+        runtime.store.context_counts, tenant_id, 1, np.concatenate(cells).tolist(), WIDTH_LOG2
     )
     assert min(contexts) >= 1  # the issued texts' contexts (the binary sketch) came back too
     return {"matches": matches, "case": case.json(), "api_keys": keys.json(), "ctx": contexts}

@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -236,14 +237,16 @@ async def test_key_versions_are_ordered_and_contiguous(store: Store) -> None:
     with pytest.raises(Conflict):
         await store.add_key_version(key_record(tid, 4))  # gap
     v3 = KeyRecord(**{**key_record(tid, 3).__dict__, "scheme": "worldcup-v2"})
+    v3 = replace(v3, sketch_width_log2=16)
     await store.add_key_version(v3)
 
     versions = await store.key_versions(tid)
     assert [k.version for k in versions] == [1, 2, 3]
     assert versions == [key, v2, v3]
     assert versions[1].wrapped_key == bytes(range(256))
-    # each version keeps the scheme its texts were issued under
+    # each version keeps the scheme its texts were issued under, and its sketch's width
     assert [k.scheme for k in versions] == ["worldcup-v1", "worldcup-v1", "worldcup-v2"]
+    assert [k.sketch_width_log2 for k in versions] == [20, 20, 16]
 
 
 async def test_add_key_for_unknown_tenant_is_conflict(store: Store) -> None:
@@ -326,19 +329,28 @@ async def test_context_counts_are_the_sketchs(store: Store) -> None:
     sketch = ContextSketch()
     for cells in texts:
         sketch.add_text(cells)
-        await store.count_contexts(tid, 1, cells.tolist())
+        await store.count_contexts(tid, 1, cells.tolist(), WIDTH_LOG2)
     wanted = np.r_[pool, texts[-1][:50]]
-    got = await store.context_counts(tid, 1, wanted.tolist())
+    got = await store.context_counts(tid, 1, wanted.tolist(), WIDTH_LOG2)
     assert got == sketch.counts(wanted).tolist()
     assert max(got) == 255 and min(got) >= 1
-    assert await store.context_counts(tid, 2, pool.tolist()) == [0] * 40
+    assert await store.context_counts(tid, 2, pool.tolist(), WIDTH_LOG2) == [0] * 40
     other, other_key = tenant_records("ctx-other")
     await store.create_tenant(other, other_key)
-    assert await store.context_counts(other.tenant_id, 1, pool.tolist()) == [0] * 40
-    assert await store.context_counts(tid, 1, []) == []
-    await store.count_contexts(tid, 1, [])  # nothing to count
+    assert await store.context_counts(other.tenant_id, 1, pool.tolist(), WIDTH_LOG2) == [0] * 40
+    assert await store.context_counts(tid, 1, [], WIDTH_LOG2) == []
+    await store.count_contexts(tid, 1, [], WIDTH_LOG2)  # nothing to count
     with pytest.raises(ValueError, match="outside"):
-        await store.count_contexts(tid, 1, [[0, 0, 0, 1 << WIDTH_LOG2]])
+        await store.count_contexts(tid, 1, [[0, 0, 0, 1 << WIDTH_LOG2]], WIDTH_LOG2)
+    # a key version's own width (KeyRecord.sketch_width_log2): row r's counters start at
+    # r * 2**width, so a narrower sketch keeps its rows apart, and a cell past its
+    # width is refused rather than read in the next row
+    narrow = rng.integers(0, 1 << 12, size=(30, 4))
+    for _ in range(3):
+        await store.count_contexts(tid, 3, narrow.tolist(), 12)
+    assert await store.context_counts(tid, 3, narrow.tolist(), 12) == [3] * 30
+    with pytest.raises(ValueError, match="outside"):
+        await store.context_counts(tid, 3, [[0, 0, 0, 1 << 12]], 12)
 
 
 async def test_set_fingerprint_is_stored_with_the_entry(store: Store) -> None:
@@ -867,10 +879,13 @@ async def test_sqlite_file_from_before_scheme_versions_is_migrated(tmp_path: Pat
     store = SQLiteStore(path)
     try:
         (v1,) = await store.key_versions("t1")
-        assert v1.scheme == "worldcup-v1" and v1.groups == 2
+        # ... and the context sketch's width of every version before it was recorded
+        assert v1.scheme == "worldcup-v1" and v1.groups == 2 and v1.sketch_width_log2 == 20
         v2 = KeyRecord(**{**key_record("t1", 2).__dict__, "scheme": "worldcup-v2"})
-        await store.add_key_version(v2)
-        assert [k.scheme for k in await store.key_versions("t1")] == ["worldcup-v1", "worldcup-v2"]
+        await store.add_key_version(replace(v2, sketch_width_log2=18))
+        got = await store.key_versions("t1")
+        assert [k.scheme for k in got] == ["worldcup-v1", "worldcup-v2"]
+        assert [k.sketch_width_log2 for k in got] == [20, 18]
     finally:
         await store.close()
 

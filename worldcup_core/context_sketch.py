@@ -70,7 +70,10 @@ __all__ = [
 
 SUBKEY_LABEL: Final = "context-count-sketch"
 DEPTH: Final = 4
-WIDTH_LOG2: Final = 20  # 4 rows of 2^20 one-byte counters: 4 MiB a tenant's key version
+# 4 rows of 2^20 one-byte counters: 4 MiB a tenant's key version. The default for new
+# key versions only: the service records each version's width with it
+# (app.stores.base.KeyRecord.sketch_width_log2) and reads its counters at that width.
+WIDTH_LOG2: Final = 20
 MAX_COUNT: Final = 255
 # A context seen in fewer other issued texts than this is rare (the study's line: a
 # spoofer that saw a context fewer than 5 times has little to learn there from).
@@ -133,10 +136,13 @@ def context_cells(
     return out
 
 
-def text_cells(scheme: WorldCup, token_ids: Sequence[int]) -> Cells:
-    """The cells of the contexts ``scheme`` scores in a text (its scored tokens')."""
+def text_cells(scheme: WorldCup, token_ids: Sequence[int], width_log2: int = WIDTH_LOG2) -> Cells:
+    """The cells of the contexts ``scheme`` scores in a text (its scored tokens'), in a
+    sketch of ``2**width_log2`` counters a row."""
     indices = scheme.scored_indices(token_ids)
-    return context_cells(scheme.key, token_ids, indices, scheme.config.context_width)
+    return context_cells(
+        scheme.key, token_ids, indices, scheme.config.context_width, width_log2=width_log2
+    )
 
 
 def _check_geometry(depth: int, width_log2: int) -> None:

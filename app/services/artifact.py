@@ -43,11 +43,14 @@ Outcome = Literal["flagged", "clear", "one_group", "unavailable"]
 Route = Literal["detect", "provenance"]
 
 
-def _marks(scheme: WorldCup, ids: list[int], num_bits: int) -> tuple[list[float], list[list[int]]]:
-    """The text's scored tokens' leave-one-out z and their contexts' cells (worker job)."""
+def _marks(
+    scheme: WorldCup, ids: list[int], num_bits: int, width_log2: int
+) -> tuple[list[float], list[list[int]]]:
+    """The text's scored tokens' leave-one-out z and their contexts' cells in a sketch of
+    ``2**width_log2`` counters a row (worker job)."""
     marks = [m for m in text_evidence(scheme, ids, num_bits) if m.z is not None]
     width = scheme.config.context_width
-    cells = context_cells(scheme.key, ids, [m.index for m in marks], width)
+    cells = context_cells(scheme.key, ids, [m.index for m in marks], width, width_log2=width_log2)
     return [float(m.z or 0.0) for m in marks], cells.tolist()
 
 
@@ -106,9 +109,13 @@ async def _one(
     if not runtime.settings.count_contexts:
         return "unavailable"
     try:
-        scheme = (await runtime.tenants.version(tenant_id, key_version)).scheme
-        zs, cells = await runtime.offload(lambda: _marks(scheme, ids, num_bits))
-        counts = await runtime.store.context_counts(tenant_id, key_version, cells)
+        key = await runtime.tenants.version(tenant_id, key_version)
+        zs, cells = await runtime.offload(
+            lambda: _marks(key.scheme, ids, num_bits, key.sketch_width_log2)
+        )
+        counts = await runtime.store.context_counts(
+            tenant_id, key_version, cells, key.sketch_width_log2
+        )
     except Exception as exc:  # a store outage, a key version gone: no check, no failure
         logger.warning("spoof-artifact check not run (%s)", type(exc).__name__)
         return "unavailable"

@@ -379,12 +379,14 @@ async def record_contexts(sample: Sample, text: str) -> None:
     runtime = sample.runtime
     if sample.payload is None or not runtime.settings.count_contexts:
         return
-    scheme = sample.key.scheme
+    scheme, width_log2 = sample.key.scheme, sample.key.sketch_width_log2
     try:
         cells = await runtime.offload(
-            lambda: text_cells(scheme, encode_texts(runtime.tokenizer, [text])[0]).tolist()
+            lambda: text_cells(
+                scheme, encode_texts(runtime.tokenizer, [text])[0], width_log2
+            ).tolist()
         )
-        await runtime.store.count_contexts(sample.tenant_id, sample.key.version, cells)
+        await runtime.store.count_contexts(sample.tenant_id, sample.key.version, cells, width_log2)
     except Exception as exc:  # a store error, an outage: the text is still issued
         logger.warning("contexts of an issued text not counted (%s)", type(exc).__name__)
 

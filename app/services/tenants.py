@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.core.schemes import watermark_scheme
@@ -27,6 +27,7 @@ from app.stores.base import (
     TenantRecord,
 )
 from worldcup_core import Payload, WatermarkConfig, WorldCup
+from worldcup_core.context_sketch import WIDTH_LOG2
 from worldcup_core.message import MessageIdCodec
 
 
@@ -85,6 +86,7 @@ class RegistryExhausted(Exception):
 class KeyVersion:
     version: int
     scheme: WorldCup
+    sketch_width_log2: int  # its context sketch's geometry (KeyRecord.sketch_width_log2)
 
 
 class TenantService:
@@ -223,17 +225,9 @@ class TenantService:
         stale = [
             r for r in records if not self.wrapper.is_current(r.tenant_id, r.version, r.wrapped_key)
         ]
-        updated = [
-            KeyRecord(
-                tenant_id=r.tenant_id,
-                version=r.version,
-                wrapped_key=self.wrapper.rewrap_current(r.tenant_id, r.version, r.wrapped_key),
-                created_at=r.created_at,
-                groups=r.groups,
-                layers=r.layers,
-                alpha=r.alpha,
-                context_width=r.context_width,
-                scheme=r.scheme,
+        updated = [  # every other field as it was
+            replace(
+                r, wrapped_key=self.wrapper.rewrap_current(r.tenant_id, r.version, r.wrapped_key)
             )
             for r in stale
         ]
@@ -265,6 +259,7 @@ class TenantService:
             alpha=cfg.alpha,
             context_width=cfg.context_width,
             scheme=cfg.version,
+            sketch_width_log2=WIDTH_LOG2,
         )
 
     # keys -------------------------------------------------------------------
@@ -279,7 +274,7 @@ class TenantService:
                 self._records[tenant_id] = (now, records)
         if not records:
             raise UnknownTenant(tenant_id)
-        return [KeyVersion(r.version, self.scheme(r)) for r in records]
+        return [KeyVersion(r.version, self.scheme(r), r.sketch_width_log2) for r in records]
 
     async def version(self, tenant_id: str, version: int | None) -> KeyVersion:
         versions = await self.versions(tenant_id)

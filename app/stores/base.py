@@ -117,6 +117,11 @@ class ProbeDecision:
     retry_after_s: float  # 0 when allowed: when the oldest counted query leaves the window
 
 
+# The context sketch's width of every key version recorded before the width was recorded
+# with it (2**20 counters a row): what a record without the field is read as, forever.
+SKETCH_WIDTH_LOG2_BEFORE = 20
+
+
 @dataclass(frozen=True)
 class KeyRecord:
     """One version of a tenant's watermark key, encrypted at rest (AES-256-GCM)."""
@@ -130,6 +135,10 @@ class KeyRecord:
     alpha: float
     context_width: int = 2
     scheme: str = "worldcup-v1"  # the PRF/scoring version this key's texts were issued under
+    # the geometry of its context sketch (worldcup_core.context_sketch): 2**this counters
+    # a row, fixed when the version is created, so a release that changes the default
+    # reads every older version's counters where they were written
+    sketch_width_log2: int = SKETCH_WIDTH_LOG2_BEFORE
 
     def __repr__(self) -> str:
         return f"KeyRecord(tenant_id={self.tenant_id!r}, version={self.version})"
@@ -337,16 +346,18 @@ class Store(Protocol):
         (voided, expired, never issued)."""
 
     async def count_contexts(
-        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]], width_log2: int
     ) -> None:
         """Count one issued text's distinct contexts in the tenant's sketch for the key
         version (:mod:`worldcup_core.context_sketch`: each row of ``cells`` one context's
-        counter per sketch row; conservative update from the counters before the text).
+        counter per sketch row of ``2**width_log2``, the key version's
+        :attr:`KeyRecord.sketch_width_log2`; conservative update from the counters
+        before the text).
         Not idempotent: a retried write overcounts, which only makes contexts look
         common (never a spoof let through), so callers do not retry."""
 
     async def context_counts(
-        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]], width_log2: int
     ) -> list[int]:
         """Each context's estimated count in that sketch (0 where nothing was counted)."""
         ...

@@ -27,6 +27,7 @@ from collections import Counter
 from typing import Any, cast
 
 from app.stores.base import (
+    SKETCH_WIDTH_LOG2_BEFORE,
     ApiKeyRecord,
     AuditRecord,
     Conflict,
@@ -78,6 +79,7 @@ def key_to_json(key: KeyRecord) -> str:
             "alpha": key.alpha,
             "context_width": key.context_width,
             "scheme": key.scheme,
+            "sketch_width_log2": key.sketch_width_log2,
         }
     )
 
@@ -94,6 +96,8 @@ def key_from_json(tenant_id: str, raw: str) -> KeyRecord:
         alpha=float(d["alpha"]),
         context_width=int(d["context_width"]),
         scheme=str(d.get("scheme", "worldcup-v1")),  # records written before v2 existed
+        # ... and before the context sketch's width was recorded with the version
+        sketch_width_log2=int(d.get("sketch_width_log2", SKETCH_WIDTH_LOG2_BEFORE)),
     )
 
 

@@ -155,10 +155,10 @@ class RedisRegistry(RedisBase):
         return self._keys.t(tenant_id, "ctxsketch", int(key_version))
 
     async def count_contexts(
-        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]], width_log2: int
     ) -> None:
         """One script on the tenant's slot, run once (see :meth:`Store.count_contexts`)."""
-        flat = flat_cells(cells, distinct=True)
+        flat = flat_cells(cells, distinct=True, width_log2=width_log2)
         if flat.size == 0:
             return
         keys = [self._sketch(tenant_id, key_version)]
@@ -167,9 +167,9 @@ class RedisRegistry(RedisBase):
             await self._count_contexts(keys=keys, args=args)
 
     async def context_counts(
-        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]], width_log2: int
     ) -> list[int]:
-        flat = flat_cells(cells)
+        flat = flat_cells(cells, width_log2=width_log2)
         if flat.size == 0:
             return []
         keys = [self._sketch(tenant_id, key_version)]

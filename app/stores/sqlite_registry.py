@@ -139,10 +139,10 @@ class SQLiteRegistry(SQLiteBase):
         )
 
     async def count_contexts(
-        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]], width_log2: int
     ) -> None:
         check_tenant_id(tenant_id)
-        flat = flat_cells(cells, distinct=True)
+        flat = flat_cells(cells, distinct=True, width_log2=width_log2)
         if flat.size == 0:
             return
         version = int(key_version)
@@ -163,10 +163,10 @@ class SQLiteRegistry(SQLiteBase):
         await self._write(op)
 
     async def context_counts(
-        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]]
+        self, tenant_id: str, key_version: int, cells: Sequence[Sequence[int]], width_log2: int
     ) -> list[int]:
         check_tenant_id(tenant_id)
-        flat = flat_cells(cells)
+        flat = flat_cells(cells, width_log2=width_log2)
         if flat.size == 0:
             return []
         version = int(key_version)

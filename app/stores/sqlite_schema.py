@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sqlite3
 
+from app.stores.base import SKETCH_WIDTH_LOG2_BEFORE
+
 __all__ = ["SCHEMA", "migrate"]
 
 SCHEMA = """
@@ -28,6 +30,7 @@ CREATE TABLE IF NOT EXISTS keys (
     alpha         REAL NOT NULL,
     context_width INTEGER NOT NULL,
     scheme        TEXT NOT NULL DEFAULT 'worldcup-v1',
+    sketch_width_log2 INTEGER NOT NULL DEFAULT 20,
     PRIMARY KEY (tenant_id, version)
 );
 CREATE TABLE IF NOT EXISTS messages (
@@ -145,6 +148,11 @@ def migrate(conn: sqlite3.Connection) -> None:
     columns = {row["name"] for row in conn.execute("PRAGMA table_info(keys)")}
     if "scheme" not in columns:  # key versions created before scheme worldcup-v2 existed
         conn.execute("ALTER TABLE keys ADD COLUMN scheme TEXT NOT NULL DEFAULT 'worldcup-v1'")
+    if "sketch_width_log2" not in columns:  # versions created before the width was recorded
+        conn.execute(
+            "ALTER TABLE keys ADD COLUMN sketch_width_log2 INTEGER NOT NULL"
+            f" DEFAULT {SKETCH_WIDTH_LOG2_BEFORE}"
+        )
     columns = {row["name"] for row in conn.execute("PRAGMA table_info(messages)")}
     if "voided" not in columns:  # void_message: the row stays, so its id is never reused
         conn.execute("ALTER TABLE messages ADD COLUMN voided TEXT")

@@ -49,6 +49,7 @@ def _key(row: sqlite3.Row) -> KeyRecord:
         alpha=row["alpha"],
         context_width=row["context_width"],
         scheme=row["scheme"],
+        sketch_width_log2=row["sketch_width_log2"],
     )
 
 
@@ -59,7 +60,8 @@ def _api_key(row: sqlite3.Row | None) -> ApiKeyRecord | None:
 def _insert_key(c: sqlite3.Connection, key: KeyRecord) -> None:
     c.execute(
         "INSERT INTO keys (tenant_id, version, wrapped_key, created_at, groups, layers,"
-        " alpha, context_width, scheme) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " alpha, context_width, scheme, sketch_width_log2)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             key.tenant_id,
             key.version,
@@ -70,6 +72,7 @@ def _insert_key(c: sqlite3.Connection, key: KeyRecord) -> None:
             key.alpha,
             key.context_width,
             key.scheme,
+            key.sketch_width_log2,
         ),
     )
 
