@@ -42,7 +42,7 @@ from app.stores.base import (
     TenantRecord,
 )
 from app.stores.factory import make_store
-from app.stores.redis import RedisStore
+from app.stores.redis import RedisStore, key_from_json, key_to_json
 from app.stores.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.anyio
@@ -852,6 +852,24 @@ async def test_sqlite_survives_reopen_and_shares_file(tmp_path: Path) -> None:
         assert await reopened.message_ids(tid, 1, 32) == list(range(1, 61))
     finally:
         await reopened.close()
+
+
+def test_redis_key_record_from_before_scheme_versions_reads_as_then() -> None:
+    """A key version's JSON written by an older release, without ``scheme`` and
+    ``sketch_width_log2``, reads as the only scheme and width there were; a record's
+    own fields round-trip."""
+    old = (
+        '{"version": 1, "wrapped_key": "AA==", "created_at": 1.0, "groups": 2,'
+        ' "layers": 30, "alpha": 1.2, "context_width": 2}'
+    )
+    record = key_from_json("t1", old)
+    assert (record.scheme, record.sketch_width_log2, record.wrapped_key) == (
+        "worldcup-v1",
+        20,
+        b"\x00",
+    )
+    newer = replace(key_record("t1", 2), scheme="worldcup-v2", sketch_width_log2=17)
+    assert key_from_json("t1", key_to_json(newer)) == newer
 
 
 async def test_sqlite_file_from_before_scheme_versions_is_migrated(tmp_path: Path) -> None:
