@@ -23,6 +23,7 @@ import torch
 from scipy import stats
 
 import worldcup_core.consistency as consistency
+import worldcup_eval.forgery as forgery
 from worldcup_core.baselines.cells import first_contexts
 from worldcup_core.baselines.kgw import KGW, KGWConfig, green_of, kgw_seed
 from worldcup_core.config import SERVICE_CONTEXT_WIDTH
@@ -468,6 +469,28 @@ def test_the_p_value_climber_spoofs_the_anchor_and_not_the_service_default(
     wc = run_forgery(wide, tmp_path / "wide", word_lm, data_dir, False)
     row = wc["climb"]["row"]
     assert row["watermarked"]["k"] == 0 and row["named_any"]["k"] == 0, wc["climb"]
+
+
+def test_progress_in_a_log_file_is_a_line_a_minute(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where stderr is not a terminal (``nohup ... > log``), the bar writes plain lines:
+    at the start, every LOG_EVERY_S seconds and at the end, with the counts, the share
+    and an ETA from this run's own rate (a resumed run starts at its count)."""
+    monkeypatch.setattr(forgery, "LOG_EVERY_S", 0.0)
+    bar = forgery._bar(1000, "answers (fixed)", True, initial=200)
+    assert bar is not None
+    bar(300)
+    bar(500)
+    forgery._close(bar)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "answers (fixed): 200/1000 tokens 20 %",
+        "answers (fixed): 500/1000 tokens 50 %",
+        "answers (fixed): 1000/1000 tokens 100 %",
+        "answers (fixed): 1000/1000 tokens 100 %",
+    ]
+    assert "ETA -" in lines[0] and "ETA 00:00:" in lines[1] and lines[-1].endswith("(done)")
 
 
 def test_a_bad_device_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -569,10 +569,22 @@ def _seed(seed: int, label: str, index: int) -> int:
 
 
 class _Bar:
-    """A rich progress bar on stderr (generated tokens, or another ``unit``; ETA)."""
+    """A rich progress bar on stderr (generated tokens, or another ``unit``; ETA); where
+    stderr is not a terminal (a log file, ``nohup``), a plain line every
+    :data:`LOG_EVERY_S` seconds and at the end, with the ETA from this run's own rate."""
 
     def __init__(self, total: int, desc: str, initial: int, unit: str = "tokens") -> None:
         from rich.console import Console
+
+        console = Console(stderr=True)
+        self._log: dict[str, Any] | None = None
+        if not console.is_terminal:
+            self._log = {
+                "desc": desc, "unit": unit, "total": total, "done": initial,
+                "first": initial, "start": time.monotonic(), "last": time.monotonic(),
+            }  # fmt: skip
+            self._say(final=False)
+            return
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -590,16 +602,47 @@ class _Bar:
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
-            console=Console(stderr=True),
+            console=console,
         )
         self._progress.start()
         self._task = self._progress.add_task(desc, total=total, completed=initial)
 
     def __call__(self, n: int) -> None:
-        self._progress.update(self._task, advance=n)
+        if self._log is None:
+            self._progress.update(self._task, advance=n)
+            return
+        self._log["done"] += n
+        if time.monotonic() - self._log["last"] >= LOG_EVERY_S:
+            self._say(final=False)
+
+    def _say(self, final: bool) -> None:
+        log = self._log
+        assert log is not None
+        now = time.monotonic()
+        log["last"] = now
+        elapsed, done, total = now - log["start"], log["done"], log["total"]
+        rate = (done - log["first"]) / elapsed if elapsed > 0 else 0.0
+        eta = _hms((total - done) / rate) if rate > 0 and done < total else "-"
+        share = f"{100 * done / total:.0f} %" if total else ""
+        line = (
+            f"{log['desc']}: {done}/{total} {log['unit']} {share}, "
+            f"elapsed {_hms(elapsed)}, ETA {eta}{' (done)' if final else ''}"
+        )
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
     def close(self) -> None:
-        self._progress.stop()
+        if self._log is None:
+            self._progress.stop()
+        else:
+            self._say(final=True)
+
+
+LOG_EVERY_S: Final = 60.0
+
+
+def _hms(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(max(0.0, seconds)))
 
 
 def _bar(
