@@ -9,46 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from test_store_contract import REDIS_URL, redis_namespace
+from test_store_contract import FakeClock, clock, store  # noqa: F401 - fixtures
 
 from app.core.metrics import Metrics
 from app.services.probes import ProbeAccountant, probe_secret
 from app.stores.base import Store
-from app.stores.redis import RedisStore
 from app.stores.sqlite import SQLiteStore
 
 WINDOW = 100.0
 TENANT = "acme"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def accountant(tmp_path: Path, clock: Clock) -> AsyncIterator[ProbeAccountant]:
-    store = SQLiteStore(tmp_path / "probes.sqlite3", clock=clock)
+async def accountant(
+    tmp_path: Path,
+    clock: FakeClock,  # noqa: F811 - the fixture
+) -> AsyncIterator[ProbeAccountant]:
+    sqlite = SQLiteStore(tmp_path / "probes.sqlite3", clock=clock)
     try:
         yield ProbeAccountant(
-            store, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
+            sqlite, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
         )
     finally:
-        await store.close()
+        await sqlite.close()
 
 
 def text(seed: int, length: int = 200) -> list[int]:
@@ -75,7 +62,8 @@ async def test_spent_full_answers_survive_the_stores_sweep(accountant: ProbeAcco
 
 @pytest.mark.anyio
 async def test_an_account_lives_a_window_after_its_last_query(
-    accountant: ProbeAccountant, clock: Clock
+    accountant: ProbeAccountant,
+    clock: FakeClock,  # noqa: F811 - the fixture
 ) -> None:
     target = text(7)
     edited = list(target)
@@ -92,34 +80,8 @@ async def test_an_account_lives_a_window_after_its_last_query(
     assert [await full(accountant, edited) for _ in range(4)] == [True, True, True, False]
 
 
-@pytest.fixture(params=["sqlite", "redis", pytest.param("cluster", marks=pytest.mark.cluster)])
-async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    """A store on the real clock (concurrency, not expiry, is under test)."""
-    if request.param == "sqlite":
-        store: Store = SQLiteStore(tmp_path / "probes.sqlite3")
-        try:
-            yield store
-        finally:
-            await store.close()
-        return
-    if request.param == "cluster":  # a real Redis Cluster (make test-cluster)
-        cluster = request.getfixturevalue("redis_cluster")
-        store = RedisStore(cluster.url, prefix=f"wctest-{uuid.uuid4().hex}", cluster=True)
-        try:
-            yield store
-        finally:
-            await store.close()
-        return
-    async with redis_namespace() as prefix:
-        store = RedisStore(REDIS_URL, prefix=prefix)
-        try:
-            yield store
-        finally:
-            await store.close()
-
-
 @pytest.mark.anyio
-async def test_concurrent_first_queries_share_one_account(shared: Store) -> None:
+async def test_concurrent_first_queries_share_one_account(store: Store) -> None:  # noqa: F811
     """Eight one-word variants of a text nobody asked about, sent at once (by replicas
     sharing the store, or one client's parallel requests): finding an account and
     opening one used to be two store calls, so each variant found none and opened its
@@ -127,7 +89,7 @@ async def test_concurrent_first_queries_share_one_account(shared: Store) -> None
     text's 3 are, whatever the interleaving, and the eight count in one account."""
     replicas = [
         ProbeAccountant(
-            shared, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
+            store, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
         )
         for _ in range(4)
     ]
