@@ -11,6 +11,7 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from test_store_contract import FakeClock, clock, store  # noqa: F401 - fixtures
@@ -110,3 +111,49 @@ async def test_concurrent_first_queries_share_one_account(store: Store) -> None:
         assert all(d.allowed for d in decisions)
         assert sorted(d.count for d in decisions) == list(range(1, 9))  # one account
         assert sum(a.full for (a,) in admissions) == 3
+
+
+@pytest.mark.anyio
+async def test_a_set_answered_as_one_spends_all_or_nothing_under_races(
+    store: Store,  # noqa: F811 - the fixture
+) -> None:
+    """A set of texts answered as one (a collection) is answered in full only if every
+    text in it has a full answer left, and then spends one of each. The counts used to
+    be read, then spent one by one: a query racing the set could spend a text's last
+    full answer in between, and the set, answered as the verdict, had spent the others'
+    for nothing. Now the spend is one atomic store call: whatever the interleaving, a
+    verdict-only set spends nothing, and no text gets more than its 3."""
+    replicas = [
+        ProbeAccountant(
+            store, probe_secret(b"k" * 32), Metrics(), WINDOW, 30, 10, None, full_answers=3
+        )
+        for _ in range(3)
+    ]
+    sketch = replicas[0].sketches
+
+    async def later(delay_s: float, call: Any) -> list[Any]:
+        await asyncio.sleep(delay_s)
+        return cast("list[Any]", await call)
+
+    outcomes = []
+    # the racing queries start before the set (-10 ms), within it, and after it (+10 ms)
+    for round_, lead_ms in enumerate(range(-10, 11)):
+        a, b = text(2_000 + round_), text(3_000 + round_)
+        assert await full(replicas[0], a)  # a has 2 full answers left, b 3
+        first, then = max(0.0, -lead_ms / 1000), max(0.0, lead_ms / 1000)
+        together, one, two = await asyncio.gather(
+            later(first, replicas[0].admit(TENANT, "k1", "full", sketch([b, a]), together=True)),
+            later(then, replicas[1].admit(TENANT, "k2", "full", sketch([a]))),
+            later(then, replicas[2].admit(TENANT, "k3", "full", sketch([a]))),
+        )
+        assert all(x.decision.allowed for x in [*together, *one, *two])
+        set_full = {x.full for x in together}
+        assert len(set_full) == 1  # the set is answered as one
+        (in_full,) = set_full
+        outcomes.append(in_full)
+        # a: 3 full answers in all, whoever got them
+        assert 1 + in_full + one[0].full + two[0].full == 3
+        # b: a verdict-only set spent none of its full answers
+        rest = [await full(replicas[0], b) for _ in range(4)]
+        assert sum(rest) == 3 - in_full
+    assert True in outcomes and False in outcomes  # both ways round were run

@@ -30,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from app.core.config import Settings
 from app.stores import redis_layout, redis_registry, sqlite_registry
 from app.stores.base import (
+    COUNT_ONLY,
     ApiKeyRecord,
     AuditRecord,
     Conflict,
@@ -1211,6 +1212,38 @@ async def test_probe_open_is_one_step_with_the_last_look(store: Store, clock: Fa
     assert short is not None
     await advance(store, clock, 1.2)
     assert await store.probe_open(tid, "u", "db", first, ["d1", "d2"], 60.0, 5, [], 2) is not None
+
+
+async def test_probe_hit_all_counts_every_cluster_or_none(store: Store, clock: FakeClock) -> None:
+    """Several clusters' counts in one atomic step: counted only if each cluster's
+    count plus its number stays within the budget; else nothing anywhere. Counts
+    expire like probe_hit's, and survive many other probe calls (the SQLite sweep)."""
+    tenant, key = tenant_records("acme")
+    await store.create_tenant(tenant, key)
+    tid = tenant.tenant_id
+
+    async def count(cluster: str) -> int:
+        return (await store.probe_hit(tid, "f", cluster, None, [], 60.0, 0)).count
+
+    assert await store.probe_hit_all(tid, "f", {}, 60.0, 3)  # nothing to count
+    assert await store.probe_hit_all(tid, "f", {"ca": 1, "cb": 2}, 60.0, 3)
+    assert [await count(c) for c in ("ca", "cb")] == [1, 2]
+    # cb has one left: two more for it refuses the whole set, ca included
+    assert not await store.probe_hit_all(tid, "f", {"ca": 1, "cb": 2}, 60.0, 3)
+    assert [await count(c) for c in ("ca", "cb")] == [1, 2]
+    assert await store.probe_hit_all(tid, "f", {"ca": 2, "cb": 1, "cc": 0}, 60.0, 3)
+    assert [await count(c) for c in ("ca", "cb", "cc")] == [3, 3, 0]
+    # the same counts as probe_hit's: a plain hit is refused on a spent cluster
+    assert not (await store.probe_hit(tid, "f", "ca", COUNT_ONLY, [], 60.0, 3)).allowed
+    # they outlive other probe traffic (the SQLite store sweeps every 256 calls)
+    for i in range(300):
+        await store.probe_hit(tid, "g", f"x{i}", os.urandom(16), [f"b{i}"], 60.0, 5)
+    assert [await count(c) for c in ("ca", "cb")] == [3, 3]
+    # and leave the window as probe_hit's do
+    assert await store.probe_hit_all(tid, "s", {"da": 2}, 1.0, 2)
+    assert not await store.probe_hit_all(tid, "s", {"da": 1}, 1.0, 2)
+    await advance(store, clock, 1.2)
+    assert await store.probe_hit_all(tid, "s", {"da": 2}, 1.0, 2)
 
 
 async def test_probe_candidates_most_pointed_to_first(store: Store, clock: FakeClock) -> None:

@@ -431,26 +431,17 @@ class ProbeAccountant:
     ) -> list[bool]:
         """Full answers for queries answered as one (the refused ones left out): all of
         them, each spending one, if every account has enough left for its queries among
-        them, else none, spending nothing. A query not counted (no fingerprint) needs
-        none. The counts are read, then spent: a concurrent query may spend one in
-        between, and then the set is answered as the verdict, having spent what it got
-        (never more than the limit)."""
+        them, else none, spending nothing; one atomic store call
+        (:meth:`Store.probe_hit_all`), so a concurrent query cannot leave the set
+        having spent some. A query not counted (no fingerprint) needs none."""
         allowed = [d.allowed for d, _ in decisions]
-        none = [False] * len(decisions)
         if self.full_answers <= 0:
             return allowed
         needed = Counter(c for d, c in decisions if d.allowed and c is not None)
-        for cluster_id, n in needed.items():
-            peek = await self.store.probe_hit(
-                tenant_id, FULL_ACCOUNT, cluster_id, COUNT_ONLY, [], self.window_s, 0
-            )
-            if peek.count + n > self.full_answers:
-                return none
-        for cluster_id, n in needed.items():
-            for _ in range(n):
-                if not await self._full_answer(tenant_id, cluster_id):
-                    return none
-        return allowed
+        spent = await self.store.probe_hit_all(
+            tenant_id, FULL_ACCOUNT, dict(needed), self.window_s, self.full_answers
+        )
+        return allowed if spent else [False] * len(decisions)
 
     async def account(
         self,

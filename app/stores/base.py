@@ -10,7 +10,7 @@ namespace by it (Redis keys ``{prefix}:{tenant}:...``).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -485,6 +485,15 @@ class Store(Protocol):
         ones the caller's :meth:`probe_candidates` found and weighed). That is a
         cluster opened since the caller looked, by a concurrent first query about the
         same text; the caller looks again and joins it."""
+
+    async def probe_hit_all(
+        self, tenant_id: str, key_id: str, hits: Mapping[str, int], window_s: float, budget: int
+    ) -> bool:
+        """Count ``hits[c]`` queries of each cluster ``c`` as :meth:`probe_hit` with
+        :data:`COUNT_ONLY` would, all or none, in one atomic step: True, counted, when
+        every cluster's count plus its number is at most ``budget``; else False with
+        nothing recorded. A retried call counts once. (A set of texts answered as one
+        spends a full answer of each text's account, or none.)"""
 
     async def probe_clusters(self, tenant_id: str, key_id: str) -> list[tuple[str, bytes]]:
         """(cluster id, sketch) of every live cluster of this key that has a sketch, by

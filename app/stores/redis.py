@@ -24,9 +24,11 @@ import json
 import math
 import secrets
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, cast
 
 from app.stores.base import (
+    COUNT_ONLY,
     SKETCH_WIDTH_LOG2_BEFORE,
     ApiKeyRecord,
     AuditRecord,
@@ -50,6 +52,7 @@ from app.stores.redis_scripts import (
     ADD_KEY,
     COMMIT_TENANT,
     PROBE_HIT,
+    PROBE_HIT_ALL,
     RELEASE_CLAIM,
     REPLACE_KEYS,
     RESERVE_TENANT,
@@ -136,6 +139,7 @@ class RedisStore(RedisRegistry, RedisCases):
         self._add_key, self._replace_keys = s(ADD_KEY), s(REPLACE_KEYS)
         self._set_scopes, self._take_tokens = s(SET_SCOPES), s(TAKE_TOKENS)
         self._revoke_api_key, self._probe_hit = s(REVOKE_API_KEY), s(PROBE_HIT)
+        self._probe_hit_all = s(PROBE_HIT_ALL)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -511,6 +515,28 @@ class RedisStore(RedisRegistry, RedisCases):
         if allowed < 0:
             return None  # its bands point to a cluster opened since the caller looked
         return ProbeDecision(allowed > 0, count, retry_s)
+
+    async def probe_hit_all(
+        self, tenant_id: str, key_id: str, hits: Mapping[str, int], window_s: float, budget: int
+    ) -> bool:
+        wanted = [(c, n) for c, n in hits.items() if n > 0]
+        if not wanted:
+            return True
+        keys: list[str] = []
+        for cluster_id, _ in wanted:  # one tenant's keys: one slot
+            keys += [
+                self._probe(tenant_id, key_id, "hits", cluster_id),
+                self._probe(tenant_id, key_id, "sk", cluster_id),
+            ]
+        args: list[str | int] = [
+            max(1, round(window_s * 1000)),
+            int(budget),
+            secrets.token_hex(8),  # this call's id: a retried call counts once
+            base64.b64encode(COUNT_ONLY).decode("ascii"),
+            *(int(n) for _, n in wanted),
+        ]
+        done = await self._retry(lambda: self._probe_hit_all(keys=keys, args=args))
+        return int(done) == 1
 
     async def _probe_count(
         self,

@@ -238,6 +238,34 @@ end
 return {1, count + 1, 0}
 """
 
+# Counts of several probe clusters, all or none (Store.probe_hit_all). KEYS: per
+# cluster its hits zset and its sketch key. ARGV: window ms, budget, this call's id,
+# the count-only sketch, then each cluster's number of hits. Every cluster's count plus
+# its number must be within the budget, else nothing is recorded. Idempotent: the
+# members are the call's id and an index, so a retried call counted already is not
+# counted again. Returns 1 counted, 0 refused.
+PROBE_HIT_ALL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window, budget, op = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local n = #KEYS / 2
+for i = 1, n do
+  local hits = KEYS[2 * i - 1]
+  redis.call('ZREMRANGEBYSCORE', hits, '-inf', now - window)
+  if redis.call('ZSCORE', hits, op .. ':' .. i .. ':1') then return 1 end
+end
+for i = 1, n do
+  if redis.call('ZCARD', KEYS[2 * i - 1]) + tonumber(ARGV[4 + i]) > budget then return 0 end
+end
+for i = 1, n do
+  local hits = KEYS[2 * i - 1]
+  for j = 1, tonumber(ARGV[4 + i]) do redis.call('ZADD', hits, now, op .. ':' .. i .. ':' .. j) end
+  redis.call('PEXPIRE', hits, window)
+  redis.call('SET', KEYS[2 * i], ARGV[4], 'PX', window)
+end
+return 1
+"""
+
 # One issued text's contexts into a tenant's context sketch (worldcup_core.context_sketch:
 # conservative update from the counters before the text; a counter two contexts share
 # takes the larger). KEYS: the sketch string (one byte a counter, row-major). ARGV: the

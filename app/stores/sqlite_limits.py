@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from app.stores.base import ProbeDecision, RateDecision, check_tenant_id
+from app.stores.base import COUNT_ONLY, ProbeDecision, RateDecision, check_tenant_id
 from app.stores.sqlite_base import SQLiteBase, sweep_expired, transaction
 
 _SWEEP_EVERY = 256  # probe_hit calls between two sweeps of expired probe rows
@@ -154,6 +154,49 @@ class SQLiteLimits(SQLiteBase):
                             (expires, *ident),
                         )
                     return ProbeDecision(True, len(hits) + 1, 0.0)
+            finally:
+                c.execute("PRAGMA synchronous=FULL")
+
+        return await self._run(op)
+
+    async def probe_hit_all(
+        self, tenant_id: str, key_id: str, hits: Mapping[str, int], window_s: float, budget: int
+    ) -> bool:
+        check_tenant_id(tenant_id)
+        wanted = [(c, n) for c, n in hits.items() if n > 0]
+        if not wanted:
+            return True
+        now = self._clock()
+
+        def op(c: sqlite3.Connection) -> bool:
+            c.execute("PRAGMA synchronous=NORMAL")  # short-lived counters, as _probe_count
+            try:
+                with transaction(c):
+                    self._sweep_probes(c, now)
+                    for cluster_id, n in wanted:
+                        ident = (tenant_id, key_id, cluster_id)
+                        c.execute(
+                            "DELETE FROM probe_hits WHERE tenant_id = ? AND key_id = ?"
+                            " AND cluster_id = ? AND at <= ?",
+                            (*ident, now - window_s),
+                        )
+                        (count,) = c.execute(
+                            "SELECT COUNT(*) FROM probe_hits WHERE tenant_id = ? AND key_id = ?"
+                            " AND cluster_id = ?",
+                            ident,
+                        ).fetchone()
+                        if int(count) + n > budget:
+                            return False
+                    for cluster_id, n in wanted:
+                        ident = (tenant_id, key_id, cluster_id)
+                        c.executemany(
+                            "INSERT INTO probe_hits VALUES (?, ?, ?, ?)", [(*ident, now)] * n
+                        )
+                        c.execute(
+                            "INSERT OR REPLACE INTO probe_clusters VALUES (?, ?, ?, ?, ?)",
+                            (*ident, COUNT_ONLY, now + window_s),
+                        )
+                    return True
             finally:
                 c.execute("PRAGMA synchronous=FULL")
 
