@@ -284,6 +284,59 @@ IDEMPOTENCY_PENDING = 0
 COUNT_ONLY = b"-"
 
 
+class ProbeCounting:
+    """:meth:`Store.probe_hit` and :meth:`Store.probe_open` for a store that does both
+    with one atomic primitive, :meth:`_probe_count`."""
+
+    async def _probe_count(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: Sequence[str],
+        min_hits: int,
+    ) -> ProbeDecision | None:
+        """Count one hit atomically; for an open (``min_hits`` > 0), None with nothing
+        written when ``min_hits`` of ``bands`` point to one live cluster other than
+        ``cluster_id`` and those in ``seen``."""
+        raise NotImplementedError
+
+    async def probe_hit(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes | None,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+    ) -> ProbeDecision:
+        decision = await self._probe_count(
+            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, (), 0
+        )
+        return decision or ProbeDecision(False, 0, window_s)  # None only for an open
+
+    async def probe_open(
+        self,
+        tenant_id: str,
+        key_id: str,
+        cluster_id: str,
+        sketch: bytes,
+        bands: list[str],
+        window_s: float,
+        budget: int,
+        seen: list[str],
+        min_hits: int,
+    ) -> ProbeDecision | None:
+        return await self._probe_count(
+            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, seen, max(1, min_hits)
+        )
+
+
 class Store(Protocol):
     async def ping(self) -> None: ...
 

@@ -24,7 +24,7 @@ import json
 import math
 import secrets
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from app.stores.base import (
@@ -35,6 +35,7 @@ from app.stores.base import (
     Conflict,
     IdempotencyRecord,
     KeyRecord,
+    ProbeCounting,
     ProbeDecision,
     RateDecision,
     StoreUnavailable,
@@ -116,7 +117,7 @@ def _tenant_from_hash(h: dict[str, str]) -> TenantRecord | None:
     )
 
 
-class RedisStore(RedisRegistry, RedisCases):
+class RedisStore(ProbeCounting, RedisRegistry, RedisCases):
     """:class:`~app.stores.base.Store` on Redis or Redis Cluster (redis-py asyncio)."""
 
     def __init__(
@@ -482,40 +483,6 @@ class RedisStore(RedisRegistry, RedisCases):
             if cursor == 0:
                 return found
 
-    async def probe_hit(
-        self,
-        tenant_id: str,
-        key_id: str,
-        cluster_id: str,
-        sketch: bytes | None,
-        bands: list[str],
-        window_s: float,
-        budget: int,
-    ) -> ProbeDecision:
-        allowed, count, retry_s = await self._probe_count(
-            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, [], 0
-        )
-        return ProbeDecision(allowed > 0, count, retry_s)
-
-    async def probe_open(
-        self,
-        tenant_id: str,
-        key_id: str,
-        cluster_id: str,
-        sketch: bytes,
-        bands: list[str],
-        window_s: float,
-        budget: int,
-        seen: list[str],
-        min_hits: int,
-    ) -> ProbeDecision | None:
-        allowed, count, retry_s = await self._probe_count(
-            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, seen, max(1, min_hits)
-        )
-        if allowed < 0:
-            return None  # its bands point to a cluster opened since the caller looked
-        return ProbeDecision(allowed > 0, count, retry_s)
-
     async def probe_hit_all(
         self, tenant_id: str, key_id: str, hits: Mapping[str, int], window_s: float, budget: int
     ) -> bool:
@@ -547,11 +514,10 @@ class RedisStore(RedisRegistry, RedisCases):
         bands: list[str],
         window_s: float,
         budget: int,
-        seen: list[str],
+        seen: Sequence[str],
         min_hits: int,
-    ) -> tuple[int, int, float]:
-        """One PROBE_HIT call (the band keys and the cluster's share the tenant's slot):
-        (1 allowed, 0 refused or -1 another cluster found; count; seconds to wait)."""
+    ) -> ProbeDecision | None:
+        """One PROBE_HIT call (the band keys and the cluster's share the tenant's slot)."""
         keys = [
             self._probe(tenant_id, key_id, "hits", cluster_id),
             self._probe(tenant_id, key_id, "sk", cluster_id),
@@ -569,7 +535,9 @@ class RedisStore(RedisRegistry, RedisCases):
             *seen,
         ]
         allowed, count, retry_ms = await self._retry(lambda: self._probe_hit(keys=keys, args=args))
-        return int(allowed), int(count), max(0.0, float(retry_ms) / 1000)
+        if int(allowed) < 0:
+            return None  # its bands point to a cluster opened since the caller looked
+        return ProbeDecision(int(allowed) > 0, int(count), max(0.0, float(retry_ms) / 1000))
 
     # -- rate limits ----------------------------------------------------------
 

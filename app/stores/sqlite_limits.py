@@ -11,13 +11,19 @@ import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 
-from app.stores.base import COUNT_ONLY, ProbeDecision, RateDecision, check_tenant_id
+from app.stores.base import (
+    COUNT_ONLY,
+    ProbeCounting,
+    ProbeDecision,
+    RateDecision,
+    check_tenant_id,
+)
 from app.stores.sqlite_base import SQLiteBase, sweep_expired, transaction
 
 _SWEEP_EVERY = 256  # probe_hit calls between two sweeps of expired probe rows
 
 
-class SQLiteLimits(SQLiteBase):
+class SQLiteLimits(ProbeCounting, SQLiteBase):
     # -- probe accounting -----------------------------------------------------
 
     async def probe_candidates(
@@ -50,37 +56,6 @@ class SQLiteLimits(SQLiteBase):
         )
         return [(r["cluster_id"], bytes(r["sketch"])) for r in rows]
 
-    async def probe_hit(
-        self,
-        tenant_id: str,
-        key_id: str,
-        cluster_id: str,
-        sketch: bytes | None,
-        bands: list[str],
-        window_s: float,
-        budget: int,
-    ) -> ProbeDecision:
-        decision = await self._probe_count(
-            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, (), 0
-        )
-        return decision or ProbeDecision(False, 0, window_s)  # None only for an open
-
-    async def probe_open(
-        self,
-        tenant_id: str,
-        key_id: str,
-        cluster_id: str,
-        sketch: bytes,
-        bands: list[str],
-        window_s: float,
-        budget: int,
-        seen: list[str],
-        min_hits: int,
-    ) -> ProbeDecision | None:
-        return await self._probe_count(
-            tenant_id, key_id, cluster_id, sketch, bands, window_s, budget, seen, max(1, min_hits)
-        )
-
     async def _probe_count(
         self,
         tenant_id: str,
@@ -93,8 +68,7 @@ class SQLiteLimits(SQLiteBase):
         seen: Sequence[str],
         min_hits: int,
     ) -> ProbeDecision | None:
-        """Count one hit in one write transaction; for an open (``min_hits`` > 0), None
-        when ``min_hits`` of ``bands`` point to one live cluster not seen."""
+        """One write transaction."""
         check_tenant_id(tenant_id)
         now = self._clock()
         expires = now + window_s
