@@ -177,6 +177,36 @@ def test_the_adaptive_spoofer_steers_into_common_contexts() -> None:
     assert plain.steering() is None
 
 
+def test_a_named_text_is_told_apart_as_quoting_an_own_answer_or_framing() -> None:
+    """A climbed text that names an entry of one of the attacker's own answers, and
+    quotes that answer, is a true partial attribution; one that names a bystander
+    (no answer of the attacker's) is a frame. ``name_sources`` tells them apart."""
+    rng = random.Random(3)
+    own = [rng.randrange(100, 50_000) for _ in range(120)]
+    answers = [
+        {"message_id": 2054, "tokens": own},
+        {"message_id": 2055, "tokens": [rng.randrange(100, 50_000) for _ in range(120)]},
+        {"message_id": None, "tokens": own},  # an answer under no entry: never a source
+    ]
+    fresh = [rng.randrange(100, 50_000) for _ in range(60)]
+    quoting = fresh[:30] + own[10:70]  # two thirds quoted from the answer of 2054
+    texts = [
+        {"tokens": quoting, "named": 2054},
+        {"tokens": fresh, "named": 91},  # a bystander's entry
+        {"tokens": quoting, "named": None},  # names nothing: not listed
+        {"tokens": fresh, "named": 2055},  # an own entry, nothing quoted
+    ]
+    got = forgery.name_sources(texts, answers)
+    assert got == [
+        {"named": 2054, "own": True, "quoted": round(60 / 90, 3)},
+        {"named": 91, "own": False, "quoted": None},
+        {"named": 2055, "own": True, "quoted": 0.0},
+    ]
+    # seven shared tokens in a row are not a quote at the default length of eight
+    assert forgery.quoted_share(own[:7] + fresh, own) == 0.0
+    assert forgery.quoted_share(own[:8] + fresh, own) == pytest.approx(8 / 68)
+
+
 def test_a_redrawn_span_boosts_as_if_the_text_before_it_were_its_own() -> None:
     """The climber redraws a span of a text: its spoofer starts from the text so far,
     so the context at the cut is the text's own, and a context the text already scored
@@ -426,6 +456,7 @@ def test_the_p_value_climber_spoofs_the_anchor_and_not_the_service_default(
     kgw = _small("kgw", budget_tokens=3000, deltas=(0.5,), climb=10)
     got = run_forgery(kgw, tmp_path / "kgw", word_lm, data_dir, False)
     rounds = got["climb"]["by_round"]
+    assert len(got["climb"]["names"]) == rounds[-1]["named"]
     assert [r["round"] for r in rounds] == list(range(11))
     assert rounds[-1]["accepted"] > rounds[0]["accepted"], rounds
     assert got["spoofs"][-1]["label"] == "stolen d=0.5, then 10 p-value queries"

@@ -106,6 +106,7 @@ TOP_LOGPROBS: Final = 20  # the base model's alternatives kept per position
 WATERMARKED_BELOW: Final = 1e-6  # the production verdict (worldcup_core.verdict)
 ANCHOR_FPR: Final = 1e-3  # KGW's own operating point in the literature
 MODEL_DTYPES: Final = ("auto", "float32", "bfloat16")  # --dtype (worldcup_core.models)
+QUOTE_TOKENS: Final = 8  # a stretch this long shared with an answer quotes it
 
 
 @dataclass(frozen=True)
@@ -817,6 +818,48 @@ def answers_p(config: ForgeryConfig, query: int) -> bool:
     return config.full_answers <= 0 or query % DAY_QUERIES < config.full_answers
 
 
+def quoted_share(tokens: Sequence[int], source: Sequence[int], n: int = QUOTE_TOKENS) -> float:
+    """The share of ``tokens`` inside stretches of at least ``n`` tokens that also
+    occur in ``source`` (a spoof's quotes of one of the attacker's answers).
+
+    >>> quoted_share([1, 2, 3, 4, 9], [0, 1, 2, 3, 4], n=3)
+    0.8
+    >>> quoted_share([1, 2, 9, 3, 4], [1, 2, 3, 4], n=3)
+    0.0
+    """
+    if len(tokens) < n or len(source) < n:
+        return 0.0
+    grams = {tuple(source[i : i + n]) for i in range(len(source) - n + 1)}
+    covered = [False] * len(tokens)
+    for i in range(len(tokens) - n + 1):
+        if tuple(tokens[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(tokens)
+
+
+def name_sources(
+    texts: Sequence[dict[str, Any]], answers: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per text that names an entry (``tokens``, ``named``): whether the entry is one of
+    the attacker's own answers' (``own``) and, if so, the share of the text quoted from
+    that answer (:func:`quoted_share`). A name of an own entry whose answer the text
+    quotes is a true, partial attribution; a bystander's name is a frame."""
+    by_id = {a["message_id"]: a["tokens"] for a in answers if a.get("message_id") is not None}
+    out = []
+    for t in texts:
+        if t.get("named") is None:
+            continue
+        source = by_id.get(t["named"])
+        out.append(
+            {
+                "named": t["named"],
+                "own": source is not None,
+                "quoted": None if source is None else round(quoted_share(t["tokens"], source), 3),
+            }
+        )
+    return out
+
+
 def climb_spoofs(
     lm: Any,
     config: ForgeryConfig,
@@ -827,12 +870,14 @@ def climb_spoofs(
     judge: Judge,
     out: Path,
     show_progress: bool = True,
+    answers: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any] | None:
     """The p-value climber (``config.climb`` queries a prompt; the module docstring),
     resuming from ``climb-BUDGET.jsonl`` (one line a round: every prompt's text, its
     ``p`` and the queries spent). A prompt's climb stops once its text is accepted. Its
-    row, as :func:`measure_spoofs` counts, and per round how many texts are accepted
-    and named; None without a boosted variant or climb."""
+    row, as :func:`measure_spoofs` counts, per round how many texts are accepted and
+    named, and who the named ones are (``names``: :func:`name_sources` against
+    ``answers``); None without a boosted variant or climb."""
     from worldcup_eval.data import chat_prompt_ids
     from worldcup_eval.stealing import Spoofer, SpoofPlan
 
@@ -934,6 +979,7 @@ def climb_spoofs(
         "span": CLIMB_SPAN,
         "start": v.label,
         "row": row,
+        "names": name_sources(final, answers),
         "by_round": [
             {
                 "round": rd["round"],
@@ -1358,7 +1404,9 @@ def run_forgery(
         "spoofs": measure_spoofs(config, tenant, judge, spoofs, lm.tokenizer),
     }
     cpu.lap("judging")
-    climbed = climb_spoofs(lm, config, tenant, prompts, learned, spoofs, judge, out, show_progress)
+    climbed = climb_spoofs(
+        lm, config, tenant, prompts, learned, spoofs, judge, out, show_progress, answers
+    )
     if climbed is not None:
         summary["climb"] = climbed
         summary["spoofs"].append(climbed["row"])
@@ -1461,6 +1509,14 @@ def report(summary: dict[str, Any]) -> str:
             f"each redrawing {climb['span']} tokens; from {climb['start']}): texts accepted "
             f"{reached} queries.",
         ]
+        for n in climb.get("names", []):
+            whose = (
+                f"an entry of the attacker's own answers, {100 * n['quoted']:.0f} % of the "
+                "text quoted from that answer"
+                if n["own"]
+                else "an entry none of the attacker's answers carries (a bystander's)"
+            )
+            lines.append(f"Named entry {n['named']}: {whose}.")
     if summary.get("piggyback"):
         lines += [
             "",
