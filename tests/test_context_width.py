@@ -76,3 +76,50 @@ def test_texts_of_either_width_decode_after_the_width_moves(
         assert not r.json()["is_watermarked"]
         r = c.post("/detect", json={"text": old["text"]}, headers=auth)
         assert r.json()["is_watermarked"] and r.json()["key_version"] == 1
+
+
+def test_the_admin_lists_the_tenants_still_on_a_narrower_context(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SECURITY.md's advice for key versions of c = 2 is to rotate them: the operator
+    finds them with ``GET /admin/tenants?narrow_context=true`` (the current version
+    narrower than new ones get), and a rotation takes a tenant off that list. Every
+    version is listed with its width; no key's secret is."""
+    with fixed_watermark_keys(46):
+        settings = make_settings(tiny_model_dir, tmp_path, context_width=2)
+        with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+            old_a, _ = new_tenant(c, "old-a", scopes=())
+            old_b, _ = new_tenant(c, "old-b", scopes=())
+            r = c.get("/admin/tenants", params={"narrow_context": True}, headers=ADMIN)
+            assert r.status_code == 200 and r.json()["tenants"] == []  # 2 is the width here
+
+        settings = make_settings(tiny_model_dir, tmp_path, context_width=4)
+        with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+            new, _ = new_tenant(c, "new", scopes=())
+
+            def listed(**params: object) -> dict[str, dict[str, object]]:
+                r = c.get("/admin/tenants", params=params, headers=ADMIN)
+                assert r.status_code == 200, r.text
+                return {t["tenant_id"]: t for t in r.json()["tenants"]}
+
+            every = listed()
+            assert list(every) == [old_a, old_b, new]  # oldest first
+            assert [every[t]["narrow_context"] for t in every] == [True, True, False]
+            assert list(listed(narrow_context=True)) == [old_a, old_b]
+            r = c.post(f"/admin/tenants/{old_a}/rotate-key", headers=ADMIN)
+            assert r.status_code == 200
+            assert list(listed(narrow_context=True)) == [old_b]
+            rotated = listed()[old_a]
+            assert rotated["key_version"] == 2 and not rotated["narrow_context"]
+            versions = rotated["key_versions"]
+            assert [(v["version"], v["context_width"], v["current"]) for v in versions] == [
+                (1, 2, False),
+                (2, 4, True),
+            ]
+            assert all(set(v) == {"version", "created_at", "context_width", "scheme", "current"}
+                       for v in versions)  # fmt: skip
+            # the admin's: a tenant's key is refused, as is a malformed filter
+            r = c.get("/admin/tenants")
+            assert r.status_code == 401
+            r = c.get("/admin/tenants", params={"narrow_context": "maybe"}, headers=ADMIN)
+            assert r.status_code == 422 and "narrow_context" in r.text

@@ -59,6 +59,37 @@ class TenantOut(StrictModel):
     created_at: dt.datetime
 
 
+class KeyVersionOut(StrictModel):
+    version: int
+    created_at: dt.datetime
+    context_width: int = Field(
+        description="The tokens before each token that seed its watermark (c): 2 for key "
+        "versions issued before 2026-11-29, 4 since."
+    )
+    scheme: str
+    current: bool = Field(description="The version new texts are issued under (the newest).")
+
+
+class TenantKeys(StrictModel):
+    tenant_id: str
+    name: str
+    scopes: list[str]
+    created_at: dt.datetime
+    key_version: int = Field(description="The current key version.")
+    narrow_context: bool = Field(
+        description="The current key version's context is narrower than the one new key "
+        "versions get (WORLDCUP_CONTEXT_WIDTH): its texts teach a watermark-stealing client "
+        "more, so spoofs come easier (SECURITY.md, Forgery and framing). Rotating the key "
+        "(POST /admin/tenants/{id}/rotate-key) issues new texts at the current width; "
+        "texts of every version keep decoding."
+    )
+    key_versions: list[KeyVersionOut]
+
+
+class TenantList(StrictModel):
+    tenants: list[TenantKeys]
+
+
 class Rewrapped(StrictModel):
     rewrapped: int = Field(description="Keys re-encrypted under the current master key.")
     already_current: int

@@ -1,5 +1,5 @@
 """What the admin's registry routes do: the provenance audit log, one registry entry, a
-tenant's registry retention and the retention sweep.
+tenant's registry retention and the retention sweep; the tenants and their key versions.
 
 The routes in :mod:`app.api.routes.admin` parse, call these and answer; the store is
 read here, and an entry's metadata is returned only when it reads back exactly
@@ -12,10 +12,20 @@ import datetime as dt
 import time
 
 from app.core.errors import APIError
-from app.schemas.admin import AuditEntry, AuditLog, RegistryEntryOut, RetentionOut, SweepOut
+from app.schemas.admin import (
+    AuditEntry,
+    AuditLog,
+    KeyVersionOut,
+    RegistryEntryOut,
+    RetentionOut,
+    SweepOut,
+    TenantKeys,
+    TenantList,
+)
 from app.services.intake import readable_metadata
 from app.services.registry import sweep_registries
 from app.services.runtime import Runtime
+from app.stores.base import KeyRecord
 
 
 async def audit_log(runtime: Runtime, limit: int) -> AuditLog:
@@ -62,3 +72,48 @@ async def set_retention(runtime: Runtime, tenant_id: str, days: float | None) ->
 async def sweep(runtime: Runtime) -> SweepOut:
     """Run the registry retention sweep now."""
     return SweepOut(expired=await sweep_registries(runtime.store, time.time()))
+
+
+def _when(at: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(at, tz=dt.UTC)
+
+
+async def tenants(runtime: Runtime, narrow_only: bool) -> TenantList:
+    """Every tenant with its key versions, oldest tenant first; ``narrow_only``: only
+    those whose current key version has a narrower context than new ones get (the
+    tenants to rotate). Never a key's secret."""
+    width = runtime.tenants.defaults.context_width
+    records = await runtime.store.list_tenants()
+    versions: dict[str, list[KeyRecord]] = {}
+    for key in await runtime.store.all_key_versions():
+        versions.setdefault(key.tenant_id, []).append(key)
+    out = []
+    for t in records:
+        keys = sorted(versions.get(t.tenant_id, []), key=lambda k: k.version)
+        if not keys:  # a tenant being created: its key is written with it
+            continue
+        current = keys[-1]
+        narrow = current.context_width < width
+        if narrow_only and not narrow:
+            continue
+        out.append(
+            TenantKeys(
+                tenant_id=t.tenant_id,
+                name=t.name,
+                scopes=list(t.scopes),
+                created_at=_when(t.created_at),
+                key_version=current.version,
+                narrow_context=narrow,
+                key_versions=[
+                    KeyVersionOut(
+                        version=k.version,
+                        created_at=_when(k.created_at),
+                        context_width=k.context_width,
+                        scheme=k.scheme,
+                        current=k is current,
+                    )
+                    for k in keys
+                ],
+            )
+        )
+    return TenantList(tenants=out)

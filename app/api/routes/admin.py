@@ -21,6 +21,7 @@ from app.schemas.admin import (
     SetScopes,
     SweepOut,
     TenantCreated,
+    TenantList,
     TenantOut,
 )
 from app.schemas.common import ERROR_RESPONSES
@@ -43,6 +44,22 @@ async def create_tenant(body: CreateTenant, runtime: RuntimeDep, _: AdminDep) ->
     return TenantCreated(
         tenant_id=tenant_id, name=body.name, api_key=api_key, key_version=1, scopes=list(scopes)
     )
+
+
+@router.get("/tenants", response_model=TenantList, responses=ERROR_RESPONSES)
+async def list_tenants(
+    runtime: RuntimeDep,
+    _: AdminDep,
+    narrow_context: Annotated[
+        bool,
+        Query(
+            description="Only the tenants whose current key version has a narrower context "
+            "than new key versions get: the ones to rotate (SECURITY.md, Forgery and framing)."
+        ),
+    ] = False,
+) -> TenantList:
+    """The tenants and their key versions (never a key's secret)."""
+    return await admin.tenants(runtime, narrow_context)
 
 
 @router.put("/tenants/{tenant_id}/scopes", response_model=TenantOut, responses=ERROR_RESPONSES)
