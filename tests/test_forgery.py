@@ -42,6 +42,7 @@ from worldcup_eval.forgery import (
     collect_answers,
     human_chunks,
     judge_weights,
+    learn_from,
     load_prompts,
     main,
     negate,
@@ -49,6 +50,7 @@ from worldcup_eval.forgery import (
     run_forgery,
     spoof_set,
     variants,
+    with_base,
     within_budget,
 )
 from worldcup_eval.stealing import LearnerConfig, Spoofer, SpoofPlan, SpoofSequence, learn
@@ -315,7 +317,18 @@ def test_answers_resume_where_they_stopped(
     indices = [a["index"] for a in stored]
     assert len(indices) == len(set(indices))  # no answer generated twice
     assert [a["index"] for a in more[: len(first)]] == [a["index"] for a in first]
-    assert within_budget(stored, 300) == within_budget(first, 300)
+    bare = [{k: v for k, v in a.items() if k != "base"} for a in stored]
+    assert within_budget(bare, 300) == within_budget(first, 300)
+    # what comes back leaves the base log-probs in the file; the learner streams them
+    assert all("base" not in a for a in more) and all("base" in a for a in stored)
+    streamed = list(with_base(tmp_path, first))
+    assert streamed == within_budget(stored, 300)
+    assert (
+        learn_from(with_base(tmp_path, first), config).summary()
+        == learn_from(within_budget(stored, 300), config).summary()
+    )
+    with pytest.raises(ValueError, match="answer 999"):
+        list(with_base(tmp_path, [*first, {"index": 999}]))
     # each answer carries its registry entry's payload, as /generate returns it
     codec = tenant.codec()
     for a in more:

@@ -96,6 +96,7 @@ STEERED: Final = "steered to common contexts"  # the adaptive spoofer's variant
 # answers' payloads and the decoded bits of any text, so a victim's payload leaked too)
 EXPOSURES: Final = ("analysts", "all")
 ANSWERS: Final = "answers.jsonl"
+BASE: Final = "base"  # an answer's field: the plain model's top log-probs at each token
 SPOOFS: Final = "spoofs-{budget}.jsonl"  # per budget: the spoofer learned from that many
 EDITS: Final = "piggyback-{budget}.jsonl"
 CLIMB: Final = "climb-{budget}.jsonl"  # per budget: the p-value climber's rounds
@@ -351,21 +352,26 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- storage
 
 
-def read_jsonl(path: Path, fields: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Rows of a results file; a line cut short by a kill is dropped (it is redone).
-    ``fields``: keep only these keys of each row, one line at a time (an answer's base
-    log-probs are about 0.6 MB of Python objects: 7 GB at 2e6 tokens)."""
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Rows of a results file, one at a time; a line cut short by a kill is dropped (it
+    is redone)."""
     if not path.is_file():
-        return []
-    rows = []
+        return
     with path.open(encoding="utf-8") as fh:
         for line in fh:
             try:
-                row = json.loads(line)
+                yield json.loads(line)
             except json.JSONDecodeError:
                 continue
-            rows.append(row if fields is None else {f: row[f] for f in fields})
-    return rows
+
+
+def read_jsonl(path: Path, drop: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Rows of a results file (:func:`iter_jsonl`); ``drop``: leave these keys out, one
+    line at a time (an answer's base log-probs are about 0.6 MB of Python objects: 7 GB
+    at 2e6 tokens)."""
+    if not drop:
+        return list(iter_jsonl(path))
+    return [{k: v for k, v in row.items() if k not in drop} for row in iter_jsonl(path)]
 
 
 def append_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -540,7 +546,7 @@ def collect_answers(
             index += 1
 
     def on_done(job: Job, tokens: list[int], base: list[list[Any]]) -> None:
-        append_jsonl(path, [{**job.meta, "tokens": tokens, "base": base}])
+        append_jsonl(path, [{**job.meta, "tokens": tokens, BASE: base}])
         state["spent"] += len(tokens)
 
     if spent < config.budget_tokens:
@@ -554,7 +560,24 @@ def collect_answers(
             progress=bar,
         )
         _close(bar)
-    return within_budget(read_jsonl(path), config.budget_tokens)
+    return within_budget(read_jsonl(path, drop=(BASE,)), config.budget_tokens)
+
+
+def with_base(out: Path, answers: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``answers`` (as :func:`collect_answers` returns them, without their base
+    log-probs) read again from ``out`` with them, one at a time, in the order given:
+    the learner needs them once, and holding them all took about 20 GB at 2e6 tokens."""
+    rows: dict[int, dict[str, Any]] = {}
+    wanted = [int(a["index"]) for a in answers]
+    keep = set(wanted)
+    lines = (r for r in iter_jsonl(out / ANSWERS) if int(r["index"]) in keep)
+    for index in wanted:  # the file is in finishing order, which is nearly the index order
+        while index not in rows:
+            row = next(lines, None)
+            if row is None:
+                raise ValueError(f"answer {index} is not in {out / ANSWERS}")
+            rows[int(row["index"])] = row
+        yield rows.pop(index)
 
 
 def _until(jobs: Iterator[Job], spent: Callable[[], bool]) -> Iterator[Job]:
@@ -660,15 +683,16 @@ def _close(bar: Callable[[int], None] | None) -> None:
 # ----------------------------------------------------------------------------- learning
 
 
-def learn_from(answers: Sequence[dict[str, Any]], config: ForgeryConfig) -> Any:
-    """The attacker's stealing counts over its answers (:func:`worldcup_eval.stealing.learn`).
-    Payloads are used where they vary (``per-request``, or several fixed accounts)."""
+def learn_from(answers: Iterable[dict[str, Any]], config: ForgeryConfig) -> Any:
+    """The attacker's stealing counts over its answers with their base log-probs
+    (:func:`worldcup_eval.stealing.learn`; :func:`with_base` streams them). Payloads are
+    used where they vary (``per-request``, or several fixed accounts)."""
     from worldcup_eval.stealing import LearnerConfig, learn
 
     width = 1 if config.scenario == "kgw" else config.width
     vary = config.knows_payloads
     # the attacker's labels: what it chose, which a sealed entry does not carry
-    rows = ((a["tokens"], a["base"], a.get("label", a["bits"]) if vary else None) for a in answers)
+    rows = ((a["tokens"], a[BASE], a.get("label", a["bits"]) if vary else None) for a in answers)
     return learn(rows, LearnerConfig(width=width, top_p=config.top_p))
 
 
@@ -1382,7 +1406,7 @@ def run_forgery(
     prompts = load_prompts(data_dir or default_data_dir(), config.spoof_prompts, config.spoof_from)
     answers = collect_answers(lm, config, tenant, prompts, out, show_progress)
     cpu.lap("answers")
-    learned = learn_from(answers, config)
+    learned = learn_from(with_base(out, answers), config)
     cpu.lap("learning")
     spoofs = generate_spoofs(lm, config, tenant, prompts, learned, out, show_progress)
     cpu.lap("spoofs")

@@ -28,6 +28,11 @@ from app.services.runtime import Runtime
 from app.stores.base import KeyRecord
 
 
+def _when(at: float) -> dt.datetime:
+    """A store's epoch seconds as an aware UTC datetime (how every admin answer shows time)."""
+    return dt.datetime.fromtimestamp(at, tz=dt.UTC)
+
+
 async def audit_log(runtime: Runtime, limit: int) -> AuditLog:
     """Provenance queries, newest first: who asked, when, and what was found."""
     records = await runtime.store.audit_log(limit)
@@ -35,7 +40,7 @@ async def audit_log(runtime: Runtime, limit: int) -> AuditLog:
         entries=[
             AuditEntry(
                 id=r.id,
-                at=dt.datetime.fromtimestamp(r.at, tz=dt.UTC),
+                at=_when(r.at),
                 actor=r.actor,
                 action=r.action,
                 request_id=r.request_id,
@@ -57,7 +62,7 @@ async def registry_entry(runtime: Runtime, tenant_id: str, message_id: int) -> R
         key_version=entry.key_version,
         num_bits=entry.num_bits,
         metadata=readable_metadata(entry.metadata, entry.message_id),
-        issued_at=dt.datetime.fromtimestamp(entry.issued_at, tz=dt.UTC),
+        issued_at=_when(entry.issued_at),
     )
 
 
@@ -72,10 +77,6 @@ async def set_retention(runtime: Runtime, tenant_id: str, days: float | None) ->
 async def sweep(runtime: Runtime) -> SweepOut:
     """Run the registry retention sweep now."""
     return SweepOut(expired=await sweep_registries(runtime.store, time.time()))
-
-
-def _when(at: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(at, tz=dt.UTC)
 
 
 async def tenants(runtime: Runtime, narrow_only: bool) -> TenantList:
