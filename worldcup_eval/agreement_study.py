@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from worldcup_eval.forgery import (
+    BASE,
     ForgeryConfig,
     Judge,
     Tenant,
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     config = ForgeryConfig("per-request", args.budget_tokens, judge="model", context_width=width)
     tenant = Tenant(config)
-    answers = [] if args.run is None else read_jsonl(args.run / "answers.jsonl")
+    answers = [] if args.run is None else read_jsonl(args.run / "answers.jsonl", drop=(BASE,))
     registry = tenant.registry_ids(within_budget(answers, args.budget_tokens))
     judges = {
         "model": Judge(config, tenant, lm.tokenizer, registry, judge_weights(lm, config)),
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     sets: dict[str, list[list[int]]] = {}
     if args.genuine is not None:
         cut = args.tokens
-        sets["genuine"] = [a["tokens"][:cut] for a in read_jsonl(args.genuine / "answers.jsonl")]
+        sets["genuine"] = [
+            a["tokens"][:cut] for a in read_jsonl(args.genuine / "answers.jsonl", drop=(BASE,))
+        ]
     if args.run is not None:
         spoofs = read_jsonl(args.run / f"spoofs-{args.budget_tokens}.jsonl")
         spoofs += read_jsonl(args.run / "extra-spoofs.jsonl")

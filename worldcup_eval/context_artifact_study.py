@@ -43,6 +43,7 @@ import numpy as np
 
 from worldcup_core.context_sketch import D_ABOVE, R_BELOW, Split, split_evidence, spoof_artifact
 from worldcup_eval.forgery import (
+    BASE,
     Tenant,
     fmt_rate,
     read_jsonl,
@@ -120,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
     answers = [
         retokenized(a["tokens"])
-        for a in within_budget(read_jsonl(args.run / "answers.jsonl"), args.budget_tokens)
+        for a in within_budget(
+            read_jsonl(args.run / "answers.jsonl", drop=(BASE,)), args.budget_tokens
+        )
     ]
     counts = context_counts(contexts(a) for a in answers)
     study = json.loads(args.verdicts.read_text())
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         label = labels.get(f"genuine, {folder.name}")
         if label is None:
             ap.error(f"--genuine {folder}: not a set of --verdicts (its folder name names it)")
-        rows = read_jsonl(folder / "answers.jsonl")
+        rows = read_jsonl(folder / "answers.jsonl", drop=(BASE,))
         sets[label] = ([retokenized(a["tokens"]) for a in rows], False)
     prompt_of: dict[str, list[str]] = {}  # each spoof's prompt (best-of-n per prompt)
     for row in read_jsonl(spoof_path):

@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{args.answers}: no such file")
     if args.held_out < 1 or min(args.widths) < 1 or min(args.min_count) < 1:
         ap.error("--held-out, --widths and --min-count must be at least 1")
-    from worldcup_eval.forgery import read_jsonl
+    from worldcup_eval.forgery import iter_jsonl
 
-    tokens = [[int(t) for t in r["tokens"]] for r in read_jsonl(args.answers, ("tokens",))]
+    tokens = [[int(t) for t in r["tokens"]] for r in iter_jsonl(args.answers)]
     if len(tokens) <= args.held_out:
         ap.error(f"{args.answers}: {len(tokens)} answers, not more than --held-out {args.held_out}")
     train, held = tokens[: -args.held_out], tokens[-args.held_out :]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from worldcup_core.detector_model import entry_units, sign_upper_log_sf
-from worldcup_eval.forgery import ForgeryConfig, Tenant, clopper_pearson, read_jsonl
+from worldcup_eval.forgery import BASE, ForgeryConfig, Tenant, clopper_pearson, read_jsonl
 
 LEVEL = math.log(1e-6)
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from worldcup_core.models import load_model
 
     torch.set_num_threads(args.threads)
-    answers = read_jsonl(args.genuine / "answers.jsonl")
+    answers = read_jsonl(args.genuine / "answers.jsonl", drop=(BASE,))
     config = ForgeryConfig("per-request", 1)
     scheme = Tenant(config).worldcup()
     lm = load_model(None)

@@ -39,6 +39,7 @@ import numpy as np
 
 from worldcup_eval.fluency import fluency_z, surprisal_from_logits
 from worldcup_eval.forgery import (
+    BASE,
     MODEL_DTYPES,
     Judge,
     Tenant,
@@ -216,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             collect_answers(lm, sampling, Tenant(sampling), prompts, folder, show_progress=True)
         if args.collect_only:
             return 0
-    answers = within_budget(read_jsonl(args.run / "answers.jsonl"), args.budget_tokens)
+    answers = within_budget(
+        read_jsonl(args.run / "answers.jsonl", drop=(BASE,)), args.budget_tokens
+    )
     registry = tenant.registry_ids(answers)
     uses = None if args.unweighted_clients else tenant.client_uses(answers)
     judge = Judge(config, tenant, lm.tokenizer, registry, judge_weights(lm, config), uses)
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         if how.is_file():
             got = json.loads(how.read_text())
             label += " (" + ", ".join(f"{k} {got[k]:g}" for k in SAMPLING_FIELDS) + ")"
-        sets[label] = [a["tokens"] for a in read_jsonl(folder / "answers.jsonl")]
+        sets[label] = [a["tokens"] for a in read_jsonl(folder / "answers.jsonl", drop=(BASE,))]
     for row in read_jsonl(spoof_path):  # key: aim/delta/prompt/draw
         sets.setdefault(spoof_set(row["key"]), []).append(row["tokens"])
 

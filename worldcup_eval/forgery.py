@@ -365,7 +365,7 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 continue
 
 
-def read_jsonl(path: Path, drop: Sequence[str] = ()) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, *, drop: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Rows of a results file (:func:`iter_jsonl`); ``drop``: leave these keys out, one
     line at a time (an answer's base log-probs are about 0.6 MB of Python objects: 7 GB
     at 2e6 tokens)."""

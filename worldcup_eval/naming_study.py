@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from worldcup_eval.forgery import (
+    BASE,
     MODEL_DTYPES,
     Judge,
     Tenant,
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--genuine {args.genuine}: no answers.jsonl (fluency_study --collect)")
     if any(not 0 < x <= 1 for x in args.lines) or args.registry < 1:
         ap.error("--lines must be in (0, 1] and --registry >= 1")
-    answers = read_jsonl(args.genuine / "answers.jsonl")
+    answers = read_jsonl(args.genuine / "answers.jsonl", drop=(BASE,))
     if not answers or any(a.get("message_id") is None for a in answers):
         ap.error(f"--genuine {args.genuine}: no answers, or answers without a registry entry")
     issued = [int(a["message_id"]) for a in answers]
