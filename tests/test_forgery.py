@@ -32,12 +32,15 @@ from worldcup_core.models import LoadedModel, load_tokenizer, tiny_random_model
 from worldcup_core.prf import SENTINEL, WatermarkKey, context_at
 from worldcup_eval.forgery import (
     ANSWERS,
+    BASE,
     CLIMB,
     CLIMB_LIMITED,
     ForgeryConfig,
     Judge,
     Tenant,
+    answers_config,
     answers_p,
+    base_rescorer,
     clopper_pearson,
     collect_answers,
     human_chunks,
@@ -46,9 +49,11 @@ from worldcup_eval.forgery import (
     load_prompts,
     main,
     negate,
+    pack_answers,
     read_jsonl,
     run_forgery,
     spoof_set,
+    unpack_answers,
     variants,
     with_base,
     within_budget,
@@ -75,8 +80,10 @@ class _Words(torch.nn.Module):
         self.register_buffer("mask", mask)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # only the last position's logits are sampled from (no prompt logprobs here)
-        out = self.inner(*args, **kwargs, logits_to_keep=1)
+        # only the last position's logits are sampled from (no prompt logprobs here); a
+        # teacher-forced pass (forgery.base_rescorer) asks for more
+        kwargs.setdefault("logits_to_keep", 1)
+        out = self.inner(*args, **kwargs)
         out.logits = out.logits + self.mask
         return out
 
@@ -334,6 +341,66 @@ def test_answers_resume_where_they_stopped(
     for a in more:
         assert a["message_id"] == config.bystanders + a["index"] + 1
         assert a["bits"] == codec.payload(a["message_id"]).bits
+
+
+def test_a_collection_packs_and_goes_on_elsewhere(
+    word_lm: LoadedModel, data_dir: Path, tmp_path: Path
+) -> None:
+    """A long collection carried to another session: the pack holds the answers without
+    their base log-probs; unpacked into a new folder, the run goes on from there, and the
+    learner gets the packed answers' log-probs from a teacher-forced pass that agrees
+    with what the generation recorded. Other answer settings are refused."""
+    config = _small("per-request", budget_tokens=300, batch_size=4)
+    prompts = load_prompts(data_dir, config.spoof_prompts)
+    tenant = Tenant(config)
+    first = tmp_path / "first"
+    first.mkdir()
+    got = collect_answers(word_lm, config, tenant, prompts, first, False)
+    pack = tmp_path / "answers.jsonl.gz"
+    header = pack_answers(first, pack)
+    assert header["answers"] == len(read_jsonl(first / ANSWERS)) >= len(got)
+    assert header["answers_config"] == answers_config(config)
+
+    second = tmp_path / "second"
+    unpack_answers(pack, second, config)
+    moved = read_jsonl(second / ANSWERS)
+    stored = sorted(read_jsonl(first / ANSWERS), key=lambda a: a["index"])
+    assert [{k: v for k, v in a.items() if k != BASE} for a in stored] == moved
+    with pytest.raises(ValueError, match="no base log-probs"):
+        list(with_base(second, got))
+    rescored = list(with_base(second, got, base_rescorer(word_lm, prompts)))
+    recorded = list(with_base(first, got))
+    for new, old in zip(rescored, recorded, strict=True):
+        assert len(new[BASE]) == len(old[BASE]) == len(old["tokens"])
+        for (lp_new, top_new), (lp_old, top_old) in zip(new[BASE], old[BASE], strict=True):
+            assert lp_new == pytest.approx(lp_old, abs=2e-3)
+            old_top = dict(map(tuple, top_old))
+            for token, value in top_new:
+                # ties in the 64-word world may order the 20th place differently
+                if token in old_top:
+                    assert value == pytest.approx(old_top[token], abs=2e-3)
+            assert len(set(old_top) & {t for t, _ in top_new}) >= 18
+    assert learn_from(iter(rescored), config).summary() == learn_from(recorded, config).summary()
+
+    # the run goes on from the pack: the answers not yet collected, and no other
+    bigger = replace(config, budget_tokens=600)
+    more = collect_answers(word_lm, bigger, Tenant(bigger), prompts, second, False)
+    indices = [a["index"] for a in read_jsonl(second / ANSWERS)]
+    assert len(indices) == len(set(indices))
+    assert sum(len(a["tokens"]) for a in more) >= 600
+    assert {a["index"] for a in moved} <= {a["index"] for a in more}
+
+    # other answer settings: refused before anything is written
+    with pytest.raises(ValueError, match="top_p 0.95 \\(now 0.9\\)"):
+        unpack_answers(pack, tmp_path / "third", replace(config, top_p=0.9))
+    assert not (tmp_path / "third").exists()
+    with pytest.raises(ValueError, match="seed 0 \\(now 1\\)"):
+        collect_answers(word_lm, replace(config, seed=1), tenant, prompts, second, False)
+    with pytest.raises(ValueError, match="already holds answers"):
+        unpack_answers(pack, second, config)
+    (tmp_path / "cut.gz").write_bytes(pack.read_bytes()[:200])
+    with pytest.raises(ValueError, match="not a readable pack|cut short"):
+        unpack_answers(tmp_path / "cut.gz", tmp_path / "fourth", config)
 
 
 def test_a_sealed_fixed_payload_teaches_no_labels(
